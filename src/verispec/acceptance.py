@@ -1,0 +1,144 @@
+"""Pure acceptance rules: how many draft tokens the target accepts, and which token follows.
+
+Each rule sees one verification step: the draft tokens d_1..d_k, the target's logits or
+probabilities p_1..p_{k+1} at the k+1 verified positions (p_i is the target's distribution for
+the token that d_i proposes; p_{k+1} follows the whole draft) and, for model drafters, the draft
+distributions q_1..q_k the tokens were drawn from. It returns a `Verdict`: n accepted drafts and
+the next token, taken from the target at position n+1. Rules never touch models or caches.
+
+- `greedy_match`: temperature 0; accept while d_i == argmax p_i. Lossless (exact ids).
+- `sampled_match`: deterministic drafts (q = None) under sampling; at each position draw x ~ p_i
+  and accept while x == d_i. This is speculative sampling with a one-hot q, and it draws exactly
+  one sample per committed token, in order, as autoregressive sampling does. Lossless.
+- `speculative_sample`: model drafts with q (Leviathan et al. 2023; Chen et al. 2023): accept d_i
+  with probability min(1, p_i(d_i) / q_i(d_i)); on rejection sample from norm(max(p_i - q_i, 0)).
+  Lossless in distribution.
+- `joint_likelihood`: MTAD's rule (Qin et al., ICLR 2025); accept the longest prefix L whose
+  sum_{j<=L} log p_j(d_j) - log q_j(d_j) exceeds log tau, then sample from p_{L+1}. Not lossless.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .drafters.base import Draft
+from .sampling import SamplingConfig, probabilities, sample
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """Outcome of one verification: `n_accepted` drafts kept, then `next_token` from the target."""
+
+    n_accepted: int
+    next_token: int
+
+
+def _check_step(draft: torch.Tensor, target: torch.Tensor) -> int:
+    assert draft.dim() == 1, f"draft must be [k], got {tuple(draft.shape)}"
+    assert target.dim() == 2, f"target must be [k+1, vocab], got {tuple(target.shape)}"
+    k = draft.shape[0]
+    assert target.shape[0] == k + 1, f"target has {target.shape[0]} rows for a draft of {k}"
+    return k
+
+
+def greedy_match(draft: torch.Tensor, logits: torch.Tensor) -> Verdict:
+    """draft: [k] ids; logits: [k+1, vocab]. Accept while the draft equals the target's argmax."""
+    k = _check_step(draft, logits)
+    choices = logits.argmax(dim=-1)  # [k+1]
+    n = _leading_true((choices[:k] == draft).tolist())
+    return Verdict(n, int(choices[n]))
+
+
+def sampled_match(draft: torch.Tensor, probs: torch.Tensor, generator: torch.Generator) -> Verdict:
+    """draft: [k] ids; probs: [k+1, vocab] target probabilities. One draw per committed token."""
+    k = _check_step(draft, probs)
+    draft_ids = draft.tolist()
+    for i in range(k + 1):
+        token = sample(probs[i], generator)
+        if i == k or token != draft_ids[i]:
+            return Verdict(i, token)
+    raise AssertionError("unreachable")
+
+
+def acceptance_mass(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """Probability that speculative sampling accepts: sum min(p, q) over the last dim. [..]"""
+    return torch.minimum(p, q).sum(-1)
+
+
+def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """norm(max(p - q, 0)): what speculative sampling draws from after a rejection. [.., vocab]
+
+    Where p == q (nothing left), returns p itself: a rejection is then impossible, and p keeps
+    the function total.
+    """
+    residual = torch.clamp(p - q, min=0.0)
+    total = residual.sum(-1, keepdim=True)
+    return torch.where(total > 0, residual / total.clamp_min(1e-30), p)
+
+
+def speculative_sample(
+    draft: torch.Tensor, q: torch.Tensor, p: torch.Tensor, generator: torch.Generator
+) -> Verdict:
+    """draft: [k]; q: [k, vocab] draft probabilities; p: [k+1, vocab] target probabilities."""
+    k = _check_step(draft, p)
+    assert q.shape == (k, p.shape[1]), f"q must be [{k}, {p.shape[1]}], got {tuple(q.shape)}"
+    if k:
+        rows = torch.arange(k)
+        p_draft = p[rows, draft]  # [k]
+        q_draft = q[rows, draft]  # [k]
+        uniforms = torch.rand(k, generator=generator, dtype=torch.float64)  # [k]
+        # u < p/q, written without dividing so q == 0 (impossible for a sampled draft) is safe.
+        accepted = (uniforms * q_draft.double() < p_draft.double()).tolist()
+        n = _leading_true(accepted)
+        if n < k:
+            return Verdict(n, sample(residual_distribution(p[n], q[n]), generator))
+    return Verdict(k, sample(p[k], generator))
+
+
+def joint_likelihood(
+    draft: torch.Tensor,
+    q: torch.Tensor,
+    p: torch.Tensor,
+    tau: float,
+    generator: torch.Generator,
+) -> Verdict:
+    """MTAD verification. draft: [k]; q: [k] draft probabilities of the drafted tokens along
+    their own path; p: [k+1, vocab] target probabilities. Accept the largest L in 0..k with
+    sum_{j<=L} (log p_j - log q_j) > log tau (L = 0 always passes), then sample from p_{L+1}."""
+    k = _check_step(draft, p)
+    assert q.shape == (k,), f"q must hold the [k] draft-token probabilities, got {tuple(q.shape)}"
+    assert tau > 0, "tau must be > 0"
+    n = 0
+    if k:
+        rows = torch.arange(k)
+        log_ratio = torch.log(p[rows, draft].double()) - torch.log(q.double())  # [k]
+        passing = (torch.cumsum(log_ratio, 0) > math.log(tau)).nonzero()
+        n = int(passing[-1]) + 1 if passing.numel() else 0
+    return Verdict(n, sample(p[n], generator))
+
+
+def verify_lossless(
+    draft: Draft, logits: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator
+) -> Verdict:
+    """The lossless rule for any draft. logits: [k+1, vocab] target logits.
+
+    Greedy decoding compares argmaxes; under sampling, deterministic drafts use `sampled_match`
+    and drafts with q use `speculative_sample`, both on the target's warped distribution.
+    """
+    if sampling.greedy:
+        return greedy_match(draft.tokens, logits)
+    p = probabilities(logits, sampling)  # [k+1, vocab]
+    if draft.q is None:
+        return sampled_match(draft.tokens, p, generator)
+    return speculative_sample(draft.tokens, draft.q, p, generator)
+
+
+def _leading_true(flags: list[bool]) -> int:
+    """Number of leading True values."""
+    for i, flag in enumerate(flags):
+        if not flag:
+            return i
+    return len(flags)

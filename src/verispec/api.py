@@ -1,0 +1,119 @@
+"""The text-level library API: `generate` and `stream` over any method.
+
+Composes `methods` (which recipe), `engine` (the loop) and `text` (prompt encoding, incremental
+detokenization, stop strings). The CLI, benchmark and server call these functions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterator, Sequence
+
+from .engine import DecodeConfig, decode
+from .errors import ConfigError
+from .methods import MethodOptions, build, get_method
+from .model import Target
+from .sampling import SamplingConfig
+from .stats import GenerationStats
+from .text import TextAssembler, encode_prompt
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    token_ids: list[int]
+    prompt_ids: list[int]
+    stats: GenerationStats
+
+    def to_dict(self) -> dict:
+        return {"text": self.text, "token_ids": self.token_ids, "stats": self.stats.to_dict()}
+
+
+@dataclass(frozen=True)
+class Request:
+    """One generation request, validated on construction."""
+
+    prompt_ids: tuple[int, ...]
+    method: str = "anpd"
+    max_new_tokens: int = 128
+    sampling: SamplingConfig = SamplingConfig()
+    stop: tuple[str, ...] = ()
+    options: MethodOptions = field(default_factory=MethodOptions)
+
+    def __post_init__(self) -> None:
+        get_method(self.method)  # raises for an unknown name
+        if not self.prompt_ids:
+            raise ConfigError("the prompt is empty")
+        DecodeConfig(self.max_new_tokens, self.sampling)  # validates the budget
+
+
+class TextStream:
+    """Iterate to receive text as it becomes final; `result` is set once iteration ends."""
+
+    def __init__(self, target: Target, request: Request):
+        self.target = target
+        self.request = request
+        self.stats = GenerationStats(method=request.method)
+        self.result: GenerationResult | None = None
+        self._assembler = TextAssembler(target.tokenizer, request.stop)
+        config = DecodeConfig(request.max_new_tokens, request.sampling, target.eos_token_ids)
+        recipe = build(request.method, target, request.options)
+        self._steps = decode(target, recipe, list(request.prompt_ids), config, self.stats)
+
+    def __iter__(self) -> Iterator[str]:
+        try:
+            for committed in self._steps:
+                delta = self._assembler.push(committed)
+                if delta:
+                    yield delta
+                if self._assembler.stopped:
+                    self.stats.stop_reason = "stop"
+                    break
+            tail = self._assembler.finish()
+            if tail:
+                yield tail
+        finally:
+            self._steps.close()
+            self.stats.new_tokens = min(self.stats.new_tokens, len(self._assembler.ids))
+            self.result = GenerationResult(
+                self._assembler.text, list(self._assembler.ids), list(self.request.prompt_ids), self.stats
+            )
+
+
+def make_request(
+    target: Target,
+    prompt: str | Sequence[int],
+    method: str = "anpd",
+    *,
+    max_new_tokens: int = 128,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    seed: int | None = None,
+    stop: Sequence[str] = (),
+    prompt_format: str = "raw",
+    options: MethodOptions | None = None,
+) -> Request:
+    """Validate the arguments of `generate`/`stream` and encode the prompt."""
+    sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+    if isinstance(prompt, str):
+        ids = encode_prompt(target.tokenizer, prompt, prompt_format)
+    else:
+        ids = [int(i) for i in prompt]
+    if isinstance(stop, str):
+        stop = (stop,)
+    return Request(tuple(ids), method, max_new_tokens, sampling, tuple(stop), options or MethodOptions())
+
+
+def stream(target: Target, prompt: str | Sequence[int], method: str = "anpd", **kwargs) -> TextStream:
+    """Generate, yielding text as it is committed; see `make_request` for the arguments."""
+    return TextStream(target, make_request(target, prompt, method, **kwargs))
+
+
+def generate(target: Target, prompt: str | Sequence[int], method: str = "anpd", **kwargs) -> GenerationResult:
+    """Generate and return the whole result; see `make_request` for the arguments."""
+    text_stream = stream(target, prompt, method, **kwargs)
+    for _ in text_stream:
+        pass
+    assert text_stream.result is not None
+    return text_stream.result

@@ -1,0 +1,179 @@
+"""Drafting from the context itself: ANPD's multi-level n-gram tables and prompt lookup.
+
+ANPD (Ou et al., NAACL 2024 industry track) keeps, for every n in min_n..max_n, a table from the
+last n-1 tokens to the token that followed them, built from the prompt and updated online with
+every committed token. A draft is made by repeated look-up: query the table of the largest n whose
+key matches the end of the context, append the prediction, and query again, falling back level by
+level down to n = min_n; the draft ends at the first miss or after k tokens.
+
+Which continuation wins when a key was followed by several tokens: the most frequent one; ties go
+to the most recently seen (an observation that reaches the best count takes the lead).
+
+Cost and memory: an update touches one key per level and a look-up at most one per level, so both
+are O(max_n) = O(1) per token. Memory is bounded two ways: each level keeps at most `max_keys`
+keys, evicting the least recently updated (an LRU over writes), and each key keeps at most
+`max_candidates` continuation counts, evicting the least frequent non-leading one. The drafter
+holds only the last max_n - 1 tokens of the context, not the context.
+
+Prompt lookup (`prompt_lookup`, the `pld` baseline) has transformers' semantics: for n from
+max_ngram down to 1, find the earliest earlier occurrence of the trailing n-gram and copy what
+followed it. It rescans the context on every call (O(context) per step), as the original does.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from ..errors import ConfigError
+from .base import Draft
+
+
+@dataclass
+class _Continuations:
+    """Counts of the tokens that followed one key, and the current winner."""
+
+    counts: dict[int, int]
+    best: int
+    best_count: int
+
+
+class NgramTables:
+    """Multi-level n-gram continuation tables (pure: no torch, no model)."""
+
+    def __init__(self, max_n: int = 5, min_n: int = 2, max_keys: int = 1 << 16, max_candidates: int = 8):
+        if not (2 <= min_n <= max_n):
+            raise ConfigError(f"n-gram orders need 2 <= min_n <= max_n, got min_n={min_n}, max_n={max_n}")
+        if max_keys < 1 or max_candidates < 1:
+            raise ConfigError("max_keys and max_candidates must be >= 1")
+        self.max_n, self.min_n = max_n, min_n
+        self.max_keys, self.max_candidates = max_keys, max_candidates
+        # level n maps a key of n-1 tokens to its continuations; insertion order = LRU order.
+        self._levels: dict[int, OrderedDict[tuple[int, ...], _Continuations]] = {
+            n: OrderedDict() for n in range(max_n, min_n - 1, -1)
+        }
+        self._tail: deque[int] = deque(maxlen=max_n - 1)
+
+    def __len__(self) -> int:
+        """Total number of keys over all levels."""
+        return sum(len(level) for level in self._levels.values())
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        """Index each token as the continuation of the n-1 tokens before it, for every level."""
+        for token in tokens:
+            tail = tuple(self._tail)
+            for n, level in self._levels.items():
+                if len(tail) >= n - 1:
+                    self._observe(level, tail[len(tail) - (n - 1) :], int(token))
+            self._tail.append(int(token))
+
+    def _observe(self, level: OrderedDict, key: tuple[int, ...], token: int) -> None:
+        entry = level.get(key)
+        if entry is None:
+            level[key] = _Continuations({token: 1}, token, 1)
+            if len(level) > self.max_keys:
+                level.popitem(last=False)
+            return
+        level.move_to_end(key)
+        counts = entry.counts
+        if token not in counts and len(counts) >= self.max_candidates:
+            weakest = min((t for t in counts if t != entry.best), key=counts.__getitem__)
+            del counts[weakest]
+        counts[token] = counts.get(token, 0) + 1
+        if counts[token] >= entry.best_count:  # ties go to the most recent observation
+            entry.best, entry.best_count = token, counts[token]
+
+    def lookup(self, tail: Sequence[int]) -> int | None:
+        """The predicted next token after `tail`, from the largest n that matches, or None."""
+        for n, level in self._levels.items():
+            if len(tail) >= n - 1:
+                entry = level.get(tuple(tail[len(tail) - (n - 1) :]))
+                if entry is not None:
+                    return entry.best
+        return None
+
+    def draft(self, k: int) -> list[int]:
+        """Up to k tokens by repeated look-up, starting from the indexed context's end."""
+        tail = list(self._tail)
+        drafted: list[int] = []
+        while len(drafted) < k:
+            token = self.lookup(tail)
+            if token is None:
+                break
+            drafted.append(token)
+            tail.append(token)
+            del tail[0 : max(0, len(tail) - (self.max_n - 1))]
+        return drafted
+
+
+@dataclass(frozen=True)
+class NgramConfig:
+    """ANPD drafter options: n-gram orders and the memory bounds of the tables."""
+
+    max_n: int = 5
+    min_n: int = 2
+    max_keys: int = 1 << 16
+    max_candidates: int = 8
+
+    def __post_init__(self) -> None:
+        NgramTables(self.max_n, self.min_n, self.max_keys, self.max_candidates)  # validates
+
+
+class AnpdDrafter:
+    """ANPD: drafts from n-gram tables built from the prompt and every committed token."""
+
+    def __init__(self, config: NgramConfig = NgramConfig()):
+        self.config = config
+        self.tables = self._new_tables()
+
+    def _new_tables(self) -> NgramTables:
+        c = self.config
+        return NgramTables(c.max_n, c.min_n, c.max_keys, c.max_candidates)
+
+    def begin(self, prompt: Sequence[int]) -> None:
+        self.tables = self._new_tables()
+        self.tables.extend(prompt)
+
+    def propose(self, context: Sequence[int], k: int) -> Draft:
+        return Draft.of(self.tables.draft(k))
+
+    def commit(self, committed: Sequence[int], n_proposed: int) -> None:
+        self.tables.extend(committed)
+
+
+def prompt_lookup(context: Sequence[int], max_ngram: int, k: int) -> list[int]:
+    """Prompt lookup: for n = max_ngram..1, the tokens (at most k) that followed the earliest
+    earlier occurrence of the context's trailing n-gram; [] if none occurs."""
+    tokens = np.asarray(context, dtype=np.int64)
+    length = len(tokens)
+    if k <= 0:
+        return []
+    for n in range(min(max_ngram, length - 1), 0, -1):
+        # windows[i] = tokens[i:i+n] for starts i < length - n (excludes the trailing n-gram).
+        windows = np.lib.stride_tricks.sliding_window_view(tokens[:-1], n)  # [length-n, n]
+        matches = np.flatnonzero((windows == tokens[-n:]).all(axis=1))
+        if matches.size:
+            start = int(matches[0]) + n
+            return tokens[start : start + k].tolist()
+    return []
+
+
+class PromptLookupDrafter:
+    """The `pld` baseline: prompt lookup over the whole context at every step."""
+
+    def __init__(self, max_ngram: int = 3):
+        if max_ngram < 1:
+            raise ConfigError(f"prompt lookup needs max_ngram >= 1, got {max_ngram}")
+        self.max_ngram = max_ngram
+
+    def begin(self, prompt: Sequence[int]) -> None:
+        pass
+
+    def propose(self, context: Sequence[int], k: int) -> Draft:
+        return Draft.of(prompt_lookup(context, self.max_ngram, k))
+
+    def commit(self, committed: Sequence[int], n_proposed: int) -> None:
+        pass

