@@ -1,0 +1,219 @@
+"""The `verispec` command line: a thin shell over the library.
+
+Owns argument parsing (typer), turning user errors into one clear line and a non-zero exit code
+(never a traceback), and presenting results (rich tables, JSON). All work is done by `api`,
+`methods` and `model`.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import sys
+from typing import List, Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from .errors import VerispecError
+
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    help="verispec: faster LLM generation by drafting cheaply and verifying in one target forward.",
+)
+out = Console()
+err = Console(stderr=True)
+
+DEMO_PROMPT = (
+    "Summarize the article below in three sentences.\n\n"
+    "Article: The city council of Riverton voted on Tuesday to expand the public library's opening "
+    "hours. Starting next month, the main library will open at 8 a.m. instead of 10 a.m. on "
+    "weekdays, and it will stay open until 9 p.m. on Saturdays. The council said the change "
+    "responds to a survey in which residents asked for more time to study and work in the "
+    "library. The expansion will cost about 120,000 dollars a year, paid from the city's "
+    "education budget. Library staff will hire four new part-time workers.\n\nSummary:"
+)
+
+
+def _quiet_transformers() -> None:
+    """Keep transformers' own progress bars and warnings out of the CLI's output."""
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()
+
+
+def _fail(message: str, code: int = 2) -> None:
+    err.print(f"[bold red]error:[/] {message}", highlight=False)
+    raise typer.Exit(code)
+
+
+def _load(model: Optional[str], dtype: str):
+    from .model import load
+
+    _quiet_transformers()
+    return load(model, dtype)
+
+
+def _stats_table(results: dict) -> Table:
+    """A table with one column per method: counts and metrics of each GenerationStats."""
+    table = Table(title="generation stats", show_lines=False)
+    table.add_column("metric")
+    for name in results:
+        table.add_column(name, justify="right")
+    rows = [
+        ("prompt tokens", lambda s: f"{s.prompt_tokens}"),
+        ("new tokens", lambda s: f"{s.new_tokens}"),
+        ("target forwards", lambda s: f"{s.target_forwards}"),
+        ("drafted / accepted", lambda s: f"{s.drafted} / {s.accepted}"),
+        ("mean accepted tokens", lambda s: f"{s.mean_accepted_tokens:.2f}"),
+        ("acceptance rate", lambda s: "-" if s.acceptance_rate is None else f"{s.acceptance_rate:.1%}"),
+        ("accepted-length histogram", lambda s: " ".join(map(str, s.accepted_histogram))),
+        ("prefill (s)", lambda s: f"{s.prefill_s:.3f}"),
+        ("decode (s)", lambda s: f"{s.decode_s:.3f}"),
+        ("tokens/s", lambda s: f"{s.tokens_per_s:.2f}"),
+        ("stop reason", lambda s: s.stop_reason),
+    ]
+    for label, cell in rows:
+        table.add_row(label, *(cell(result.stats) for result in results.values()))
+    return table
+
+
+def _first_difference(a: list[int], b: list[int]) -> int | None:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+@app.command()
+def generate(
+    prompt: str = typer.Argument(..., help="The prompt text, or '-' to read it from stdin."),
+    method: str = typer.Option("anpd", "--method", "-m", help="Decoding method (see `verispec info`)."),
+    max_new_tokens: int = typer.Option(128, "--max-new-tokens", "-n", help="Most tokens to generate."),
+    temperature: float = typer.Option(0.0, help="0 = greedy; > 0 samples."),
+    top_k: int = typer.Option(0, "--top-k", help="Sample from the k most likely tokens (0 = off)."),
+    top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling mass, in (0, 1]."),
+    seed: Optional[int] = typer.Option(None, help="Seed for sampling (default: random)."),
+    stop: List[str] = typer.Option([], "--stop", help="Stop string; repeat for several."),
+    model: Optional[str] = typer.Option(None, help="Model directory, .gguf file or cached hub id (default: embedded Gemma 3 270M)."),
+    dtype: str = typer.Option("auto", help="auto | float32 | bfloat16 | float16 (auto: bf16 only on CPUs with native bf16)."),
+    draft_length: Optional[int] = typer.Option(None, "--draft-length", "-k", help="Tokens drafted per step (default: the method's)."),
+    controller: Optional[str] = typer.Option(None, help="Draft-length controller, e.g. constant:8."),
+    prompt_format: str = typer.Option("raw", help="raw: the prompt as given; chat: chat template or plain Q/A template."),
+    stream: bool = typer.Option(False, "--stream", help="Print text as it is generated."),
+    compare: bool = typer.Option(False, "--compare", help="Also run `ar` on the same prompt; print both stats and the speedup."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object with the text and all stats."),
+) -> None:
+    """Generate text with one method, optionally compared side by side with `ar`."""
+    from .api import make_request, stream as stream_text
+    from .engine import DecodeConfig
+    from .methods import MethodOptions, get_method
+    from .sampling import SamplingConfig
+
+    if prompt == "-":
+        prompt = sys.stdin.read()
+    try:
+        # Everything that needs no model is checked before the model is loaded.
+        if not prompt.strip():
+            _fail("the prompt is empty")
+        get_method(method)
+        DecodeConfig(max_new_tokens, SamplingConfig(temperature, top_k, top_p, seed))
+        options = MethodOptions(draft_length=draft_length, controller=controller)
+        target = _load(model, dtype)
+        request_args = dict(
+            max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+            seed=seed, stop=tuple(stop), prompt_format=prompt_format, options=options,
+        )
+        make_request(target, prompt, method, **request_args)  # validate everything before any run
+        results = {}
+        if compare and method != "ar":
+            baseline = stream_text(target, prompt, "ar", **request_args)
+            for _ in baseline:
+                pass
+            results["ar"] = baseline.result
+        text_stream = stream_text(target, prompt, method, **request_args)
+        for delta in text_stream:
+            if stream and not as_json:
+                out.print(delta, end="", highlight=False, markup=False, soft_wrap=True)
+        results[method] = text_stream.result
+    except VerispecError as error:
+        _fail(str(error))
+        return
+    chosen = results[method]
+    summary = {"model": target.name, "dtype": str(target.dtype).replace("torch.", ""), "method": method}
+    if as_json:
+        payload = {**summary, **chosen.to_dict()}
+        if "ar" in results and method != "ar":
+            payload["baseline"] = {"method": "ar", **results["ar"].to_dict()}
+        if compare:
+            payload.update(_comparison(results, method))
+        print(json.dumps(payload))
+        return
+    if stream:
+        out.print()
+    else:
+        out.print(chosen.text, highlight=False, markup=False)
+    out.print(_stats_table(results))
+    if compare:
+        comparison = _comparison(results, method)
+        verdict = "identical" if comparison["identical"] else f"differ from token {comparison['first_difference']}"
+        out.print(f"speedup of {method} over ar: [bold]{comparison['speedup']:.2f}x[/]; outputs {verdict}")
+
+
+def _comparison(results: dict, method: str) -> dict:
+    """speedup (tokens/s ratio) and identity of `method` against `ar`."""
+    baseline, chosen = results.get("ar", results[method]), results[method]
+    speedup = chosen.stats.tokens_per_s / baseline.stats.tokens_per_s if baseline.stats.tokens_per_s else 0.0
+    first = _first_difference(baseline.token_ids, chosen.token_ids)
+    return {"speedup": round(speedup, 4), "identical": first is None, "first_difference": first}
+
+
+@app.command()
+def info(
+    model: Optional[str] = typer.Option(None, help="Model to describe (default: embedded Gemma 3 270M)."),
+    dtype: str = typer.Option("auto", help="auto | float32 | bfloat16 | float16."),
+) -> None:
+    """Print the model, dtype, threads, methods and library versions."""
+    import torch
+    import transformers
+
+    from . import __version__
+    from .methods import METHODS
+    from .model import cache_root, cpu_has_native_bf16
+
+    try:
+        target = _load(model, dtype)
+    except VerispecError as error:
+        _fail(str(error))
+        return
+    table = Table(title="verispec info", show_header=False)
+    for key, value in [
+        ("model", target.name),
+        ("architecture", type(target.model).__name__),
+        ("layers / hidden / vocabulary", f"{target.config.num_hidden_layers} / {target.config.hidden_size} / {target.vocab_size}"),
+        ("dtype", str(target.dtype).replace("torch.", "")),
+        ("CPU native bf16", str(cpu_has_native_bf16())),
+        ("torch threads", str(torch.get_num_threads())),
+        ("chunked LM head", str(target.uses_own_head)),
+        ("cache directory", str(cache_root())),
+        ("methods", ", ".join(METHODS)),
+        ("verispec", __version__),
+        ("python", platform.python_version()),
+        ("torch", torch.__version__),
+        ("transformers", transformers.__version__),
+    ]:
+        table.add_row(key, value)
+    out.print(table)
+
+
+def main() -> None:
+    """Console-script entry point."""
+    app()
+
+
+if __name__ == "__main__":
+    main()
