@@ -172,6 +172,128 @@ def _comparison(results: dict, method: str) -> dict:
     return {"speedup": round(speedup, 4), "identical": first is None, "first_difference": first}
 
 
+def _names(value: str) -> list[str]:
+    """'a, b,,c' -> ['a', 'b', 'c']."""
+    return [part.strip() for part in value.split(",") if part.strip()]
+
+
+def _resolved_path_or_id(value: Optional[str]) -> Optional[str]:
+    """A model argument as compared on --resume: an absolute path when it exists, else as given."""
+    if value is None:
+        return None
+    from pathlib import Path
+
+    path = Path(value).expanduser()
+    return str(path.resolve()) if path.exists() else value
+
+
+@app.command()
+def bench(
+    dataset: str = typer.Option("builtin", help="builtin | spec-bench | PATH.jsonl (Spec-Bench format)."),
+    categories: Optional[str] = typer.Option(None, help="Comma-separated categories to keep (default: all)."),
+    per_category: Optional[int] = typer.Option(None, "--per-category", help="At most N prompts per category (default: all)."),
+    methods: str = typer.Option("ar,pld,anpd", help="Comma-separated verispec methods (any of `verispec info`)."),
+    peers: str = typer.Option("hf-ar,hf-pld", help="Comma-separated peers: hf-ar, hf-pld, hf-early-exit, hf-assisted ('' for none)."),
+    max_new_tokens: int = typer.Option(128, "--max-new-tokens", "-n", help="Most tokens to generate per prompt."),
+    temperature: float = typer.Option(0.0, help="0 = greedy; > 0 samples."),
+    top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling mass, in (0, 1]."),
+    seed: Optional[int] = typer.Option(None, help="Seed for sampling (default: random)."),
+    dtype: str = typer.Option("auto", help="auto | float32 | bfloat16 | float16."),
+    repeats: int = typer.Option(1, help="Runs of each (prompt, method); the summary uses the median time."),
+    out_dir: Optional[str] = typer.Option(None, "--out", help="Output directory (default: bench-out/<timestamp>)."),
+    resume: bool = typer.Option(False, "--resume", help="Continue the interrupted run in --out (same settings required)."),
+    model: Optional[str] = typer.Option(None, help="Model directory, .gguf file or cached hub id (default: embedded Gemma 3 270M)."),
+    draft_model: Optional[str] = typer.Option(None, "--draft-model", help="Draft model for the hf-assisted peer."),
+    early_exit_layer: int = typer.Option(6, "--early-exit-layer", help="Layers the hf-early-exit peer drafts with."),
+    draft_length: Optional[int] = typer.Option(None, "--draft-length", "-k", help="Tokens drafted per step by our methods (default: each method's)."),
+    controller: Optional[str] = typer.Option(None, help="Draft-length controller for our methods, e.g. constant:8."),
+    progress: bool = typer.Option(True, "--progress/--no-progress", help="Show a progress bar on stderr."),
+) -> None:
+    """Benchmark methods and peer systems on a prompt set; write records, summary, report and plots."""
+    import shlex
+    from datetime import datetime
+    from pathlib import Path
+
+    from .bench import datasets, metrics, report, runner
+    from .bench.energy import EnergyProbe
+    from .bench.peers import PeerSettings, get_peer
+    from .control import parse_controller
+    from .engine import DecodeConfig
+    from .methods import MethodOptions, get_method
+    from .model import resolve_dtype
+    from .sampling import SamplingConfig
+
+    command = shlex.join(["verispec", *sys.argv[1:]])
+    try:
+        # Everything that needs no model is checked before the model is loaded.
+        if resume and out_dir is None:
+            _fail("--resume needs --out DIR: the directory of the run to continue")
+        method_names, peer_names = _names(methods), _names(peers)
+        for name in method_names:
+            get_method(name)
+        peer_settings = PeerSettings(temperature, top_p, seed, early_exit_layer, draft_model, dtype)
+        for name in peer_names:
+            get_peer(name).check(peer_settings)
+        DecodeConfig(max_new_tokens, SamplingConfig(temperature, 0, top_p, seed))
+        MethodOptions(draft_length=draft_length, controller=controller)
+        if controller:
+            parse_controller(controller, draft_length or 1)
+        path, questions = datasets.load_dataset(dataset, _names(categories or ""), per_category)
+        settings = runner.BenchSettings(
+            model=_resolved_path_or_id(model),
+            # Knobs that only a peer uses are kept only when that peer runs, so that they cannot
+            # block a --resume whose results they do not affect.
+            draft_model=_resolved_path_or_id(draft_model) if any(get_peer(p).needs_draft_model for p in peer_names) else None,
+            dtype=str(resolve_dtype(dtype)).replace("torch.", ""),
+            # A named set is identified by its name and content, not by where it is installed.
+            dataset=dataset if dataset in datasets.DATASET_NAMES else str(path.resolve()),
+            dataset_sha256=datasets.file_digest(path),
+            categories=tuple(_names(categories or "")),
+            per_category=per_category,
+            methods=tuple(method_names),
+            peers=tuple(peer_names),
+            max_new_tokens=max_new_tokens,
+            temperature=float(temperature),
+            top_p=float(top_p),
+            seed=seed,
+            repeats=repeats,
+            draft_length=draft_length,
+            controller=controller,
+            early_exit_layer=early_exit_layer if "hf-early-exit" in peer_names else None,
+        )
+        directory = Path(out_dir) if out_dir else Path("bench-out") / datetime.now().strftime("%Y%m%d-%H%M%S")
+        runner.check_run_dir(directory, settings, resume)
+        target = _load(model, dtype)
+        for name in peer_names:
+            get_peer(name).check(peer_settings, target)  # checks that need the model (layer counts)
+        probe = EnergyProbe()
+        info = runner.invocation_info(command, target.name, dtype)
+        info.update(dataset_path=str(path.resolve()), machine=report.machine_info(), versions=report.versions(),
+                    energy_meter=probe.description)
+        config = runner.start_run(directory, settings, info, resume)
+        err.print(f"bench: {len(questions)} prompts x {len(settings.names)} methods x {repeats} repeats "
+                  f"-> {directory}", highlight=False)
+        try:
+            records = runner.run_bench(target, settings, questions, directory, progress=progress, probe=probe,
+                                       log=lambda message: err.print(message, highlight=False))
+        except KeyboardInterrupt:
+            _fail(f"interrupted; the finished runs are saved in {directory / runner.RECORDS_FILE}: "
+                  f"continue with --resume --out {directory}", code=130)
+            return
+        except VerispecError as error:
+            _fail(f"{error} (the finished runs are saved in {directory / runner.RECORDS_FILE}; "
+                  f"continue with --resume --out {directory})")
+            return
+        summary = metrics.summarize(records, settings.names, settings.greedy)
+        report.write_report(directory, summary, config, config["info"].get("energy_meter", probe.description))
+    except VerispecError as error:
+        _fail(str(error))
+        return
+    out.print(report.terminal_table(summary))
+    err.print(f"records, summary.json, report.md and plots in {directory}", highlight=False)
+    print(json.dumps(report.json_safe(metrics.compact(summary))), flush=True)
+
+
 @app.command()
 def info(
     model: Optional[str] = typer.Option(None, help="Model to describe (default: embedded Gemma 3 270M)."),

@@ -87,11 +87,14 @@ def decode(
         started = time.perf_counter()
         # 0. how far to draft: never past the token budget (a step commits drafts + 1)
         k = min(controller.next_length(), config.max_new_tokens - stats.new_tokens - 1)
-        # 1. propose
+        # 1. propose, then keep the prefix the controller judges worth verifying
         draft = drafter.propose(context, k) if k > 0 else EMPTY_DRAFT
         assert len(draft) <= max(k, 0), f"drafter proposed {len(draft)} tokens for k={k}"
+        draft = draft.prefix(controller.cut(draft.confidence, len(draft)))
         # 2. verify: the last committed token (not yet in the cache) and the draft, one forward
+        verify_started = time.perf_counter()
         logits = target.forward([context[-1], *draft.tokens.tolist()])  # [k+1, vocab]
+        verify_s = time.perf_counter() - verify_started
         # 3. accept n drafts, then one token from the target
         verdict = rule(draft, logits, config.sampling, generator)
         n = verdict.n_accepted
@@ -100,7 +103,7 @@ def decode(
         committed = [*draft.tokens[:n].tolist(), verdict.next_token]
         drafter.commit(committed, len(draft))
         # 5. update controller and stats
-        controller.observe(len(draft), n, draft.confidence)
+        controller.observe(len(draft), n, draft.confidence, verify_s)
         stats.record_step(len(draft), n)
         stats.decode_s += time.perf_counter() - started
 

@@ -31,6 +31,8 @@ class MethodOptions:
     def __post_init__(self) -> None:
         if self.draft_length is not None and (not isinstance(self.draft_length, int) or self.draft_length < 1):
             raise ConfigError(f"draft length must be an integer >= 1, got {self.draft_length!r}")
+        if self.controller is not None:
+            parse_controller(self.controller, self.draft_length or 1)  # validates the spec
 
 
 @dataclass(frozen=True)
@@ -40,6 +42,7 @@ class Method:
     lossless: bool
     default_length: int
     make_drafter: Callable[[Target, MethodOptions], Drafter]
+    default_controller: str = "constant"
     rule: Rule = verify_lossless
 
 
@@ -52,7 +55,7 @@ METHODS: dict[str, Method] = {
         Method("pld", "prompt lookup: copy what followed the last n-gram match in the context", True, 10,
                lambda target, options: PromptLookupDrafter(options.pld_max_ngram)),
         Method("anpd", "ANPD: adaptive multi-level n-gram tables from the prompt and the output", True, 8,
-               lambda target, options: AnpdDrafter(NgramConfig(max_n=options.ngram_max_n))),
+               lambda target, options: AnpdDrafter(NgramConfig(max_n=options.ngram_max_n)), "adaptive"),
     )
 }
 
@@ -72,7 +75,8 @@ def build(name: str, target: Target, options: MethodOptions = MethodOptions()) -
     """A fresh recipe (drafter with its own state, controller, rule) for one request."""
     method = get_method(name)
     length = options.draft_length if options.draft_length is not None else method.default_length
-    if method.name == "ar":
-        length = 0  # nothing to draft, whatever the options say
-    controller = parse_controller(options.controller or "constant", length)
+    if method.name == "ar":  # nothing to draft, whatever the options say
+        controller = parse_controller("constant", 0)
+    else:
+        controller = parse_controller(options.controller or method.default_controller, length)
     return Recipe(method.make_drafter(target, options), controller, method.rule)

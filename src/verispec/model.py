@@ -161,11 +161,13 @@ def load(
             f"cannot load model {model!r}: not a local path and not in the local Hugging Face cache "
             f"(verispec never downloads) ({error})"
         ) from error
+    _require_causal_lm(config, name)
     try:
         loaded = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype, **extra)
     except ValueError as error:
+        first_line = str(error).strip().splitlines()[0][:200]
         raise ModelLoadError(
-            f"{name} is not a causal language model ({type(config).__name__}): {error}"
+            f"{name} is not a causal language model ({type(config).__name__}): {first_line}"
         ) from error
     except OSError as error:
         raise ModelLoadError(f"cannot load the weights of {name}: {error}") from error
@@ -174,6 +176,18 @@ def load(
     except Exception as error:  # a missing or broken tokenizer surfaces as many types
         raise ModelLoadError(f"cannot load the tokenizer of {name}: {error}") from error
     return Target(loaded, tokenizer, name=name)
+
+
+def _require_causal_lm(config, name: str) -> None:
+    """Refuse checkpoints saved as something other than a causal LM (e.g. BertForMaskedLM,
+    which AutoModelForCausalLM would otherwise load as a bidirectional 'LM head' model)."""
+    architectures = getattr(config, "architectures", None) or []
+    causal_markers = ("CausalLM", "LMHeadModel")
+    if architectures and not any(marker in arch for arch in architectures for marker in causal_markers):
+        raise ModelLoadError(
+            f"{name} is a {', '.join(architectures)}, not a causal language model (verispec needs a "
+            f"decoder-only model, e.g. *ForCausalLM)"
+        )
 
 
 @dataclass(frozen=True)

@@ -39,6 +39,17 @@ class Draft:
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
 
+    def prefix(self, n: int) -> "Draft":
+        """The first n tokens of this draft (itself when n covers it)."""
+        if n >= len(self):
+            return self
+        return Draft(
+            self.tokens[:n],
+            None if self.q is None else self.q[:n],
+            None if self.q_tokens is None else self.q_tokens[:n],
+            self.confidence[:n],
+        )
+
     @staticmethod
     def of(tokens: Sequence[int]) -> "Draft":
         """A deterministic draft (q = None) from a list of ids."""

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
+import torch
 
 from ..errors import ConfigError
 from .base import Draft
@@ -80,33 +81,55 @@ class NgramTables:
         level.move_to_end(key)
         counts = entry.counts
         if token not in counts and len(counts) >= self.max_candidates:
-            weakest = min((t for t in counts if t != entry.best), key=counts.__getitem__)
-            del counts[weakest]
+            others = [t for t in counts if t != entry.best]
+            if others:
+                del counts[min(others, key=counts.__getitem__)]
+            else:  # max_candidates == 1: the newcomer replaces the leader
+                counts.clear()
+                entry.best_count = 0
         counts[token] = counts.get(token, 0) + 1
         if counts[token] >= entry.best_count:  # ties go to the most recent observation
             entry.best, entry.best_count = token, counts[token]
 
     def lookup(self, tail: Sequence[int]) -> int | None:
         """The predicted next token after `tail`, from the largest n that matches, or None."""
+        match = self.match(tail)
+        return None if match is None else match.token
+
+    def match(self, tail: Sequence[int]) -> "Match | None":
+        """Like `lookup`, also saying which level matched and how often the winner was seen."""
         for n, level in self._levels.items():
             if len(tail) >= n - 1:
                 entry = level.get(tuple(tail[len(tail) - (n - 1) :]))
                 if entry is not None:
-                    return entry.best
+                    return Match(entry.best, n, entry.best_count)
         return None
 
     def draft(self, k: int) -> list[int]:
         """Up to k tokens by repeated look-up, starting from the indexed context's end."""
+        return [m.token for m in self.draft_matches(k)]
+
+    def draft_matches(self, k: int) -> list["Match"]:
+        """Like `draft`, with the match behind each token."""
         tail = list(self._tail)
-        drafted: list[int] = []
+        drafted: list[Match] = []
         while len(drafted) < k:
-            token = self.lookup(tail)
-            if token is None:
+            match = self.match(tail)
+            if match is None:
                 break
-            drafted.append(token)
-            tail.append(token)
+            drafted.append(match)
+            tail.append(match.token)
             del tail[0 : max(0, len(tail) - (self.max_n - 1))]
         return drafted
+
+
+@dataclass(frozen=True)
+class Match:
+    """A table hit: the predicted token, the n of the level that matched, the winner's count."""
+
+    token: int
+    n: int
+    count: int
 
 
 @dataclass(frozen=True)
@@ -123,11 +146,20 @@ class NgramConfig:
 
 
 class AnpdDrafter:
-    """ANPD: drafts from n-gram tables built from the prompt and every committed token."""
+    """ANPD: drafts from n-gram tables built from the prompt and every committed token.
+
+    Each drafted token carries a confidence: the running acceptance rate, in this request, of
+    earlier draft tokens that came from the same kind of match (the level n and the winner's
+    count, capped at 3), as the mean of a Beta(1 + accepted, 1 + rejected) posterior. Only tokens
+    whose predecessors were all accepted are counted, so it estimates P(accepted | the draft so
+    far was accepted), which is what the adaptive controller needs.
+    """
 
     def __init__(self, config: NgramConfig = NgramConfig()):
         self.config = config
         self.tables = self._new_tables()
+        self._outcomes: dict[tuple[int, int], list[int]] = {}  # kind -> [accepted, rejected]
+        self._last_kinds: list[tuple[int, int]] = []
 
     def _new_tables(self) -> NgramTables:
         c = self.config
@@ -136,11 +168,24 @@ class AnpdDrafter:
     def begin(self, prompt: Sequence[int]) -> None:
         self.tables = self._new_tables()
         self.tables.extend(prompt)
+        self._outcomes, self._last_kinds = {}, []
 
     def propose(self, context: Sequence[int], k: int) -> Draft:
-        return Draft.of(self.tables.draft(k))
+        matches = self.tables.draft_matches(k)
+        self._last_kinds = [(m.n, min(m.count, 3)) for m in matches]
+        confidence = tuple(self._confidence(kind) for kind in self._last_kinds)
+        return Draft(torch.tensor([m.token for m in matches], dtype=torch.long), confidence=confidence)
+
+    def _confidence(self, kind: tuple[int, int]) -> float:
+        accepted, rejected = self._outcomes.get(kind, (0, 0))
+        return (1 + accepted) / (2 + accepted + rejected)
 
     def commit(self, committed: Sequence[int], n_proposed: int) -> None:
+        n_accepted = len(committed) - 1
+        for i, kind in enumerate(self._last_kinds[:n_proposed][: n_accepted + 1]):
+            outcome = self._outcomes.setdefault(kind, [0, 0])
+            outcome[0 if i < n_accepted else 1] += 1
+        self._last_kinds = []
         self.tables.extend(committed)
 
 

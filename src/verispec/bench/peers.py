@@ -1,0 +1,148 @@
+"""Peer systems: other implementations measured in the same run, on the same loaded model.
+
+Owns the registry `PEERS` (name -> `Peer`) and the peers built on transformers' own
+`generate()`: `hf-ar` (plain greedy or sampled decoding), `hf-pld` (prompt lookup,
+`prompt_lookup_num_tokens=10`), `hf-early-exit` (self-speculation from the target's first N
+layers, `assistant_early_exit=N`) and `hf-assisted` (assisted generation with a separate draft
+model from `--draft-model`). Each runs on `target.model` itself, so dtype, weights, prompts and
+token budget are the ones our methods get. A later peer (e.g. llama.cpp) is one more entry in
+`PEERS`.
+
+Target forwards are counted with a forward hook on `target.model`, registered around each call and
+removed after it. `hf-early-exit` drafts with the same module object, shallowed by temporarily
+lowering `config.num_hidden_layers`; the hook counts a forward only when the model runs at full
+depth, so draft passes are not counted as target forwards.
+
+Does not own timing, records or metrics (see `runner` and `metrics`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+
+from ..errors import ConfigError, VerispecError
+from ..model import Target
+
+
+class PeerError(VerispecError):
+    """A peer system failed on a prompt (its own exception is chained)."""
+
+
+@dataclass(frozen=True)
+class PeerSettings:
+    """Everything a peer needs besides the target and the prompt."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    early_exit_layer: int = 6
+    draft_model: str | None = None
+    dtype: str = "auto"
+
+    def __post_init__(self) -> None:
+        if isinstance(self.early_exit_layer, bool) or not isinstance(self.early_exit_layer, int) or self.early_exit_layer < 1:
+            raise ConfigError(f"--early-exit-layer must be an integer >= 1, got {self.early_exit_layer!r}")
+
+
+@dataclass
+class PeerOutput:
+    token_ids: list[int]  # the generated ids only (no prompt), EOS included when generated
+    target_forwards: int  # full-depth forward passes of target.model, prefill included
+
+
+PeerRun = Callable[[Sequence[int], int], PeerOutput]  # (prompt ids, max_new_tokens) -> output
+
+
+@dataclass(frozen=True)
+class Peer:
+    name: str
+    summary: str
+    prepare: Callable[[Target, PeerSettings], PeerRun]  # one-time setup (e.g. load a draft model)
+    needs_draft_model: bool = False
+
+    def check(self, settings: PeerSettings, target: Target | None = None) -> None:
+        """Raise ConfigError for settings this peer cannot run with (before any model loads)."""
+        if self.needs_draft_model and not settings.draft_model:
+            raise ConfigError(f"peer {self.name!r} needs a draft model: pass --draft-model PATH")
+        if target is not None and self.name == "hf-early-exit":
+            layers = int(target.config.num_hidden_layers)
+            if settings.early_exit_layer >= layers:
+                raise ConfigError(
+                    f"--early-exit-layer {settings.early_exit_layer} must be below the model's {layers} layers"
+                )
+
+
+def _generate_runner(target: Target, settings: PeerSettings, extra: dict | None = None) -> PeerRun:
+    """A `PeerRun` calling `target.model.generate()` with `extra` generation arguments."""
+    model = target.model
+    base = getattr(model, getattr(model, "base_model_prefix", ""), model)
+    full_depth = int(base.config.num_hidden_layers)
+    eos = sorted(target.eos_token_ids)
+    pad = getattr(target.tokenizer, "pad_token_id", None)
+    pad = pad if pad is not None else (eos[0] if eos else 0)
+    sampling = settings.temperature > 0
+    arguments = dict(min_new_tokens=0, do_sample=sampling, eos_token_id=eos or None, pad_token_id=pad, **(extra or {}))
+    if sampling:
+        # Every sampling knob is passed explicitly, so the model's own generation_config (which may
+        # carry e.g. top_k=64) cannot change the distribution: top_k=0 is "off", as for our methods.
+        arguments.update(temperature=settings.temperature, top_p=settings.top_p, top_k=0)
+
+    def run(prompt_ids: Sequence[int], max_new_tokens: int) -> PeerOutput:
+        assert len(prompt_ids) > 0 and max_new_tokens >= 1, "a prompt and a positive budget"
+        ids = torch.tensor([list(prompt_ids)], dtype=torch.long)  # [1, n]
+        count = [0]
+
+        def hook(module, args, output) -> None:
+            if int(base.config.num_hidden_layers) == full_depth:  # not an early-exit draft pass
+                count[0] += 1
+
+        handle = model.register_forward_hook(hook)
+        try:
+            if settings.seed is not None and sampling:
+                torch.manual_seed(settings.seed)  # transformers samples from the global generator
+            with torch.inference_mode():
+                output = model.generate(
+                    input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, **arguments
+                )  # [1, n + new]
+        except Exception as error:  # another system's failure: report it as such, not as our bug
+            raise PeerError(f"transformers generate() failed ({type(error).__name__}: {error})") from error
+        finally:
+            handle.remove()
+        return PeerOutput([int(t) for t in output[0, ids.shape[1]:]], count[0])
+
+    return run
+
+
+def _assisted(target: Target, settings: PeerSettings) -> PeerRun:
+    from ..model import load
+
+    draft = load(settings.draft_model, settings.dtype)
+    extra: dict = {"assistant_model": draft.model}
+    if draft.vocab_size != target.vocab_size:  # different tokenizers: universal assisted decoding
+        extra.update(tokenizer=target.tokenizer, assistant_tokenizer=draft.tokenizer)
+    return _generate_runner(target, settings, extra)
+
+
+PEERS: dict[str, Peer] = {
+    p.name: p
+    for p in (
+        Peer("hf-ar", "transformers generate(): autoregressive decoding (greedy or sampled per the flags)",
+             lambda target, s: _generate_runner(target, s)),
+        Peer("hf-pld", "transformers generate(): prompt lookup decoding, prompt_lookup_num_tokens=10",
+             lambda target, s: _generate_runner(target, s, {"prompt_lookup_num_tokens": 10})),
+        Peer("hf-early-exit", "transformers generate(): self-speculation from the first N layers (assistant_early_exit=N)",
+             lambda target, s: _generate_runner(target, s, {"assistant_early_exit": s.early_exit_layer})),
+        Peer("hf-assisted", "transformers generate(): assisted generation with --draft-model as assistant_model",
+             _assisted, needs_draft_model=True),
+    )
+}
+
+
+def get_peer(name: str) -> Peer:
+    try:
+        return PEERS[name]
+    except KeyError:
+        raise ConfigError(f"unknown peer {name!r}; choose from {', '.join(PEERS)}") from None

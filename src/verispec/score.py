@@ -1,0 +1,38 @@
+"""Scoring generated text under the target model: perplexity of the generated tokens.
+
+Owns `perplexity`, a pure library function: exp of the mean negative log-likelihood of the
+generated ids, each given the prompt and the generated ids before it, under the target's raw
+distribution (temperature 1, no top-k/top-p), from one forward of `target.model` over
+prompt + output with no cache, and a float32 log-softmax. It does not touch the target's
+per-request KV cache, so it can run between generations. Used by the benchmark for every
+method, ours and peers alike, so all outputs are scored by the same function.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import torch
+
+from .model import Target
+
+
+@torch.inference_mode()
+def perplexity(target: Target, prompt_ids: Sequence[int], output_ids: Sequence[int]) -> float:
+    """exp(-mean log p(output_i | prompt, output_<i)); nan for an empty output."""
+    assert len(prompt_ids) > 0, "perplexity needs a non-empty prompt"
+    if len(output_ids) == 0:
+        return math.nan
+    m = len(output_ids)
+    ids = torch.tensor([[*prompt_ids, *output_ids]], dtype=torch.long)  # [1, n + m]
+    try:
+        # Only the logits that predict output tokens: positions n-1 .. n+m-1 (the last is unused).
+        logits = target.model(input_ids=ids, use_cache=False, logits_to_keep=m + 1).logits[0]
+    except TypeError:  # a model whose forward has no logits_to_keep
+        logits = target.model(input_ids=ids, use_cache=False).logits[0]
+    logits = logits[-(m + 1) : -1]  # [m, vocab]: row i predicts output_ids[i]
+    log_probs = torch.log_softmax(logits.float(), dim=-1)  # [m, vocab] float32
+    targets = torch.tensor(list(output_ids), dtype=torch.long).unsqueeze(1)  # [m, 1]
+    nll = -log_probs.gather(1, targets).mean()
+    return float(torch.exp(nll))

@@ -1,0 +1,60 @@
+"""Fixtures: tiny seeded float32 models of four architectures wrapped as `Target`s, and a
+character-level tokenizer with a matching tiny model for text-level tests.
+
+Models are session-scoped (built once; building is fast but not free on 2 cores). A `Target`
+holds per-request state only in its KV cache, which `decode` resets, so sharing is safe.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import helpers
+from verispec.model import Target
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def tiny_targets() -> dict[str, Target]:
+    """One tiny Target per architecture (vocab 128, init 0.1, seed 0). Gemma 3 and Qwen2 have a
+    sliding window of 8 positions."""
+    return {arch: helpers.make_target(arch, seed=0) for arch in helpers.ARCHITECTURES}
+
+
+@pytest.fixture(params=helpers.ARCHITECTURES)
+def arch_target(request, tiny_targets) -> Target:
+    return tiny_targets[request.param]
+
+
+@pytest.fixture(scope="session")
+def llama_target(tiny_targets) -> Target:
+    return tiny_targets["llama"]
+
+
+@pytest.fixture(scope="session")
+def gemma3_target(tiny_targets) -> Target:
+    return tiny_targets["gemma3"]
+
+
+@pytest.fixture(scope="session")
+def qwen2_target(tiny_targets) -> Target:
+    return tiny_targets["qwen2"]
+
+
+@pytest.fixture(scope="session")
+def gpt2_target(tiny_targets) -> Target:
+    return tiny_targets["gpt2"]
+
+
+@pytest.fixture(scope="session")
+def char_tokenizer():
+    return helpers.char_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def text_target(char_tokenizer) -> Target:
+    """A tiny Llama over the character tokenizer's vocabulary (no EOS anywhere)."""
+    config = helpers.make_config("llama", vocab_size=len(char_tokenizer), init=0.1)
+    return Target(helpers.make_model(config, seed=3), char_tokenizer, name="tiny-text-llama")

@@ -1,0 +1,164 @@
+"""Logits -> probabilities: the fast path equals the slow reference; top-k / top-p keep the right
+sets; SamplingConfig rejects bad values."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+
+from verispec import sampling as sampling_module
+from verispec.errors import ConfigError
+from verispec.sampling import SamplingConfig, probabilities, probabilities_reference, sample
+
+CONFIGS = [
+    SamplingConfig(temperature=t, top_k=k, top_p=p)
+    for t, k, p in itertools.product((0.0, 0.3, 1.0, 1.7), (0, 1, 5, 40), (1.0, 0.95, 0.5, 0.05))
+]
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"t{c.temperature}-k{c.top_k}-p{c.top_p}")
+def test_probabilities_equals_reference(config):
+    generator = torch.Generator().manual_seed(hash((config.temperature, config.top_k, config.top_p)) % 2**31)
+    for rows, vocab, scale in [(1, 7, 1.0), (4, 50, 3.0), (3, 300, 0.3)]:
+        logits = torch.randn(rows, vocab, generator=generator) * scale
+        fast = probabilities(logits, config)
+        slow = probabilities_reference(logits, config)
+        assert fast.shape == (rows, vocab) and fast.dtype == torch.float32
+        torch.testing.assert_close(fast, slow, rtol=1e-6, atol=1e-7)
+        # Same support exactly, and rows sum to one.
+        assert torch.equal(fast > 0, slow > 0)
+        torch.testing.assert_close(fast.sum(-1), torch.ones(rows), rtol=0, atol=1e-5)
+
+
+def test_probabilities_equals_reference_past_the_top_p_candidate_window(monkeypatch):
+    """When the nucleus needs more than the top candidates, the fast path falls back to the full
+    sort; force that with a tiny candidate window and a flat distribution."""
+    monkeypatch.setattr(sampling_module, "_TOP_P_CANDIDATES", 4)
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 64, generator=generator) * 0.1  # nearly flat: 90% needs ~58 tokens
+    for config in (SamplingConfig(1.0, 0, 0.9), SamplingConfig(0.7, 30, 0.99), SamplingConfig(1.0, 0, 0.02)):
+        torch.testing.assert_close(probabilities(logits, config), probabilities_reference(logits, config),
+                                   rtol=1e-6, atol=1e-7)
+
+
+def test_probabilities_reference_accepts_other_float_dtypes():
+    logits = torch.randn(2, 20, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    config = SamplingConfig(0.8, 5, 0.9)
+    torch.testing.assert_close(probabilities(logits, config), probabilities_reference(logits, config))
+
+
+def test_greedy_config_returns_plain_softmax():
+    logits = torch.tensor([[1.0, 2.0, 3.0]])
+    torch.testing.assert_close(probabilities(logits, SamplingConfig()), torch.softmax(logits, -1))
+    assert SamplingConfig().greedy and not SamplingConfig(temperature=0.5).greedy
+
+
+def test_temperature_scales_logits():
+    logits = torch.tensor([[0.0, 1.0, 2.0]])
+    torch.testing.assert_close(probabilities(logits, SamplingConfig(temperature=0.5)),
+                               torch.softmax(logits / 0.5, -1))
+
+
+def test_top_k_keeps_the_k_largest():
+    logits = torch.tensor([[0.1, 3.0, -1.0, 2.0, 0.5, 2.5]])
+    probs = probabilities(logits, SamplingConfig(temperature=1.0, top_k=3))
+    assert set(torch.nonzero(probs[0]).flatten().tolist()) == {1, 3, 5}
+    expected = torch.softmax(torch.tensor([3.0, 2.0, 2.5]), -1)
+    torch.testing.assert_close(probs[0, [1, 3, 5]], expected)
+    # top_k >= vocab keeps everything
+    assert (probabilities(logits, SamplingConfig(temperature=1.0, top_k=6)) > 0).all()
+    assert (probabilities(logits, SamplingConfig(temperature=1.0, top_k=100)) > 0).all()
+    # top_k = 1 is a point mass on the argmax
+    assert probabilities(logits, SamplingConfig(temperature=1.0, top_k=1))[0].tolist() == [0, 1, 0, 0, 0, 0]
+
+
+def _logits_of(probs: list[float]) -> torch.Tensor:
+    return torch.tensor([[math.log(p) for p in probs]])
+
+
+@pytest.mark.parametrize(
+    "top_p,kept",
+    [
+        # (boundaries are approached within 0.01, not hit exactly: softmax rounding decides ties)
+        (0.49, {0}),  # 0.5 alone reaches it
+        (0.51, {0, 1}),  # needs the 2nd token
+        (0.74, {0, 1}),  # 0.5 + 0.25
+        (0.76, {0, 1, 2}),
+        (0.89, {0, 1, 2}),  # 0.5 + 0.25 + 0.15 = 0.9
+        (0.91, {0, 1, 2, 3}),
+        (1.0, {0, 1, 2, 3}),
+        (0.01, {0}),  # the most likely token is always kept
+    ],
+)
+def test_top_p_keeps_the_smallest_set_reaching_p(top_p, kept):
+    probs_in = [0.5, 0.25, 0.15, 0.1]
+    probs = probabilities(_logits_of(probs_in), SamplingConfig(temperature=1.0, top_p=top_p))
+    assert set(torch.nonzero(probs[0]).flatten().tolist()) == kept
+    renormalised = torch.tensor([probs_in[i] for i in sorted(kept)])
+    torch.testing.assert_close(probs[0, sorted(kept)], renormalised / renormalised.sum())
+
+
+def test_top_p_reads_tokens_in_probability_order_not_index_order():
+    probs_in = [0.1, 0.15, 0.25, 0.5]
+    probs = probabilities(_logits_of(probs_in), SamplingConfig(temperature=1.0, top_p=0.7))
+    assert set(torch.nonzero(probs[0]).flatten().tolist()) == {2, 3}
+
+
+def test_top_k_then_top_p():
+    # top_k=3 keeps {0,1,2} renormalised to 0.5/0.9, 0.25/0.9, 0.15/0.9 = .556 .278 .167;
+    # top_p 0.8 then needs the first two (0.556 < 0.8, 0.833 >= 0.8).
+    probs = probabilities(_logits_of([0.5, 0.25, 0.15, 0.1]), SamplingConfig(1.0, 3, 0.8))
+    assert set(torch.nonzero(probs[0]).flatten().tolist()) == {0, 1}
+
+
+def test_sample_draws_from_the_support():
+    generator = torch.Generator().manual_seed(0)
+    probs = torch.tensor([0.0, 0.7, 0.0, 0.3])
+    draws = [sample(probs, generator) for _ in range(200)]
+    assert set(draws) <= {1, 3} and draws.count(1) > draws.count(3)
+
+
+def test_seeded_generator_is_reproducible():
+    config = SamplingConfig(temperature=1.0, seed=42)
+    probs = torch.full((10,), 0.1)
+    a = [sample(probs, config.generator()) for _ in range(5)]
+    g1, g2 = config.generator(), config.generator()
+    assert [sample(probs, g1) for _ in range(20)] == [sample(probs, g2) for _ in range(20)]
+    assert len(a) == 5
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(temperature=-1.0),
+        dict(temperature=-1e-9),
+        dict(temperature=float("nan")),
+        dict(temperature="hot"),
+        dict(top_k=-1),
+        dict(top_k=2.5),
+        dict(top_p=0.0),
+        dict(top_p=-0.1),
+        dict(top_p=1.5),
+        dict(top_p=float("nan")),
+        dict(seed=-1),
+        dict(seed=1.5),
+    ],
+)
+def test_sampling_config_rejects_bad_values(kwargs):
+    with pytest.raises(ConfigError):
+        SamplingConfig(**kwargs)
+
+
+def test_config_error_is_a_value_error_and_names_the_option():
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingConfig(top_p=2.0)
+    with pytest.raises(ConfigError, match="temperature"):
+        SamplingConfig(temperature=-2)
+
+
+@pytest.mark.parametrize("kwargs", [dict(), dict(temperature=0.7, top_k=50, top_p=0.9, seed=0), dict(top_p=1)])
+def test_sampling_config_accepts_valid_values(kwargs):
+    SamplingConfig(**kwargs)
