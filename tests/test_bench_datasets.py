@@ -165,16 +165,6 @@ def test_spec_bench_missing_is_a_clear_error(tmp_path):
         resolve_dataset("spec-bench", cwd=tmp_path, package_dir=tmp_path)
 
 
-def test_spec_bench_of_this_workplace():
-    found = datasets.find_spec_bench([Path(datasets.__file__).parent])
-    if found is None:
-        pytest.skip("no shared/data/spec_bench/question.jsonl in this checkout's surroundings")
-    questions = read_questions(found)
-    assert len(questions) == 480
-    assert len({x.category for x in questions}) == 13
-    assert [x.question_id for x in select(questions, ["rag"], 3)] == [x.question_id for x in questions if x.category == "rag"][:3]
-
-
 def test_paths_and_unknown_names(tmp_path):
     path = write_lines(tmp_path / "mine.jsonl", [q(1)])
     assert resolve_dataset(str(path)) == path
