@@ -54,7 +54,7 @@ METHODS: dict[str, Method] = {
                lambda target, options: NullDrafter()),
         Method("pld", "prompt lookup: copy what followed the last n-gram match in the context", True, 10,
                lambda target, options: PromptLookupDrafter(options.pld_max_ngram)),
-        Method("anpd", "ANPD: adaptive multi-level n-gram tables from the prompt and the output", True, 8,
+        Method("anpd", "ANPD: adaptive multi-level n-gram tables from the prompt and the output", True, 16,
                lambda target, options: AnpdDrafter(NgramConfig(max_n=options.ngram_max_n)), "adaptive"),
     )
 }

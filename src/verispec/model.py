@@ -39,8 +39,9 @@ from typing import Sequence
 
 import torch
 
-from .cache import cache_length, crop_to, new_cache
+from .cache import StaticKV, cache_length, crop_to, new_cache
 from .errors import ModelLoadError
+from .fastpath import FastDecoder, Linear
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DTYPE_CHOICES = ("auto", *DTYPES)
@@ -143,12 +144,17 @@ def _resolve_source(model: str | None, root: Path) -> tuple[str, dict, str]:
 
 
 def load(
-    model: str | None = None, dtype: str | torch.dtype = "auto", *, cache_dir: Path | None = None
+    model: str | None = None,
+    dtype: str | torch.dtype = "auto",
+    *,
+    fast: bool = True,
+    cache_dir: Path | None = None,
 ) -> "Target":
     """Load a causal LM as a `Target`.
 
     model: None (the embedded Gemma 3 270M), a transformers directory, a `.gguf` file, or a hub
     id whose files are already in the local Hugging Face cache (nothing is downloaded).
+    fast: use the fast forward path where the architecture supports it (see `Target`).
     """
     torch_dtype = resolve_dtype(dtype)
     source, extra, name = _resolve_source(model, cache_dir or cache_root())
@@ -175,7 +181,7 @@ def load(
         tokenizer = AutoTokenizer.from_pretrained(source, **extra)
     except Exception as error:  # a missing or broken tokenizer surfaces as many types
         raise ModelLoadError(f"cannot load the tokenizer of {name}: {error}") from error
-    return Target(loaded, tokenizer, name=name)
+    return Target(loaded, tokenizer, name=name, fast=fast)
 
 
 def _require_causal_lm(config, name: str) -> None:
@@ -217,16 +223,27 @@ class Target:
 
     Call `reset()` before each request, then `forward(tokens)` appends tokens to the cache and
     returns their logits, and `crop(n)` rolls the cache back to its first n positions.
+
+    fast=True runs the fast path (`fastpath.FastDecoder`: static KV cache, prepacked linears)
+    when the architecture supports it, and otherwise says why on stderr and uses transformers'
+    eager forward with a DynamicCache; fast=False always uses the eager forward.
     """
 
-    def __init__(self, model, tokenizer, name: str = ""):
+    def __init__(self, model, tokenizer, name: str = "", fast: bool = True):
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.name = name or getattr(model.config, "_name_or_path", "") or type(model).__name__
         self.config = model.config
         self.cache = None
         self._body = model.get_decoder()
-        self._head = self._chunked_head_if_exact()
+        self._fast = None
+        if fast:
+            reason = FastDecoder.supports(model)
+            if reason is None:
+                self._fast = FastDecoder(model)
+            else:
+                _log(f"fast path not available for {self.name}: {reason}; using the eager forward")
+        self._head = self._head_if_exact()
 
     # -- facts about the model -------------------------------------------------------------
     @property
@@ -260,18 +277,31 @@ class Target:
         return frozenset(ids)
 
     # -- per-request state -----------------------------------------------------------------
+    @property
+    def fast(self) -> bool:
+        """Whether forwards run on the fast path."""
+        return self._fast is not None
+
     def reset(self) -> None:
         """Start a new request: an empty KV cache."""
-        self.cache = new_cache(self.model)
+        if self._fast is None:
+            self.cache = new_cache(self.model)
+        elif isinstance(self.cache, StaticKV):
+            self.cache.crop(0)  # reuse the allocation
+        else:
+            self.cache = self._fast.new_cache()
 
     @property
     def length(self) -> int:
         """Positions currently in the cache."""
-        return cache_length(self.cache)
+        return self.cache.length if self._fast is not None else cache_length(self.cache)
 
     def crop(self, length: int) -> None:
         """Roll the cache back to its first `length` positions."""
-        crop_to(self.cache, length)
+        if self._fast is not None:
+            self.cache.crop(length)
+        else:
+            crop_to(self.cache, length)
 
     @torch.inference_mode()
     def forward(self, tokens: Sequence[int], last_only: bool = False) -> torch.Tensor:
@@ -287,24 +317,42 @@ class Target:
 
     def hidden_states(self, ids: torch.Tensor) -> torch.Tensor:
         """Final-normed decoder states of `ids` [1, n] -> [n, hidden], appended to the cache."""
+        if self._fast is not None:
+            return self._fast.hidden_states(ids[0], self.cache)
         return self._body(input_ids=ids, cache=self.cache, use_cache=True).last_hidden_state[0]
 
-    # -- the chunked LM head is used only where it is exact -----------------------------------
+    # -- our own LM head is used only where it is exact --------------------------------------
     @torch.inference_mode()
-    def _chunked_head_if_exact(self) -> _ChunkedHead | None:
+    def _head_if_exact(self):
+        """A faster LM head (prepacked on the fast path in float32, else chunked) if this model's
+        logits are exactly hidden @ W^T; None means: use the model's own forward."""
         head = self.model.get_output_embeddings()
         if not isinstance(head, torch.nn.Linear) or head.bias is not None:
+            if self._fast is not None:  # the fast path computes hidden states only
+                _log(f"fast path not available for {self.name}: its LM head is not a plain linear map")
+                self._fast = None
             return None
-        chunked = _ChunkedHead.of(head.weight)
+        ours = Linear(head.weight, None) if self._fast is not None else _ChunkedHead.of(head.weight)
         probe = torch.arange(3, 3 + min(4, self.vocab_size - 3), dtype=torch.long).unsqueeze(0)
         try:
             reference = self.model(input_ids=probe, use_cache=False).logits[0].float()  # [4, vocab]
-            ours = chunked(self._body(input_ids=probe, use_cache=False).last_hidden_state[0]).float()
-        except Exception:  # a decoder that cannot be called alone: use the model's own forward
+            if self._fast is not None:
+                hidden = self._fast.hidden_states(probe[0], self._fast.new_cache(8))
+            else:
+                hidden = self._body(input_ids=probe, use_cache=False).last_hidden_state[0]
+            logits = ours(hidden).float()
+        except Exception as error:  # a decoder that cannot be called alone: use the model's own forward
+            _log(f"own LM head disabled for {self.name}: {error}")
+            self._fast = None
             return None
         scale = reference.abs().max().clamp_min(1.0)
         tolerance = 1e-4 if self.dtype == torch.float32 else 3e-2
-        return chunked if bool(((ours - reference).abs().max() / scale) < tolerance) else None
+        if bool(((logits - reference).abs().max() / scale) < tolerance):
+            return ours
+        if self._fast is not None:
+            _log(f"fast path disabled for {self.name}: its logits differ from the model's own forward")
+            self._fast = None
+        return None
 
     @property
     def uses_own_head(self) -> bool:

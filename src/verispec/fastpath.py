@@ -1,0 +1,217 @@
+"""The fast forward path: an own layer loop over a static KV cache with prepacked linears.
+
+Owns one thing: computing the decoder's hidden states for a chunk of tokens at given positions,
+for the Llama family of architectures (Llama, Qwen2, Gemma 3 text), faster than transformers'
+eager forward on CPU, with the same weights and the same per-layer math:
+
+- the KV cache is `cache.StaticKV`, preallocated; rollback moves a length (no tensor copies);
+- attention is one `scaled_dot_product_attention` per layer over the cached keys of the chunk's
+  visible range (sliding-window layers see only their window), with an explicit causal mask only
+  when the chunk has more than one token; grouped-query heads are not materialised;
+- the q/k/v and gate/up projections are fused into one matrix each, and in float32 every linear
+  is prepacked once for oneDNN (`torch.ops.mkldnn._linear_pointwise`): measured here, the
+  262,144 x 640 LM head took 47 ms for 1 token and 102 ms for 16, against 94 and 266 ms with
+  `F.linear`; 2048 x 640 took 0.25 ms against 0.97 ms;
+- norms, activations and rotary embeddings are transformers' own modules and functions, called
+  on our tensors, so the math is the model's, not a re-derivation.
+
+Everything else (sampling, drafting, text) is elsewhere. `FastDecoder.supports(model)` says
+whether a model can use it, and why not; `model.Target` falls back to the eager forward with a
+message for any other model. Exactness: greedy decoding on this path equals transformers'
+`generate()` on the tiny models of every tested architecture (tests/test_fastpath.py).
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .cache import StaticKV
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "gemma3_text")
+_PACK_HINT = 16  # oneDNN packs for this batch size; measured fastest across widths 1..16
+
+
+def _mkldnn_packing_available(dtype: torch.dtype) -> bool:
+    return dtype == torch.float32 and torch.backends.mkldnn.is_available()
+
+
+class Linear:
+    """y = x W^T (+ b) for x [n, in]; prepacked for oneDNN in float32 where available."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        self.weight, self.bias = weight.detach(), None if bias is None else bias.detach()
+        self.packed = None
+        if _mkldnn_packing_available(weight.dtype):
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, _PACK_HINT)
+
+    @staticmethod
+    def fused(*linears: torch.nn.Linear) -> "Linear":
+        """One Linear computing several nn.Linear layers on the same input (outputs concatenated)."""
+        weight = torch.cat([lin.weight.detach() for lin in linears], dim=0)
+        biases = [lin.bias for lin in linears]
+        bias = None if all(b is None for b in biases) else torch.cat(
+            [b.detach() if b is not None else torch.zeros(lin.out_features, dtype=weight.dtype)
+             for b, lin in zip(biases, linears)]
+        )
+        return Linear(weight, bias)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
+
+
+@dataclass
+class _Layer:
+    """One decoder layer: transformers' norm/activation modules and our fused linears."""
+
+    input_norm: torch.nn.Module
+    qkv: Linear
+    q_norm: torch.nn.Module | None
+    k_norm: torch.nn.Module | None
+    o: Linear
+    post_attention_norm: torch.nn.Module | None  # Gemma: normalises the attention output
+    pre_mlp_norm: torch.nn.Module  # Llama's post_attention_layernorm, Gemma's pre_feedforward
+    post_mlp_norm: torch.nn.Module | None  # Gemma only
+    gate_up: Linear
+    down: Linear
+    act: torch.nn.Module
+    window: int | None
+    scaling: float
+    rope_layer_type: str | None
+
+
+class FastDecoder:
+    """Hidden states of a Llama-family decoder, chunk by chunk, over a `StaticKV` cache."""
+
+    @staticmethod
+    def supports(model) -> str | None:
+        """None if the fast path can run `model`, else the reason it cannot."""
+        config = model.config
+        model_type = getattr(config, "model_type", "")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            return f"architecture {model_type!r} (the fast path supports {', '.join(SUPPORTED_MODEL_TYPES)})"
+        if getattr(config, "attn_logit_softcapping", None) is not None:
+            return "attention logit soft-capping"
+        if getattr(config, "use_bidirectional_attention", False):
+            return "bidirectional attention"
+        rope = getattr(config, "rope_parameters", None) or {}
+        types = {p.get("rope_type", "default") for p in (rope.values() if "rope_type" not in rope else [rope])
+                 if isinstance(p, dict)}
+        if types - {"default", "linear", "llama3"}:
+            return f"rope type {sorted(types)} (position-dependent scaling)"
+        layer = model.get_decoder().layers[0]
+        mlp = getattr(layer, "mlp", None)
+        if not all(hasattr(mlp, name) for name in ("gate_proj", "up_proj", "down_proj", "act_fn")):
+            return "an MLP without gate/up/down projections"
+        return None
+
+    def __init__(self, model):
+        reason = self.supports(model)
+        assert reason is None, reason
+        self.config = model.config
+        body = model.get_decoder()
+        self.embed = body.embed_tokens
+        self.norm = body.norm
+        self.rotary = body.rotary_emb
+        self._rotary_takes_type = "layer_type" in inspect.signature(self.rotary.forward).parameters
+        self.layers = [self._wrap(layer) for layer in body.layers]
+        first = body.layers[0].self_attn
+        self.apply_rotary = sys.modules[type(first).__module__].apply_rotary_pos_emb
+        self.heads = self.config.num_attention_heads
+        self.kv_heads = self.config.num_key_value_heads
+        self.head_dim = getattr(self.config, "head_dim", None) or self.config.hidden_size // self.heads
+        self.dtype = next(model.parameters()).dtype
+
+    def _wrap(self, layer) -> _Layer:
+        attn, mlp = layer.self_attn, layer.mlp
+        gemma_style = hasattr(layer, "pre_feedforward_layernorm")
+        layer_types = getattr(self.config, "layer_types", None)
+        rope_type = layer_types[attn.layer_idx] if (layer_types and self._rotary_takes_type) else None
+        return _Layer(
+            input_norm=layer.input_layernorm,
+            qkv=Linear.fused(attn.q_proj, attn.k_proj, attn.v_proj),
+            q_norm=getattr(attn, "q_norm", None),
+            k_norm=getattr(attn, "k_norm", None),
+            o=Linear(attn.o_proj.weight, attn.o_proj.bias),
+            post_attention_norm=layer.post_attention_layernorm if gemma_style else None,
+            pre_mlp_norm=layer.pre_feedforward_layernorm if gemma_style else layer.post_attention_layernorm,
+            post_mlp_norm=layer.post_feedforward_layernorm if gemma_style else None,
+            gate_up=Linear.fused(mlp.gate_proj, mlp.up_proj),
+            down=Linear(mlp.down_proj.weight, mlp.down_proj.bias),
+            act=mlp.act_fn,
+            window=getattr(attn, "sliding_window", None),
+            scaling=attn.scaling,
+            rope_layer_type=rope_type,
+        )
+
+    def new_cache(self, capacity: int = 256) -> StaticKV:
+        return StaticKV(len(self.layers), self.kv_heads, self.head_dim, self.dtype, capacity)
+
+    @torch.inference_mode()
+    def hidden_states(self, ids: torch.Tensor, cache: StaticKV, layers: range | None = None,
+                      hidden: torch.Tensor | None = None, final_norm: bool = True) -> torch.Tensor:
+        """Run `ids` [n] at positions cache.length.. through `layers` (default: all) and the
+        final norm; append their keys/values to the cache. Returns [n, hidden].
+
+        `hidden` [n, hidden] starts from a given residual stream instead of the embeddings (to
+        run only later layers); the cache length then advances only when the last layer ran."""
+        n = ids.shape[0]
+        start = cache.length
+        layers = layers if layers is not None else range(len(self.layers))
+        cache.reserve(start + n)
+        x = self.embed(ids.unsqueeze(0))[0] if hidden is None else hidden  # [n, hidden]
+        positions = torch.arange(start, start + n).unsqueeze(0)  # [1, n]
+        rope = {}
+        for index in layers:
+            layer = self.layers[index]
+            if layer.rope_layer_type not in rope:
+                args = (layer.rope_layer_type,) if layer.rope_layer_type is not None else ()
+                rope[layer.rope_layer_type] = self.rotary(x, positions, *args)  # [1, n, head_dim] each
+            x = self._layer(layer, index, x, start, cache, rope[layer.rope_layer_type])
+        if layers.stop == len(self.layers):
+            cache.length = start + n
+        return self.norm(x) if final_norm else x
+
+    def _layer(self, layer: _Layer, index: int, x: torch.Tensor, start: int, cache: StaticKV, rope) -> torch.Tensor:
+        n = x.shape[0]
+        h = layer.input_norm(x)
+        q, k, v = layer.qkv(h).split(
+            [self.heads * self.head_dim, self.kv_heads * self.head_dim, self.kv_heads * self.head_dim], dim=-1
+        )
+        q = q.view(1, n, self.heads, self.head_dim).transpose(1, 2)  # [1, heads, n, d]
+        k = k.view(1, n, self.kv_heads, self.head_dim).transpose(1, 2)  # [1, kv, n, d]
+        v = v.view(1, n, self.kv_heads, self.head_dim).transpose(1, 2)
+        if layer.q_norm is not None:
+            q, k = layer.q_norm(q), layer.k_norm(k)
+        cos, sin = rope
+        q, k = self.apply_rotary(q, k, cos, sin)
+        cache.write(index, start, k[0], v[0])
+        low = 0 if layer.window is None else max(0, start - layer.window + 1)
+        keys, values = cache.read(index, low, start + n)  # [kv, L, d]
+        mask = None
+        if n > 1:
+            query_pos = torch.arange(start, start + n).unsqueeze(1)  # [n, 1]
+            key_pos = torch.arange(low, start + n).unsqueeze(0)  # [1, L]
+            mask = key_pos <= query_pos
+            if layer.window is not None:
+                mask &= key_pos > query_pos - layer.window
+        attended = F.scaled_dot_product_attention(
+            q, keys.unsqueeze(0), values.unsqueeze(0), attn_mask=mask, scale=layer.scaling,
+            enable_gqa=self.heads != self.kv_heads,
+        )  # [1, heads, n, d]
+        attended = layer.o(attended.transpose(1, 2).reshape(n, self.heads * self.head_dim))
+        if layer.post_attention_norm is not None:
+            attended = layer.post_attention_norm(attended)
+        x = x + attended
+        h = layer.pre_mlp_norm(x)
+        gate, up = layer.gate_up(h).chunk(2, dim=-1)
+        mlp = layer.down(layer.act(gate) * up)
+        if layer.post_mlp_norm is not None:
+            mlp = layer.post_mlp_norm(mlp)
+        return x + mlp
