@@ -18,13 +18,17 @@ torch.set_num_threads(1)
 
 @pytest.fixture(scope="session")
 def tiny_targets() -> dict[str, Target]:
-    """One tiny Target per architecture (vocab 128, init 0.1, seed 0). Gemma 3 and Qwen2 have a
-    sliding window of 8 positions."""
-    return {arch: helpers.make_target(arch, seed=0) for arch in helpers.ARCHITECTURES}
+    """One tiny Target per architecture and forward path ("llama" runs the fast path,
+    "llama-eager" transformers' eager forward; vocab 128, init 0.1, seed 0). Gemma 3 and Qwen2
+    have a sliding window of 8 positions."""
+    targets = {path: helpers.make_target_for_path(path, seed=0) for path in helpers.PATHS}
+    targets["gpt2"] = targets["gpt2-eager"]  # GPT-2 has no fast path
+    return targets
 
 
-@pytest.fixture(params=helpers.ARCHITECTURES)
+@pytest.fixture(params=helpers.PATHS)
 def arch_target(request, tiny_targets) -> Target:
+    """Each architecture on each of its forward paths (fast and eager)."""
     return tiny_targets[request.param]
 
 

@@ -96,8 +96,20 @@ def make_model(config, seed: int = 0):
     return model.eval()
 
 
-def make_target(arch: str, seed: int = 0, tokenizer=None, **config_kwargs) -> Target:
-    return Target(make_model(make_config(arch, **config_kwargs), seed), tokenizer, name=f"tiny-{arch}")
+def make_target(arch: str, seed: int = 0, tokenizer=None, fast: bool = True, **config_kwargs) -> Target:
+    """A Target on the fast path (where the architecture has one) or, with fast=False, on
+    transformers' eager forward."""
+    model = make_model(make_config(arch, **config_kwargs), seed)
+    return Target(model, tokenizer, name=f"tiny-{arch}" + ("" if fast else "-eager"), fast=fast)
+
+
+# Every architecture on each forward path it has: the fast path (not for GPT-2) and the eager one.
+PATHS = tuple(arch for arch in ARCHITECTURES if arch != "gpt2") + tuple(f"{arch}-eager" for arch in ARCHITECTURES)
+
+
+def make_target_for_path(path: str, seed: int = 0, **kwargs) -> Target:
+    arch, _, eager = path.partition("-")
+    return make_target(arch, seed=seed, fast=not eager, **kwargs)
 
 
 def hf_greedy(model, prompt: Sequence[int], max_new_tokens: int) -> list[int]:

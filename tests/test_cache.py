@@ -128,3 +128,38 @@ def test_model_with_its_own_head_path():
 def test_targets_use_the_chunked_head_when_it_is_exact(tiny_targets):
     for target in tiny_targets.values():
         assert target.uses_own_head, target.name
+
+
+# -- the fast path's static cache ----------------------------------------------------------
+
+
+def test_static_kv_grows_and_keeps_contents():
+    from verispec.cache import StaticKV
+
+    cache = StaticKV(layers=2, kv_heads=1, head_dim=4, dtype=torch.float32, capacity=4)
+    keys = torch.arange(24, dtype=torch.float32).view(1, 6, 4)
+    cache.reserve(6)
+    assert cache.capacity >= 8
+    cache.write(1, 0, keys, -keys)
+    cache.length = 6
+    k, v = cache.read(1, 2, 6)
+    assert torch.equal(k, keys[:, 2:6]) and torch.equal(v, -keys[:, 2:6])
+    cache.crop(3)
+    assert cache.length == 3
+    with pytest.raises(AssertionError):
+        cache.crop(4)
+
+
+def test_fast_and_eager_paths_agree_on_logits(tiny_targets):
+    """The same weights through both forward paths, over a chunked prefill and a draft step."""
+    for arch in ("llama", "gemma3", "qwen2"):
+        fast, eager = tiny_targets[arch], tiny_targets[f"{arch}-eager"]
+        sequence = list(range(3, 40))
+        outputs = []
+        for target in (fast, eager):
+            target.reset()
+            first = target.forward(sequence[:20])
+            second = target.forward(sequence[20:])
+            outputs.append(torch.cat([first, second]))
+        assert fast.fast and not eager.fast
+        torch.testing.assert_close(outputs[0], outputs[1], rtol=1e-5, atol=1e-5)

@@ -97,7 +97,7 @@ def test_scripted_drafter_equals_ar(arch_target, mode, k):
         assert all(reported == proposed for _, reported, proposed in drafter.commits)
 
 
-@pytest.mark.parametrize("arch", ["gemma3", "qwen2"])
+@pytest.mark.parametrize("arch", ["gemma3", "qwen2", "gemma3-eager", "qwen2-eager"])
 @pytest.mark.parametrize("mode", ["all", "partial", "none"])
 def test_sliding_window_crossed_inside_one_verification(tiny_targets, arch, mode):
     """A 5-token prompt (window 8): the first 7-token draft makes one verification forward run
@@ -117,8 +117,9 @@ def test_sliding_window_crossed_inside_one_verification(tiny_targets, arch, mode
 def test_ar_equals_generate_on_a_more_peaked_model():
     """A second set of weights per architecture (init 0.3: sharper, more varied outputs, so drafts
     are mostly rejected) through pld and a random scripted drafter."""
-    for arch in helpers.ARCHITECTURES:
-        target = helpers.make_target(arch, seed=1, init=0.3)
+    for path in helpers.PATHS:
+        target = helpers.make_target_for_path(path, seed=1, init=0.3)
+        arch = path
         prompt = prompt_for(2)
         reference = helpers.hf_greedy(target.model, prompt, 24)
         assert helpers.run(target, build("ar", target), prompt, 24)[0] == reference, arch

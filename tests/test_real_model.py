@@ -52,3 +52,17 @@ def test_anpd_equals_ar_and_accepts_drafts(real_target):
     # the method's own default controller is lossless too
     default = verispec.generate(real_target, PROMPT, method="anpd", max_new_tokens=32)
     assert default.token_ids == ar.token_ids
+
+
+def test_fast_path_is_used_and_eager_path_agrees(real_target):
+    """The default model runs the fast path; the eager path (same weights) gives the same ids."""
+    from verispec.model import Target
+
+    assert real_target.fast
+    eager = Target(real_target.model, real_target.tokenizer, name="eager", fast=False)
+    assert not eager.fast
+    fast_ids = verispec.generate(real_target, PROMPT, method="anpd", max_new_tokens=32).token_ids
+    eager_ar = verispec.generate(eager, PROMPT, method="ar", max_new_tokens=32).token_ids
+    eager_anpd = verispec.generate(eager, PROMPT, method="anpd", max_new_tokens=32,
+                                   options=MethodOptions(controller="constant:8")).token_ids
+    assert fast_ids == eager_ar == eager_anpd

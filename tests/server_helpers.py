@@ -1,0 +1,112 @@
+"""Helpers for the server tests: a Target with fault and delay hooks, and a real uvicorn server
+running in a background thread on 127.0.0.1 and a free port.
+
+The server is the real stack (uvicorn, the ASGI app, the worker thread); only the model is a tiny
+random-weight Llama over the character tokenizer of `helpers`, so every test talks HTTP to it as
+a client would.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from typing import Callable, Sequence
+
+import uvicorn
+
+import helpers
+from verispec.model import Target
+from verispec.server import ServerSettings, create_app
+
+# Prompts containing these strings trigger a hook during their prefill (see HookedTarget).
+FAIL_MARKER = "qxqxq"  # the forward raises: an internal error in generation
+SLOW_MARKER = "qzqzq"  # the prefill sleeps SLOW_PREFILL_S: a request that blocks the worker
+SLOW_PREFILL_S = 2.5
+
+
+def _contains(tokens: Sequence[int], pattern: Sequence[int]) -> bool:
+    n = len(pattern)
+    return any(list(tokens[i : i + n]) == list(pattern) for i in range(len(tokens) - n + 1))
+
+
+class HookedTarget(Target):
+    """A Target whose forward can be slowed (`delay` seconds per forward) and whose prefill fails
+    or stalls when the prompt contains FAIL_MARKER or SLOW_MARKER."""
+
+    def __init__(self, model, tokenizer, name: str = "", delay: float = 0.0):
+        super().__init__(model, tokenizer, name=name)
+        self.delay = delay
+        self._fail_ids = tokenizer(FAIL_MARKER)["input_ids"]
+        self._slow_ids = tokenizer(SLOW_MARKER)["input_ids"]
+
+    def forward(self, tokens, last_only: bool = False):
+        if self.length == 0:  # the prefill of a request
+            if _contains(tokens, self._fail_ids):
+                raise RuntimeError("injected fault in the target forward")
+            if _contains(tokens, self._slow_ids):
+                time.sleep(SLOW_PREFILL_S)
+        if self.delay:
+            time.sleep(self.delay)
+        return super().forward(tokens, last_only)
+
+
+def text_target(tokenizer, delay: float = 0.0, max_positions: int = 256, cls=HookedTarget) -> Target:
+    """The tiny Llama of the text tests (seed 3) over the character tokenizer; every call builds
+    the same weights, so two such targets give identical outputs."""
+    config = helpers.make_config("llama", vocab_size=len(tokenizer), init=0.1, max_positions=max_positions)
+    model = helpers.make_model(config, seed=3)
+    if cls is Target:
+        return Target(model, tokenizer, name="tiny-text-llama")
+    return cls(model, tokenizer, name="tiny-text-llama", delay=delay)
+
+
+class RunningServer:
+    """`create_app(target, settings)` served by uvicorn in a daemon thread until `stop()`."""
+
+    def __init__(self, target: Target, settings: ServerSettings):
+        self.target, self.settings = target, settings
+        self.app = create_app(target, settings)
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.bind(("127.0.0.1", 0))  # a free port, held from now on: no race with other tests
+        self.port = sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        config = uvicorn.Config(self.app, log_level="warning", lifespan="on", timeout_graceful_shutdown=2)
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True,
+                                       name=f"uvicorn-{self.port}")
+        self.thread.start()
+        deadline = time.monotonic() + 20
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the test server did not start")
+            time.sleep(0.01)
+
+    @property
+    def worker(self):
+        return self.app.state.worker
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(15)
+
+
+def wait_until(condition: Callable[[], bool], timeout: float, interval: float = 0.02) -> float:
+    """Poll `condition` until true; return the seconds it took (raise AssertionError on timeout)."""
+    started = time.monotonic()
+    while not condition():
+        if time.monotonic() - started > timeout:
+            raise AssertionError(f"condition not met within {timeout} s")
+        time.sleep(interval)
+    return time.monotonic() - started
+
+
+def metric_value(text: str, name: str, **labels: str) -> float:
+    """The value of one sample in a Prometheus text exposition (0.0 when absent)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                return sample.value
+    return 0.0
