@@ -188,7 +188,7 @@ class ScriptedDrafter:
         self.proposed, self.commits = [], []
         self._pending = 0
 
-    def propose(self, context: Sequence[int], k: int) -> Draft:
+    def propose(self, context: Sequence[int], k: int, keep=None) -> Draft:
         pos = len(context) - self.prompt_len
         if not self.lenient:
             assert list(context[self.prompt_len:]) == self.reference[:pos], "context left the reference"
@@ -234,7 +234,7 @@ class DistributionDrafter:
         point[self.plausible(context)] = 1.0
         return (1 - self.point_mass) * noise + self.point_mass * point  # [vocab]
 
-    def propose(self, context: Sequence[int], k: int) -> Draft:
+    def propose(self, context: Sequence[int], k: int, keep=None) -> Draft:
         context = list(context)
         tokens, rows = [], []
         for _ in range(k):

@@ -1,26 +1,42 @@
 """Draft-length controllers: how many tokens to draft, and how many of a draft to verify.
 
-A controller is a small stateful policy with three calls per step:
-- `next_length()` before drafting: the most tokens the drafter may propose;
-- `cut(confidence, proposed)` after drafting: how many of the proposed tokens to verify, given
-  the drafter's per-token confidence (an estimate of P(token accepted | the ones before it were));
-- `observe(drafted, accepted, confidence, seconds)` after verification, with the time the
-  target's forward of drafted + 1 tokens took.
+A controller is a small stateful policy consulted at three points of every step:
+- `next_length()` before drafting: the most tokens the drafter may propose (K);
+- `keep(j, confidence)` while drafting, after draft token j (1-based) was produced with the
+  drafter's confidence in it: False drops token j and ends the draft. Drafters call it token by
+  token, so a costly drafter stops drafting as soon as the controller says so;
+- `cut(confidence, proposed)` after drafting: how many of the proposed tokens to verify;
+- `observe(drafted, accepted, confidence, verify_s, draft_s)` after verification, with the time
+  of the target forward over drafted + 1 tokens and the time spent drafting.
 
 Controllers know nothing of models; they are tested on synthetic acceptance streams.
 `parse_controller` maps the CLI's `--controller` spec to one:
 
 - `constant[:K]`: always K tokens (everything the drafter proposes, up to K).
+- `heuristic[:K]`: transformers' rule for assisted generation: start at K, +2 after a fully
+  accepted draft, -1 (not below 1) otherwise.
 - `adaptive[:K]`: verifies the draft prefix that maximises the expected tokens per second,
-  (1 + sum_{j<=L} prod_{i<=j} c_i) / cost(L + 1), where c_i are the drafter's calibrated
-  confidences and cost(w) is the measured time of a target forward of width w (learned online by
-  `ForwardCostModel`). On a CPU where verifying 8 tokens costs twice one token, it drafts only
-  when the draft is likely to pay for itself; where wide forwards are nearly free it drafts long.
-  Drafts without confidence are verified whole.
+  (1 + sum_{j<=L} prod_{i<=j} c_i) / cost(L), with c_i the drafter's confidences and cost(L)
+  the measured time of drafting L tokens and verifying L + 1 (`CostModel`). Meant for drafters
+  whose confidence is a calibrated acceptance estimate (ANPD's is).
+- `beta-ts[:K]`: Thompson sampling over a Beta(a, b) posterior of the per-token acceptance
+  probability alpha. After each draft token j, draw theta ~ Beta(a, b) and keep drafting while
+  theta exceeds tau_j, the smallest alpha for which drafting at least j tokens maximises the
+  expected tokens per second under the measured costs (`break_even_thresholds`). After each
+  verification, a += accepted and b += 1 if a draft token was rejected (tokens after the first
+  rejection are unobserved), both first multiplied by `decay` (default 0.98) so that the
+  posterior tracks drift. Prior Beta(1, 1).
+- `calibrated-ts[:K]`: the same rule with one Beta posterior per bin of the drafter's
+  confidence (10 equal bins of [0, 1]): the draw for token j comes from the posterior of the bin
+  its confidence falls in, so the stop decision uses the drafter's confidence calibrated online.
+
+The paper's exact priors and stopping rule could not be read here; these are the rules
+implemented, with the defaults above.
 """
 
 from __future__ import annotations
 
+import random
 from typing import Protocol, Sequence
 
 from .errors import ConfigError
@@ -30,11 +46,98 @@ class Controller(Protocol):
     def next_length(self) -> int:
         """Most tokens to draft in the next step (0 = decode one token autoregressively)."""
 
+    def keep(self, j: int, confidence: float | None) -> bool:
+        """Keep draft token j (1-based) and go on drafting?"""
+
     def cut(self, confidence: Sequence[float], proposed: int) -> int:
         """How many of `proposed` draft tokens to verify (0..proposed)."""
 
-    def observe(self, drafted: int, accepted: int, confidence: Sequence[float], seconds: float) -> None:
-        """Learn from a step: `drafted` tokens verified, `accepted` kept, forward took `seconds`."""
+    def observe(self, drafted: int, accepted: int, confidence: Sequence[float], verify_s: float,
+                draft_s: float) -> None:
+        """Learn from a step: `drafted` tokens verified, `accepted` kept; timings in seconds."""
+
+
+class CostModel:
+    """Measured cost of a step, relative to a one-token target forward.
+
+    Verify: the seconds of a target forward by width (tokens), each width an exponential moving
+    average; unmeasured widths are interpolated linearly between measured ones, and before any
+    measurement the prior 1 + prior_slope * (w - 1) is used, deliberately optimistic so that wide
+    forwards get tried and measured. Draft: seconds per drafted token, an average (0 until seen).
+    `relative(L)` = (L * draft + verify(L + 1)) / verify(1).
+    """
+
+    def __init__(self, prior_slope: float = 0.05, smoothing: float = 0.2):
+        self.prior_slope = prior_slope
+        self.smoothing = smoothing
+        self.seconds: dict[int, float] = {}
+        self.draft_per_token = 0.0
+        self._draft_tokens = 0
+
+    def observe(self, width: int, seconds: float, drafted: int = 0, draft_s: float = 0.0) -> None:
+        if seconds > 0:
+            old = self.seconds.get(width)
+            self.seconds[width] = seconds if old is None else old + self.smoothing * (seconds - old)
+        if drafted > 0 and draft_s > 0:
+            self._draft_tokens += drafted
+            weight = drafted / self._draft_tokens if self._draft_tokens < 50 else self.smoothing
+            self.draft_per_token += weight * (draft_s / drafted - self.draft_per_token)
+
+    def verify(self, width: int) -> float:
+        """Seconds of a target forward of `width` tokens, relative to width 1."""
+        if 1 not in self.seconds or width == 1:
+            return 1.0 + self.prior_slope * (width - 1)
+        base = self.seconds[1]
+        if width in self.seconds:
+            return self.seconds[width] / base
+        below = max((w for w in self.seconds if w < width), default=1)
+        above = [w for w in self.seconds if w > width]
+        if not above:  # extrapolate with the prior's slope from the widest measured width
+            return self.seconds[below] / base + self.prior_slope * (width - below)
+        upper = min(above)
+        t = (width - below) / (upper - below)
+        return ((1 - t) * self.seconds[below] + t * self.seconds[upper]) / base
+
+    def draft_ratio(self) -> float:
+        """Seconds of one draft token relative to a one-token target forward."""
+        base = self.seconds.get(1)
+        return self.draft_per_token / base if base else 0.0
+
+    def relative(self, length: int) -> float:
+        """Cost of drafting `length` tokens and verifying them, relative to one AR step."""
+        return length * self.draft_ratio() + self.verify(length + 1)
+
+
+def best_draft_length(confidence: Sequence[float], relative_cost) -> int:
+    """L in 0..len(confidence) maximising (1 + sum_{j<=L} prod_{i<=j} c_i) / relative_cost(L)."""
+    best_length, best_rate = 0, 1.0 / relative_cost(0)
+    expected, survive = 1.0, 1.0
+    for length, c in enumerate(confidence, start=1):
+        survive *= min(max(c, 0.0), 1.0)
+        expected += survive
+        rate = expected / relative_cost(length)
+        if rate > best_rate:
+            best_length, best_rate = length, rate
+    return best_length
+
+
+def break_even_thresholds(k: int, relative_cost, grid: int = 100) -> list[float]:
+    """tau[j-1] for j = 1..k: the smallest per-token acceptance probability alpha (on a grid)
+    under which the best draft length, with every token accepted with probability alpha, is at
+    least j. 1.0 when no alpha < 1 makes j tokens worthwhile."""
+    costs = [relative_cost(length) for length in range(k + 1)]
+    thresholds = [1.0] * k
+    for step in range(grid + 1):
+        alpha = step / grid
+        expected, survive, best, best_rate = 1.0, 1.0, 0, 1.0 / costs[0]
+        for length in range(1, k + 1):
+            survive *= alpha
+            expected += survive
+            if expected / costs[length] > best_rate:
+                best, best_rate = length, expected / costs[length]
+        for j in range(best):
+            thresholds[j] = min(thresholds[j], alpha)
+    return thresholds
 
 
 class ConstantLength:
@@ -48,90 +151,115 @@ class ConstantLength:
     def next_length(self) -> int:
         return self.k
 
+    def keep(self, j: int, confidence: float | None) -> bool:
+        return True
+
     def cut(self, confidence: Sequence[float], proposed: int) -> int:
         return proposed
 
-    def observe(self, drafted: int, accepted: int, confidence: Sequence[float], seconds: float) -> None:
+    def observe(self, drafted, accepted, confidence, verify_s, draft_s) -> None:
         pass
 
     def __repr__(self) -> str:
         return f"constant:{self.k}"
 
 
-class ForwardCostModel:
-    """Relative cost of a target forward by width (tokens), learned from measured times.
+class Heuristic(ConstantLength):
+    """transformers' assisted-generation rule: +2 after a fully accepted draft, else -1."""
 
-    Each width keeps an exponential moving average of its seconds. `relative(w)` is that over
-    width 1's; widths not yet measured are interpolated linearly between measured neighbours, and
-    before any measurement the prior 1 + prior_slope * (w - 1) is used. The prior is deliberately
-    optimistic (cheap wide forwards) so that wide forwards get tried and measured.
-    """
+    def __init__(self, k: int):
+        super().__init__(k)
+        if k < 1:
+            raise ConfigError("the heuristic controller needs a starting length >= 1")
 
-    def __init__(self, prior_slope: float = 0.05, smoothing: float = 0.2):
-        self.prior_slope = prior_slope
-        self.smoothing = smoothing
-        self.seconds: dict[int, float] = {}
-
-    def observe(self, width: int, seconds: float) -> None:
-        if seconds <= 0:
+    def observe(self, drafted, accepted, confidence, verify_s, draft_s) -> None:
+        if drafted == 0:
             return
-        old = self.seconds.get(width)
-        self.seconds[width] = seconds if old is None else old + self.smoothing * (seconds - old)
+        self.k = self.k + 2 if accepted == drafted else max(1, self.k - 1)
 
-    def relative(self, width: int) -> float:
-        if 1 not in self.seconds or width == 1:
-            return 1.0 + self.prior_slope * (width - 1)
-        base = self.seconds[1]
-        if width in self.seconds:
-            return self.seconds[width] / base
-        below = max(w for w in self.seconds if w < width)
-        above = [w for w in self.seconds if w > width]
-        if not above:  # extrapolate with the prior's slope from the widest measured width
-            return self.seconds[below] / base + self.prior_slope * (width - below)
-        upper = min(above)
-        t = (width - below) / (upper - below)
-        return ((1 - t) * self.seconds[below] + t * self.seconds[upper]) / base
+    def __repr__(self) -> str:
+        return f"heuristic:{self.k}"
 
 
-def best_draft_length(confidence: Sequence[float], relative_cost) -> int:
-    """L in 0..len(confidence) maximising expected tokens per unit of time:
-    (1 + sum_{j<=L} prod_{i<=j} c_i) / relative_cost(L + 1)."""
-    best_length, best_rate = 0, 1.0 / relative_cost(1)
-    expected, survive = 1.0, 1.0
-    for length, c in enumerate(confidence, start=1):
-        survive *= min(max(c, 0.0), 1.0)
-        expected += survive
-        rate = expected / relative_cost(length + 1)
-        if rate > best_rate:
-            best_length, best_rate = length, rate
-    return best_length
-
-
-class ExpectedThroughput:
+class ExpectedThroughput(ConstantLength):
     """Drafts up to K and verifies the prefix with the best expected tokens per second."""
 
-    def __init__(self, k: int, cost: ForwardCostModel | None = None):
-        if not isinstance(k, int) or k < 1:
+    def __init__(self, k: int, cost: CostModel | None = None):
+        super().__init__(k)
+        if k < 1:
             raise ConfigError(f"the adaptive controller needs K >= 1, got {k!r}")
-        self.k = k
-        self.cost = cost or ForwardCostModel()
-
-    def next_length(self) -> int:
-        return self.k
+        self.cost = cost or CostModel()
 
     def cut(self, confidence: Sequence[float], proposed: int) -> int:
         if not confidence:
             return proposed
         return best_draft_length(confidence[:proposed], self.cost.relative)
 
-    def observe(self, drafted: int, accepted: int, confidence: Sequence[float], seconds: float) -> None:
-        self.cost.observe(drafted + 1, seconds)
+    def observe(self, drafted, accepted, confidence, verify_s, draft_s) -> None:
+        self.cost.observe(drafted + 1, verify_s, drafted, draft_s)
 
     def __repr__(self) -> str:
         return f"adaptive:{self.k}"
 
 
-CONTROLLERS = {"constant": ConstantLength, "adaptive": ExpectedThroughput}
+class BetaThompson(ConstantLength):
+    """Thompson sampling over one Beta posterior of the per-token acceptance probability."""
+
+    bins = 1
+
+    def __init__(self, k: int, decay: float = 0.98, seed: int | None = 0, cost: CostModel | None = None):
+        super().__init__(k)
+        if k < 1:
+            raise ConfigError(f"Thompson-sampling controllers need K >= 1, got {k!r}")
+        if not 0 < decay <= 1:
+            raise ConfigError(f"decay must be in (0, 1], got {decay}")
+        self.decay = decay
+        self.cost = cost or CostModel()
+        self.posterior = [[1.0, 1.0] for _ in range(self.bins)]  # [a, b] per bin
+        self._random = random.Random(seed)
+        self._thresholds = break_even_thresholds(k, self.cost.relative)
+
+    def _bin(self, confidence: float | None) -> int:
+        if confidence is None or self.bins == 1:
+            return 0
+        return min(int(confidence * self.bins), self.bins - 1)
+
+    def keep(self, j: int, confidence: float | None) -> bool:
+        a, b = self.posterior[self._bin(confidence)]
+        return self._random.betavariate(a, b) > self._thresholds[min(j, self.k) - 1]
+
+    def observe(self, drafted, accepted, confidence, verify_s, draft_s) -> None:
+        self.cost.observe(drafted + 1, verify_s, drafted, draft_s)
+        for posterior in self.posterior:
+            posterior[0] *= self.decay
+            posterior[1] *= self.decay
+        for j in range(min(drafted, accepted + 1)):
+            c = confidence[j] if j < len(confidence) else None
+            self.posterior[self._bin(c)][0 if j < accepted else 1] += 1.0
+        for posterior in self.posterior:  # never below the prior's strength
+            posterior[0], posterior[1] = max(posterior[0], 1e-3), max(posterior[1], 1e-3)
+        self._thresholds = break_even_thresholds(self.k, self.cost.relative)
+
+    def __repr__(self) -> str:
+        return f"beta-ts:{self.k}"
+
+
+class CalibratedThompson(BetaThompson):
+    """Thompson sampling with one Beta posterior per bin of the drafter's confidence."""
+
+    bins = 10
+
+    def __repr__(self) -> str:
+        return f"calibrated-ts:{self.k}"
+
+
+CONTROLLERS = {
+    "constant": ConstantLength,
+    "heuristic": Heuristic,
+    "adaptive": ExpectedThroughput,
+    "beta-ts": BetaThompson,
+    "calibrated-ts": CalibratedThompson,
+}
 
 
 def parse_controller(spec: str, default_k: int) -> Controller:

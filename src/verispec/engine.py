@@ -87,10 +87,11 @@ def decode(
         started = time.perf_counter()
         # 0. how far to draft: never past the token budget (a step commits drafts + 1)
         k = min(controller.next_length(), config.max_new_tokens - stats.new_tokens - 1)
-        # 1. propose, then keep the prefix the controller judges worth verifying
-        draft = drafter.propose(context, k) if k > 0 else EMPTY_DRAFT
+        # 1. propose (the controller may stop it token by token), keep the prefix worth verifying
+        draft = drafter.propose(context, k, controller.keep) if k > 0 else EMPTY_DRAFT
         assert len(draft) <= max(k, 0), f"drafter proposed {len(draft)} tokens for k={k}"
         draft = draft.prefix(controller.cut(draft.confidence, len(draft)))
+        draft_s = time.perf_counter() - started
         # 2. verify: the last committed token (not yet in the cache) and the draft, one forward
         verify_started = time.perf_counter()
         logits = target.forward([context[-1], *draft.tokens.tolist()])  # [k+1, vocab]
@@ -103,7 +104,7 @@ def decode(
         committed = [*draft.tokens[:n].tolist(), verdict.next_token]
         drafter.commit(committed, len(draft))
         # 5. update controller and stats
-        controller.observe(len(draft), n, draft.confidence, verify_s)
+        controller.observe(len(draft), n, draft.confidence, verify_s, draft_s)
         stats.record_step(len(draft), n)
         stats.decode_s += time.perf_counter() - started
 

@@ -116,7 +116,7 @@ class FastDecoder:
         assert reason is None, reason
         self.config = model.config
         body = model.get_decoder()
-        self.embed = body.embed_tokens
+        self.embed_tokens = body.embed_tokens
         self.norm = body.norm
         self.rotary = body.rotary_emb
         self._rotary_takes_type = "layer_type" in inspect.signature(self.rotary.forward).parameters
@@ -150,33 +150,55 @@ class FastDecoder:
             rope_layer_type=rope_type,
         )
 
-    def new_cache(self, capacity: int = 256) -> StaticKV:
-        return StaticKV(len(self.layers), self.kv_heads, self.head_dim, self.dtype, capacity)
+    def new_cache(self, capacity: int = 256, layers: int | None = None) -> StaticKV:
+        count = len(self.layers) if layers is None else layers
+        return StaticKV(count, self.kv_heads, self.head_dim, self.dtype, capacity)
+
+    def wrap_layer(self, layer) -> "_Layer":
+        """A transformers decoder layer of this architecture (e.g. a trained exit head's layer)
+        as a fast-path layer; run it with `run_layer`."""
+        return self._wrap(layer)
 
     @torch.inference_mode()
-    def hidden_states(self, ids: torch.Tensor, cache: StaticKV, layers: range | None = None,
-                      hidden: torch.Tensor | None = None, final_norm: bool = True) -> torch.Tensor:
-        """Run `ids` [n] at positions cache.length.. through `layers` (default: all) and the
-        final norm; append their keys/values to the cache. Returns [n, hidden].
+    def run_layer(self, layer: "_Layer", x: torch.Tensor, start: int, cache: StaticKV, cache_layer: int = 0) -> torch.Tensor:
+        """One extra layer (not one of the model's) over x [n, hidden] at positions start..,
+        with its keys/values in `cache` layer `cache_layer`."""
+        n = x.shape[0]
+        cache.reserve(start + n)
+        positions = torch.arange(start, start + n).unsqueeze(0)
+        args = (layer.rope_layer_type,) if layer.rope_layer_type is not None else ()
+        return self._layer(layer, cache_layer, x, start, cache, self.rotary(x, positions, *args))
 
-        `hidden` [n, hidden] starts from a given residual stream instead of the embeddings (to
-        run only later layers); the cache length then advances only when the last layer ran."""
-        n = ids.shape[0]
+    @torch.inference_mode()
+    def hidden_states(self, ids: torch.Tensor, cache: StaticKV) -> torch.Tensor:
+        """Final-normed states of `ids` [n] at positions cache.length..; appends their keys and
+        values to the cache and advances its length. Returns [n, hidden]."""
         start = cache.length
+        x = self.run(self.embed(ids), start, cache)
+        cache.length = start + ids.shape[0]
+        return self.norm(x)
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """Input embeddings of ids [n] -> [n, hidden]."""
+        return self.embed_tokens(ids.unsqueeze(0))[0]
+
+    @torch.inference_mode()
+    def run(self, x: torch.Tensor, start: int, cache: StaticKV, layers: range | None = None) -> torch.Tensor:
+        """The residual stream x [n, hidden] at positions start..start+n-1 through `layers`
+        (default: all), writing their keys/values into `cache` (its length is left alone: the
+        caller decides what is committed). Returns the residual stream after the last layer."""
+        n = x.shape[0]
         layers = layers if layers is not None else range(len(self.layers))
         cache.reserve(start + n)
-        x = self.embed(ids.unsqueeze(0))[0] if hidden is None else hidden  # [n, hidden]
         positions = torch.arange(start, start + n).unsqueeze(0)  # [1, n]
         rope = {}
         for index in layers:
             layer = self.layers[index]
             if layer.rope_layer_type not in rope:
                 args = (layer.rope_layer_type,) if layer.rope_layer_type is not None else ()
-                rope[layer.rope_layer_type] = self.rotary(x, positions, *args)  # [1, n, head_dim] each
+                rope[layer.rope_layer_type] = self.rotary(x, positions, *args)  # cos, sin [1, n, head_dim]
             x = self._layer(layer, index, x, start, cache, rope[layer.rope_layer_type])
-        if layers.stop == len(self.layers):
-            cache.length = start + n
-        return self.norm(x) if final_norm else x
+        return x
 
     def _layer(self, layer: _Layer, index: int, x: torch.Tensor, start: int, cache: StaticKV, rope) -> torch.Tensor:
         n = x.shape[0]

@@ -8,7 +8,7 @@ request, `begin` once, then per step `propose` and `commit`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol, Sequence
+from typing import Callable, Protocol, Sequence
 
 import torch
 
@@ -58,6 +58,22 @@ class Draft:
 
 EMPTY_DRAFT = Draft(torch.empty(0, dtype=torch.long))
 
+# keep(j, confidence): keep draft token j (1-based), produced with that confidence, and go on?
+Keep = Callable[[int, "float | None"], bool]
+
+
+def keep_all(j: int, confidence: float | None) -> bool:
+    return True
+
+
+def kept_prefix(confidence: Sequence[float | None], keep: Keep) -> int:
+    """How many leading tokens `keep` keeps, asking token by token (for drafters whose tokens
+    all exist before the decision, such as n-gram drafts)."""
+    for j, c in enumerate(confidence, start=1):
+        if not keep(j, c):
+            return j - 1
+    return len(confidence)
+
 
 class Drafter(Protocol):
     """What the engine needs from a draft source."""
@@ -65,8 +81,9 @@ class Drafter(Protocol):
     def begin(self, prompt: Sequence[int]) -> None:
         """Build per-request state from the prompt ids."""
 
-    def propose(self, context: Sequence[int], k: int) -> Draft:
-        """Propose up to k tokens to follow `context` (prompt + committed tokens)."""
+    def propose(self, context: Sequence[int], k: int, keep: Keep = keep_all) -> Draft:
+        """Propose up to k tokens to follow `context` (prompt + committed tokens), asking
+        `keep` after each token whether to keep it and go on."""
 
     def commit(self, committed: Sequence[int], n_proposed: int) -> None:
         """Learn the tokens committed this step (the accepted draft prefix plus the target's
@@ -79,7 +96,7 @@ class NullDrafter:
     def begin(self, prompt: Sequence[int]) -> None:
         pass
 
-    def propose(self, context: Sequence[int], k: int) -> Draft:
+    def propose(self, context: Sequence[int], k: int, keep: Keep = keep_all) -> Draft:
         return EMPTY_DRAFT
 
     def commit(self, committed: Sequence[int], n_proposed: int) -> None:

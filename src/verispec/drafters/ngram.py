@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from ..errors import ConfigError
-from .base import Draft
+from .base import Draft, Keep, keep_all, kept_prefix
 
 
 @dataclass
@@ -170,11 +170,13 @@ class AnpdDrafter:
         self.tables.extend(prompt)
         self._outcomes, self._last_kinds = {}, []
 
-    def propose(self, context: Sequence[int], k: int) -> Draft:
+    def propose(self, context: Sequence[int], k: int, keep: Keep = keep_all) -> Draft:
         matches = self.tables.draft_matches(k)
-        self._last_kinds = [(m.n, min(m.count, 3)) for m in matches]
-        confidence = tuple(self._confidence(kind) for kind in self._last_kinds)
-        return Draft(torch.tensor([m.token for m in matches], dtype=torch.long), confidence=confidence)
+        kinds = [(m.n, min(m.count, 3)) for m in matches]
+        confidence = tuple(self._confidence(kind) for kind in kinds)
+        n = kept_prefix(confidence, keep)
+        self._last_kinds = kinds[:n]
+        return Draft(torch.tensor([m.token for m in matches[:n]], dtype=torch.long), confidence=confidence[:n])
 
     def _confidence(self, kind: tuple[int, int]) -> float:
         accepted, rejected = self._outcomes.get(kind, (0, 0))
@@ -217,8 +219,9 @@ class PromptLookupDrafter:
     def begin(self, prompt: Sequence[int]) -> None:
         pass
 
-    def propose(self, context: Sequence[int], k: int) -> Draft:
-        return Draft.of(prompt_lookup(context, self.max_ngram, k))
+    def propose(self, context: Sequence[int], k: int, keep: Keep = keep_all) -> Draft:
+        tokens = prompt_lookup(context, self.max_ngram, k)
+        return Draft.of(tokens[: kept_prefix([None] * len(tokens), keep)])
 
     def commit(self, committed: Sequence[int], n_proposed: int) -> None:
         pass
