@@ -52,6 +52,9 @@ def make_config(arch: str, vocab_size: int = 128, init: float = 0.1, max_positio
             num_attention_heads=4, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16,
             max_position_embeddings=max_positions, sliding_window=SLIDING_WINDOW,
             layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            # Untied: with tied embeddings (scaled by sqrt(hidden)) a tiny random Gemma 3 just
+            # repeats its last input token, which would make every equivalence test trivial.
+            tie_word_embeddings=False,
             initializer_range=init, **no_special,
         )
     elif arch == "qwen2":

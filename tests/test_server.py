@@ -164,6 +164,25 @@ def test_chat_uses_encode_messages(client, reference, tokenizer):
     assert_metrics(extension(response), "anpd", 20)
 
 
+def test_chat_uses_the_chat_template_when_there_is_one(client, reference, tokenizer, main_server):
+    template = ("{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('no system role') }}"
+                "{% endif %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:")
+    assert main_server.target.tokenizer is tokenizer
+    tokenizer.chat_template = template  # read per request; removed below
+    try:
+        messages = [{"role": "user", "content": "hi there"}]
+        response = client.chat.completions.create(model=MODEL_ID, messages=messages, max_tokens=10, **GREEDY)
+        ids = encode_messages(tokenizer, messages)
+        assert ids == tokenizer("user: hi there\nassistant:")["input_ids"]
+        assert response.usage.prompt_tokens == len(ids)
+        assert response.choices[0].message.content == expected(reference, ids, max_new_tokens=10).text
+        refused = httpx.post(main_server.url + "/v1/chat/completions", headers=auth(), json={
+            "messages": [{"role": "system", "content": "x"}, {"role": "user", "content": "y"}]})
+        assert "no system role" in assert_error(refused, 400, "messages")["message"]
+    finally:
+        tokenizer.chat_template = None
+
+
 def test_method_field_and_lossless_methods_agree(client):
     texts = {}
     for method in ("ar", "pld", "anpd"):
@@ -508,6 +527,14 @@ def test_serve_validates_before_loading(monkeypatch, args, fragment):
     assert result.stderr.startswith("error:") and fragment in " ".join(result.stderr.split()), result.stderr
 
 
+def test_serve_reads_the_api_key_from_the_environment(monkeypatch):
+    import verispec.cli as cli
+
+    monkeypatch.setattr(cli, "_load", lambda *a, **k: pytest.fail("loaded a model before validating"))
+    result = CliRunner().invoke(cli.app, ["serve", "--port", "0"], env={"VERISPEC_API_KEY": "  "})
+    assert result.exit_code == 2 and "API key" in result.stderr, result.stderr
+
+
 def test_serve_refuses_a_busy_port_before_loading(monkeypatch, main_server):
     import verispec.cli as cli
 
@@ -515,3 +542,41 @@ def test_serve_refuses_a_busy_port_before_loading(monkeypatch, main_server):
     result = CliRunner().invoke(cli.app, ["serve", "--port", str(main_server.port)])
     assert result.exit_code == 2
     assert result.stderr.startswith("error:") and "cannot listen" in result.stderr
+
+
+def test_serve_command_end_to_end(tmp_path, tokenizer):
+    """`verispec serve` as a process: loads a saved model, prints its URL, answers with the key,
+    and stops cleanly on SIGINT."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    model_dir = tmp_path / "tiny-model"
+    config = helpers.make_config("llama", vocab_size=len(tokenizer), init=0.1, max_positions=256)
+    helpers.make_model(config, seed=3).save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    log = open(tmp_path / "serve.log", "w+")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "verispec.cli", "serve", "--model", str(model_dir), "--dtype", "float32",
+         "--port", "0", "--method", "pld"],
+        stdout=subprocess.PIPE, stderr=log, text=True, env={**os.environ, "VERISPEC_API_KEY": "k"})
+    try:
+        url = process.stdout.readline().strip()
+        assert url.startswith("http://127.0.0.1:") and url.endswith("/v1"), (url, log.seek(0) or log.read())
+        client = OpenAI(base_url=url, api_key="k", max_retries=0, timeout=30)
+        response = client.completions.create(model="tiny-model", prompt="hello world", max_tokens=8, **GREEDY)
+        assert response.usage.completion_tokens == 8
+        assert extension(response)["method"] == "pld"  # the --method default
+        assert httpx.get(url.removesuffix("/v1") + "/v1/models").status_code == 401
+    finally:
+        process.send_signal(signal.SIGINT)
+        try:
+            code = process.wait(timeout=20)
+        finally:
+            process.kill()
+            log.seek(0)
+            output = log.read()
+            log.close()
+    assert code in (0, 130), output  # uvicorn re-raises SIGINT after its graceful shutdown: 130
+    assert "Traceback" not in output and "Application shutdown complete" in output, output

@@ -176,7 +176,7 @@ def test_stop_string_completed_mid_step_drops_the_rest_of_the_step(text_target, 
     assert prompt_len > 0
     drafters = []
 
-    def scripted_build(name, target, options=MethodOptions()):
+    def scripted_build(name, target, options=MethodOptions(), sampling=None):
         drafter = helpers.ScriptedDrafter(full.token_ids, "all", target.vocab_size)
         drafters.append(drafter)
         return helpers.scripted_recipe(drafter, 8)

@@ -57,7 +57,7 @@ class TextStream:
         self.result: GenerationResult | None = None
         self._assembler = TextAssembler(target.tokenizer, request.stop)
         config = DecodeConfig(request.max_new_tokens, request.sampling, target.eos_token_ids)
-        recipe = build(request.method, target, request.options)
+        recipe = build(request.method, target, request.options, request.sampling)
         self._steps = decode(target, recipe, list(request.prompt_ids), config, self.stats)
 
     def __iter__(self) -> Iterator[str]:

@@ -332,6 +332,78 @@ def info(
     out.print(table)
 
 
+def _listen(host: str, port: int):
+    """A listening TCP socket on (host, port), bound before the model loads so that a busy port
+    fails at once."""
+    import socket
+
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror as error:
+        raise VerispecError(f"cannot resolve host {host!r}: {error.strerror}") from None
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError as error:
+        sock.close()
+        raise VerispecError(f"cannot listen on {host}:{port}: {error.strerror or error}") from None
+    sock.listen(2048)
+    return sock
+
+
+@app.command()
+def serve(
+    model: Optional[str] = typer.Option(None, help="Model directory, .gguf file or cached hub id (default: embedded Gemma 3 270M)."),
+    dtype: str = typer.Option("auto", help="auto | float32 | bfloat16 | float16."),
+    method: str = typer.Option("anpd", "--method", "-m", help="Default decoding method (a request may choose another with the `method` field)."),
+    host: str = typer.Option("127.0.0.1", help="Address to listen on (0.0.0.0 exposes the server to the network)."),
+    port: int = typer.Option(8000, help="TCP port (0 = any free port)."),
+    api_key: Optional[str] = typer.Option(None, "--api-key", envvar="VERISPEC_API_KEY", show_envvar=True,
+                                          help="Require 'Authorization: Bearer KEY' (except on /health)."),
+    max_queue: int = typer.Option(16, "--max-queue", help="Requests that may wait for the worker; more get 429."),
+    request_timeout: float = typer.Option(300.0, "--request-timeout", help="Seconds a request may take from arrival, queue wait included (0 = no limit)."),
+    max_tokens_limit: int = typer.Option(1024, "--max-tokens-limit", help="Largest max_tokens a request may ask for (also the default)."),
+    model_id: Optional[str] = typer.Option(None, "--model-id", help="Model id clients send (default: verispec-default, or the model path's basename)."),
+) -> None:
+    """Serve the model over an OpenAI-compatible HTTP API; one worker thread generates, one request at a time."""
+    from .methods import get_method
+    from .model import resolve_dtype
+    from .server import ServerSettings, create_app, default_model_id
+
+    try:
+        # Everything that needs no model is checked before the model is loaded.
+        get_method(method)
+        resolve_dtype(dtype)
+        if not 0 <= port <= 65535:
+            _fail(f"--port must be in 0..65535, got {port}")
+        settings = ServerSettings(
+            model_id=model_id if model_id is not None else default_model_id(model),
+            default_method=method,
+            api_key=api_key,
+            max_queue=max_queue,
+            request_timeout=request_timeout,
+            max_tokens_limit=max_tokens_limit,
+        )
+        sock = _listen(host, port)
+        target = _load(model, dtype)
+    except VerispecError as error:
+        _fail(str(error))
+        return
+    import uvicorn
+
+    bound_host, bound_port = sock.getsockname()[:2]
+    shown_host = f"[{bound_host}]" if ":" in bound_host else bound_host
+    url = f"http://{shown_host}:{bound_port}/v1"
+    err.print(f"serving {target.name} as '{settings.model_id}' ({str(target.dtype).replace('torch.', '')}, "
+              f"method {method}) at {url}", highlight=False, soft_wrap=True)
+    print(url, flush=True)
+    config = uvicorn.Config(create_app(target, settings), log_level="info", lifespan="on",
+                            timeout_graceful_shutdown=5)
+    uvicorn.Server(config).run(sockets=[sock])
+
+
 def main() -> None:
     """Console-script entry point."""
     app()

@@ -2,9 +2,9 @@
 
 A controller is a small stateful policy consulted at three points of every step:
 - `next_length()` before drafting: the most tokens the drafter may propose (K);
-- `keep(j, confidence)` while drafting, after draft token j (1-based) was produced with the
-  drafter's confidence in it: False drops token j and ends the draft. Drafters call it token by
-  token, so a costly drafter stops drafting as soon as the controller says so;
+- `keep(j, confidence)` while drafting, before producing draft token j + 1: go on drafting,
+  given that j tokens were drafted and the last one had this confidence (None when j = 0)?
+  Drafters call it token by token, so a costly drafter never drafts a token it then drops;
 - `cut(confidence, proposed)` after drafting: how many of the proposed tokens to verify;
 - `observe(drafted, accepted, confidence, verify_s, draft_s)` after verification, with the time
   of the target forward over drafted + 1 tokens and the time spent drafting.
@@ -20,15 +20,19 @@ Controllers know nothing of models; they are tested on synthetic acceptance stre
   the measured time of drafting L tokens and verifying L + 1 (`CostModel`). Meant for drafters
   whose confidence is a calibrated acceptance estimate (ANPD's is).
 - `beta-ts[:K]`: Thompson sampling over a Beta(a, b) posterior of the per-token acceptance
-  probability alpha. After each draft token j, draw theta ~ Beta(a, b) and keep drafting while
-  theta exceeds tau_j, the smallest alpha for which drafting at least j tokens maximises the
-  expected tokens per second under the measured costs (`break_even_thresholds`). After each
-  verification, a += accepted and b += 1 if a draft token was rejected (tokens after the first
-  rejection are unobserved), both first multiplied by `decay` (default 0.98) so that the
-  posterior tracks drift. Prior Beta(1, 1).
-- `calibrated-ts[:K]`: the same rule with one Beta posterior per bin of the drafter's
-  confidence (10 equal bins of [0, 1]): the draw for token j comes from the posterior of the bin
-  its confidence falls in, so the stop decision uses the drafter's confidence calibrated online.
+  probability alpha. Before each draft token j + 1, draw theta_j ~ Beta(a, b) and go on while
+  the geometric mean of the draws so far, (theta_1 ... theta_j)^(1/j), exceeds tau_j: the
+  smallest alpha for which drafting at least j + 1 tokens maximises the expected tokens per
+  second under the measured costs (`break_even_thresholds`: the cost ratio of a draft token to a
+  target forward, and the verify cost by width). After each verification,
+  a += accepted and b += 1 if a draft token was rejected (tokens after the first rejection are
+  unobserved), both first multiplied by `decay` (default 0.98) so that the posterior tracks
+  drift. Prior Beta(1, 1).
+- `calibrated-ts[:K]`: the same rule, but the draw after token j comes from a Beta posterior of
+  the bin (10 equal bins of [0, 1]) that token j's confidence falls in, learned online from
+  which tokens of each bin were accepted: the stop decision uses the drafter's confidence
+  (an exit head's top-1 probability) calibrated online. Before the first token (no confidence
+  yet) it uses an overall posterior, as beta-ts does.
 
 The paper's exact priors and stopping rule could not be read here; these are the rules
 implemented, with the defaults above.
@@ -36,6 +40,7 @@ implemented, with the defaults above.
 
 from __future__ import annotations
 
+import math
 import random
 from typing import Protocol, Sequence
 
@@ -83,24 +88,42 @@ class CostModel:
             weight = drafted / self._draft_tokens if self._draft_tokens < 50 else self.smoothing
             self.draft_per_token += weight * (draft_s / drafted - self.draft_per_token)
 
+    def base(self) -> float | None:
+        """Seconds of a one-token forward: measured, or estimated from the measured widths (the
+        intercept of a least-squares line when two or more widths are known, else through the
+        prior's slope); None before any measurement."""
+        if 1 in self.seconds:
+            return self.seconds[1]
+        if not self.seconds:
+            return None
+        if len(self.seconds) == 1:
+            (width, seconds), = self.seconds.items()
+            return seconds / (1.0 + self.prior_slope * (width - 1))
+        xs, ys = list(self.seconds), list(self.seconds.values())
+        mean_x, mean_y = sum(xs) / len(xs), sum(ys) / len(ys)
+        slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / sum((x - mean_x) ** 2 for x in xs)
+        intercept = mean_y - slope * (mean_x - 1)
+        return max(intercept, min(ys) * 0.25)
+
     def verify(self, width: int) -> float:
         """Seconds of a target forward of `width` tokens, relative to width 1."""
-        if 1 not in self.seconds or width == 1:
+        base = self.base()
+        if base is None or width == 1:
             return 1.0 + self.prior_slope * (width - 1)
-        base = self.seconds[1]
         if width in self.seconds:
             return self.seconds[width] / base
-        below = max((w for w in self.seconds if w < width), default=1)
-        above = [w for w in self.seconds if w > width]
+        known = {1: base, **self.seconds}
+        below = max(w for w in known if w < width)
+        above = [w for w in known if w > width]
         if not above:  # extrapolate with the prior's slope from the widest measured width
-            return self.seconds[below] / base + self.prior_slope * (width - below)
+            return known[below] / base + self.prior_slope * (width - below)
         upper = min(above)
         t = (width - below) / (upper - below)
-        return ((1 - t) * self.seconds[below] + t * self.seconds[upper]) / base
+        return ((1 - t) * known[below] + t * known[upper]) / base
 
     def draft_ratio(self) -> float:
         """Seconds of one draft token relative to a one-token target forward."""
-        base = self.seconds.get(1)
+        base = self.base()
         return self.draft_per_token / base if base else 0.0
 
     def relative(self, length: int) -> float:
@@ -203,9 +226,9 @@ class ExpectedThroughput(ConstantLength):
 
 
 class BetaThompson(ConstantLength):
-    """Thompson sampling over one Beta posterior of the per-token acceptance probability."""
+    """Thompson sampling over a Beta posterior of the per-token acceptance probability."""
 
-    bins = 1
+    bins = 0  # confidence bins (0: one overall posterior only)
 
     def __init__(self, k: int, decay: float = 0.98, seed: int | None = 0, cost: CostModel | None = None):
         super().__init__(k)
@@ -215,28 +238,43 @@ class BetaThompson(ConstantLength):
             raise ConfigError(f"decay must be in (0, 1], got {decay}")
         self.decay = decay
         self.cost = cost or CostModel()
-        self.posterior = [[1.0, 1.0] for _ in range(self.bins)]  # [a, b] per bin
+        # posterior[0] is the overall one; posterior[1 + b] that of confidence bin b.
+        self.posterior = [[1.0, 1.0] for _ in range(1 + self.bins)]
         self._random = random.Random(seed)
         self._thresholds = break_even_thresholds(k, self.cost.relative)
+        self._log_survival = 0.0
 
-    def _bin(self, confidence: float | None) -> int:
-        if confidence is None or self.bins == 1:
+    def _index(self, confidence: float | None) -> int:
+        if confidence is None or not self.bins:
             return 0
-        return min(int(confidence * self.bins), self.bins - 1)
+        return 1 + min(int(confidence * self.bins), self.bins - 1)
 
     def keep(self, j: int, confidence: float | None) -> bool:
-        a, b = self.posterior[self._bin(confidence)]
-        return self._random.betavariate(a, b) > self._thresholds[min(j, self.k) - 1]
+        if j >= self.k:
+            return False
+        if j == 0:
+            self._log_survival = 0.0
+            a, b = self.posterior[0]
+            return self._random.betavariate(a, b) > self._thresholds[0]
+        a, b = self.posterior[self._index(confidence)]
+        # The draft so far survives verification with probability prod theta_i (one draw per
+        # token, from the posterior of its confidence bin); go on while its geometric mean
+        # clears the break-even acceptance for a longer draft. With one posterior this is the
+        # plain rule theta > tau_j on a fresh draw per token, up to the running product.
+        self._log_survival += math.log(max(self._random.betavariate(a, b), 1e-12))
+        return math.exp(self._log_survival / j) > self._thresholds[j]
 
     def observe(self, drafted, accepted, confidence, verify_s, draft_s) -> None:
         self.cost.observe(drafted + 1, verify_s, drafted, draft_s)
         for posterior in self.posterior:
             posterior[0] *= self.decay
             posterior[1] *= self.decay
-        for j in range(min(drafted, accepted + 1)):
-            c = confidence[j] if j < len(confidence) else None
-            self.posterior[self._bin(c)][0 if j < accepted else 1] += 1.0
-        for posterior in self.posterior:  # never below the prior's strength
+        for j in range(min(drafted, accepted + 1)):  # observed: accepted tokens and the first rejection
+            outcome = 0 if j < accepted else 1
+            self.posterior[0][outcome] += 1.0
+            if self.bins and j < len(confidence):
+                self.posterior[self._index(confidence[j])][outcome] += 1.0
+        for posterior in self.posterior:  # keep the parameters valid for betavariate
             posterior[0], posterior[1] = max(posterior[0], 1e-3), max(posterior[1], 1e-3)
         self._thresholds = break_even_thresholds(self.k, self.cost.relative)
 

@@ -2,37 +2,49 @@
 
 The registry `METHODS` is the single list every shell (CLI, benchmark, server) offers; adding a
 method here makes it available everywhere. `MethodOptions` carries every per-method knob, with
-`None` meaning "the method's default".
+`None` meaning "the method's default". Defaults chosen by measurement are explained in README.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 from .acceptance import verify_lossless
 from .control import parse_controller
 from .drafters.base import Drafter, NullDrafter
+from .drafters.early_exit import EarlyExitDrafter, PreparedHead, load_head
 from .drafters.ngram import AnpdDrafter, NgramConfig, PromptLookupDrafter
 from .engine import Recipe, Rule
-from .errors import ConfigError
-from .model import Target
+from .errors import ConfigError, ModelLoadError
+from .model import DEFAULT_MODEL_NAME, Target
+from .sampling import SamplingConfig
+
+# The exit head trained for the embedded default model ships inside the package.
+DEFAULT_EXIT_HEAD = Path(__file__).parent / "data" / "exit_heads" / "gemma-3-270m"
 
 
 @dataclass(frozen=True)
 class MethodOptions:
     """Knobs shared by the shells. None = the method's own default."""
 
-    draft_length: int | None = None  # K: tokens drafted per step by a constant controller
-    controller: str | None = None  # e.g. "constant:8"
+    draft_length: int | None = None  # K: most tokens drafted per step
+    controller: str | None = None  # e.g. "constant:8", "beta-ts"
     ngram_max_n: int = 5  # ANPD: largest n-gram order
     pld_max_ngram: int = 3  # prompt lookup: longest n-gram matched
+    exit_head: str | None = None  # EESD: directory of a trained exit head (default: the shipped one)
 
     def __post_init__(self) -> None:
         if self.draft_length is not None and (not isinstance(self.draft_length, int) or self.draft_length < 1):
             raise ConfigError(f"draft length must be an integer >= 1, got {self.draft_length!r}")
         if self.controller is not None:
             parse_controller(self.controller, self.draft_length or 1)  # validates the spec
+        if self.exit_head is not None and not Path(self.exit_head).expanduser().is_dir():
+            raise ConfigError(f"exit head directory not found: {self.exit_head}")
+
+
+MakeDrafter = Callable[[Target, MethodOptions, SamplingConfig], Drafter]
 
 
 @dataclass(frozen=True)
@@ -41,21 +53,48 @@ class Method:
     summary: str
     lossless: bool
     default_length: int
-    make_drafter: Callable[[Target, MethodOptions], Drafter]
+    make_drafter: MakeDrafter
     default_controller: str = "constant"
     rule: Rule = verify_lossless
 
 
-# Draft lengths chosen by measurement on the default model; see README "Choosing K".
+def prepared_exit_head(target: Target, directory: str | None) -> PreparedHead:
+    """The exit head for `target` (the shipped one by default), loaded once per target."""
+    path = Path(directory).expanduser() if directory else DEFAULT_EXIT_HEAD
+    key = ("exit-head", str(path.resolve()))
+    if key not in target.attachments:
+        if directory is None and not (path / "exit_head.json").is_file():
+            raise ModelLoadError("no exit head ships with this installation; train one with `verispec train-exit`")
+        try:
+            head, spec = load_head(path, target.model, target.name)
+        except ModelLoadError as error:
+            if directory is None and target.name != DEFAULT_MODEL_NAME:
+                raise ModelLoadError(
+                    f"the shipped exit head is for the embedded default model, not {target.name}; "
+                    f"train one with `verispec train-exit --model ...` and pass --exit-head"
+                ) from error
+            raise
+        target.attachments[key] = PreparedHead(target, head, spec)
+    return target.attachments[key]
+
+
+def _eesd(target: Target, options: MethodOptions, sampling: SamplingConfig) -> Drafter:
+    return EarlyExitDrafter(target, prepared_exit_head(target, options.exit_head), sampling)
+
+
+# Draft lengths and controllers chosen by measurement on the default model; see README.
 METHODS: dict[str, Method] = {
     m.name: m
     for m in (
         Method("ar", "autoregressive decoding: one target forward per token (the baseline)", True, 0,
-               lambda target, options: NullDrafter()),
+               lambda target, options, sampling: NullDrafter()),
         Method("pld", "prompt lookup: copy what followed the last n-gram match in the context", True, 10,
-               lambda target, options: PromptLookupDrafter(options.pld_max_ngram)),
+               lambda target, options, sampling: PromptLookupDrafter(options.pld_max_ngram)),
         Method("anpd", "ANPD: adaptive multi-level n-gram tables from the prompt and the output", True, 16,
-               lambda target, options: AnpdDrafter(NgramConfig(max_n=options.ngram_max_n)), "adaptive"),
+               lambda target, options, sampling: AnpdDrafter(NgramConfig(max_n=options.ngram_max_n)),
+               "adaptive"),
+        Method("eesd", "EESD: the target's first layers plus a trained exit head, Thompson-sampled length",
+               True, 8, _eesd, "beta-ts"),
     )
 }
 
@@ -71,7 +110,8 @@ def get_method(name: str) -> Method:
         raise ConfigError(f"unknown method {name!r}; choose one of {', '.join(METHODS)}") from None
 
 
-def build(name: str, target: Target, options: MethodOptions = MethodOptions()) -> Recipe:
+def build(name: str, target: Target, options: MethodOptions = MethodOptions(),
+          sampling: SamplingConfig = SamplingConfig()) -> Recipe:
     """A fresh recipe (drafter with its own state, controller, rule) for one request."""
     method = get_method(name)
     length = options.draft_length if options.draft_length is not None else method.default_length
@@ -79,4 +119,4 @@ def build(name: str, target: Target, options: MethodOptions = MethodOptions()) -
         controller = parse_controller("constant", 0)
     else:
         controller = parse_controller(options.controller or method.default_controller, length)
-    return Recipe(method.make_drafter(target, options), controller, method.rule)
+    return Recipe(method.make_drafter(target, options, sampling), controller, method.rule)

@@ -237,6 +237,9 @@ class Target:
         self.cache = None
         self._body = model.get_decoder()
         self._fast = None
+        self._capture_layer = 0
+        self.exit_capture = None
+        self.attachments: dict = {}  # things built once per target (e.g. prepared exit heads)
         if fast:
             reason = FastDecoder.supports(model)
             if reason is None:
@@ -283,7 +286,9 @@ class Target:
         return self._fast is not None
 
     def reset(self) -> None:
-        """Start a new request: an empty KV cache."""
+        """Start a new request: an empty KV cache, no exit-layer capture."""
+        self._capture_layer = 0
+        self.exit_capture = None
         if self._fast is None:
             self.cache = new_cache(self.model)
         elif isinstance(self.cache, StaticKV):
@@ -316,10 +321,27 @@ class Target:
         return self._head(hidden[-1:] if last_only else hidden)
 
     def hidden_states(self, ids: torch.Tensor) -> torch.Tensor:
-        """Final-normed decoder states of `ids` [1, n] -> [n, hidden], appended to the cache."""
-        if self._fast is not None:
-            return self._fast.hidden_states(ids[0], self.cache)
-        return self._body(input_ids=ids, cache=self.cache, use_cache=True).last_hidden_state[0]
+        """Final-normed decoder states of `ids` [1, n] -> [n, hidden], appended to the cache.
+        With an exit layer set (`capture_exit`), also keeps the residual stream after that many
+        layers in `exit_capture` = (first position, [n, hidden])."""
+        if self._fast is None:
+            return self._body(input_ids=ids, cache=self.cache, use_cache=True).last_hidden_state[0]
+        start, n = self.cache.length, ids.shape[1]
+        x = self._fast.embed(ids[0])  # [n, hidden]
+        if self._capture_layer:
+            x = self._fast.run(x, start, self.cache, range(self._capture_layer))
+            self.exit_capture = (start, x)
+            x = self._fast.run(x, start, self.cache, range(self._capture_layer, len(self._fast.layers)))
+        else:
+            x = self._fast.run(x, start, self.cache)
+        self.cache.length = start + n
+        return self._fast.norm(x)
+
+    def capture_exit(self, layer: int) -> None:
+        """Keep the residual stream after `layer` layers of every forward (fast path; for
+        early-exit drafters). Cleared by `reset()`."""
+        assert self._fast is not None, "capturing an exit layer needs the fast path"
+        self._capture_layer = layer
 
     # -- our own LM head is used only where it is exact --------------------------------------
     @torch.inference_mode()

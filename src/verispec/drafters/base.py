@@ -58,7 +58,8 @@ class Draft:
 
 EMPTY_DRAFT = Draft(torch.empty(0, dtype=torch.long))
 
-# keep(j, confidence): keep draft token j (1-based), produced with that confidence, and go on?
+# keep(j, confidence): j tokens drafted so far, the last with this confidence (None when j = 0):
+# draft another one?
 Keep = Callable[[int, "float | None"], bool]
 
 
@@ -67,11 +68,13 @@ def keep_all(j: int, confidence: float | None) -> bool:
 
 
 def kept_prefix(confidence: Sequence[float | None], keep: Keep) -> int:
-    """How many leading tokens `keep` keeps, asking token by token (for drafters whose tokens
-    all exist before the decision, such as n-gram drafts)."""
-    for j, c in enumerate(confidence, start=1):
-        if not keep(j, c):
-            return j - 1
+    """How many leading tokens of an already-made draft `keep` lets through, asking token by
+    token (for drafters whose tokens cost nothing to make, such as n-gram drafts)."""
+    previous = None
+    for j, c in enumerate(confidence):
+        if not keep(j, previous):
+            return j
+        previous = c
     return len(confidence)
 
 
@@ -83,7 +86,7 @@ class Drafter(Protocol):
 
     def propose(self, context: Sequence[int], k: int, keep: Keep = keep_all) -> Draft:
         """Propose up to k tokens to follow `context` (prompt + committed tokens), asking
-        `keep` after each token whether to keep it and go on."""
+        `keep` before each token whether to go on."""
 
     def commit(self, committed: Sequence[int], n_proposed: int) -> None:
         """Learn the tokens committed this step (the accepted draft prefix plus the target's

@@ -1,0 +1,276 @@
+"""EESD drafting: the target's own first N layers plus a small trained exit head.
+
+Owns the exit head (`ExitHead`, an nn.Module: one decoder layer of the target's architecture, a
+final norm, and a projection onto a reduced draft vocabulary), its file format (safetensors +
+JSON, `save_head` / `load_head`, refusing a head made for another model or layer), and the
+drafter (`EarlyExitDrafter`). Training lives in `verispec.train`.
+
+The head's layer is initialised from the target's last layer: the head must turn the residual
+stream at depth N into the hidden state the final norm and the LM head read, and the last layer
+is the one whose output already lives in that space (its input statistics differ, which training
+fixes). Its output projection is the rows of the target's own output embedding for the V_d most
+frequent tokens of the training corpus; it is tied, not trained or stored, so a head file holds
+one layer and a norm (about 11 MB in bfloat16 for Gemma 3 270M). q is zero outside the draft
+vocabulary, which keeps speculative sampling lossless (the rejection step covers those tokens).
+
+Shared cache (fast path only): to draft, the drafter runs the target's layers 0..N-1 for its
+tokens writing into the target's own static KV cache, at positions past the committed length
+that the verification forward then overwrites; context tokens are never recomputed. The head
+keeps its own one-layer static cache, rolled back by moving its length. After verification, the
+accepted tokens' head entries are already there (drafting computed them) except for the last
+draft token when everything was accepted; its layer-N state is taken from the verification
+forward itself (`Target.exit_capture`), so committed target cache entries are never rewritten.
+Verification runs the full model on every verified token (it does not reuse the draft's layer-N
+states): the savings would be at most N/L of the body's cost on the drafted tokens, and reusing
+them would make the target's numerics depend on how the draft was computed.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import inspect
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from ..cache import StaticKV
+from ..errors import ConfigError, ModelLoadError
+from ..sampling import SamplingConfig, probabilities
+from .base import Draft, Keep, keep_all
+
+HEAD_WEIGHTS = "exit_head.safetensors"
+HEAD_CONFIG = "exit_head.json"
+
+
+def target_fingerprint(model) -> str:
+    """Identifies a target model independently of the dtype it was loaded in: architecture,
+    sizes, and a checksum of a fixed sample of its input embeddings (rounded to bfloat16)."""
+    config = model.config
+    embedding = model.get_input_embeddings().weight.detach()
+    rows = embedding[:: max(1, embedding.shape[0] // 512)][:, :64]
+    sample = rows.to(torch.bfloat16).float().numpy().tobytes()
+    digest = hashlib.sha256(sample).hexdigest()[:16]
+    return (f"{config.model_type}-layers{config.num_hidden_layers}-hidden{config.hidden_size}"
+            f"-vocab{embedding.shape[0]}-{digest}")
+
+
+@dataclass(frozen=True)
+class ExitHeadSpec:
+    """What a head file says about itself (the JSON next to its weights)."""
+
+    target: str  # target_fingerprint of the model it was trained for
+    target_name: str
+    exit_layer: int  # N: the head reads the residual stream after the target's first N layers
+    init_layer: int  # the target layer the head's layer was initialised from
+    draft_vocab: tuple[int, ...]  # V_d token ids, most frequent first
+    training: dict = field(default_factory=dict)  # data, steps, loss, held-out metrics
+
+
+class ExitHead(torch.nn.Module):
+    """One decoder layer + final norm; logits over the draft vocabulary through the target's
+    own (tied, frozen) output-embedding rows."""
+
+    def __init__(self, model, exit_layer: int, draft_vocab: Sequence[int], init_layer: int | None = None):
+        super().__init__()
+        body = model.get_decoder()
+        layers = len(body.layers)
+        if not 1 <= exit_layer <= layers:
+            raise ConfigError(f"exit layer must be in 1..{layers} for this model, got {exit_layer}")
+        self.exit_layer = exit_layer
+        self.init_layer = layers - 1 if init_layer is None else init_layer
+        self.layer = copy.deepcopy(body.layers[self.init_layer])
+        self.norm = copy.deepcopy(body.norm)
+        self.register_buffer("vocab", torch.tensor(list(draft_vocab), dtype=torch.long), persistent=False)
+        # The target's output embedding and rotary module are used, not owned: kept out of this
+        # module's parameters, state dict and dtype casts.
+        object.__setattr__(self, "_output", model.get_output_embeddings().weight.detach())  # [vocab, d]
+        object.__setattr__(self, "_rotary", body.rotary_emb)
+        self._rotary_args = (
+            (model.config.layer_types[self.init_layer],)
+            if "layer_type" in inspect.signature(body.rotary_emb.forward).parameters else ()
+        )
+        self._window = getattr(self.layer.self_attn, "sliding_window", None)
+        for parameter in self.parameters():
+            parameter.requires_grad_(True)
+
+    def output_rows(self) -> torch.Tensor:
+        """The draft vocabulary's rows of the target's output embedding: [V_d, hidden]."""
+        return self._output.detach()[self.vocab]
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Training/reference forward over whole sequences. hidden: [B, T, d] (the residual
+        stream after N target layers, positions 0..T-1) -> draft logits [B, T, V_d]."""
+        batch, length, _ = hidden.shape
+        positions = torch.arange(length).unsqueeze(0).expand(batch, -1)  # [B, T]
+        rope = self._rotary(hidden, positions, *self._rotary_args)
+        query, key = torch.arange(length).unsqueeze(1), torch.arange(length).unsqueeze(0)
+        visible = key <= query
+        if self._window is not None:
+            visible &= key > query - self._window
+        mask = torch.zeros(length, length, dtype=hidden.dtype).masked_fill(~visible, float("-inf"))
+        out = self.layer(hidden, position_embeddings=rope, attention_mask=mask[None, None].expand(batch, 1, -1, -1),
+                         position_ids=positions)
+        out = out[0] if isinstance(out, tuple) else out
+        return self.norm(out) @ self.output_rows().to(hidden.dtype).T  # [B, T, V_d]
+
+    def spec(self, model, name: str, training: dict | None = None) -> ExitHeadSpec:
+        return ExitHeadSpec(target_fingerprint(model), name, self.exit_layer, self.init_layer,
+                            tuple(int(t) for t in self.vocab.tolist()), training or {})
+
+
+def save_head(head: ExitHead, spec: ExitHeadSpec, directory: Path, dtype: torch.dtype = torch.bfloat16) -> None:
+    """Write HEAD_WEIGHTS (the layer and norm, in `dtype`) and HEAD_CONFIG into `directory`."""
+    directory.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().to(dtype).contiguous() for k, v in head.state_dict().items()}
+    save_file(state, str(directory / HEAD_WEIGHTS))
+    (directory / HEAD_CONFIG).write_text(json.dumps(asdict(spec), indent=1) + "\n")
+
+
+def read_spec(directory: Path) -> ExitHeadSpec:
+    path = directory / HEAD_CONFIG
+    if not path.is_file():
+        raise ModelLoadError(f"no exit head at {directory} ({HEAD_CONFIG} missing)")
+    try:
+        data = json.loads(path.read_text())
+        data["draft_vocab"] = tuple(data["draft_vocab"])
+        return ExitHeadSpec(**data)
+    except (ValueError, TypeError, KeyError) as error:
+        raise ModelLoadError(f"{path} is not an exit-head config: {error}") from error
+
+
+def load_head(directory: Path, model, name: str = "", exit_layer: int | None = None) -> tuple[ExitHead, ExitHeadSpec]:
+    """Load a head for `model`; refuse one trained for another model or exit layer."""
+    spec = read_spec(directory)
+    fingerprint = target_fingerprint(model)
+    if spec.target != fingerprint:
+        raise ModelLoadError(
+            f"the exit head at {directory} was trained for {spec.target_name or spec.target}, not for "
+            f"{name or 'this model'} (fingerprint {spec.target} != {fingerprint}); train one with "
+            f"`verispec train-exit`"
+        )
+    if exit_layer is not None and exit_layer != spec.exit_layer:
+        raise ModelLoadError(
+            f"the exit head at {directory} reads layer {spec.exit_layer}, but layer {exit_layer} was asked for"
+        )
+    head = ExitHead(model, spec.exit_layer, spec.draft_vocab, spec.init_layer)
+    dtype = next(model.parameters()).dtype
+    state = {k: v.to(dtype) for k, v in load_file(str(directory / HEAD_WEIGHTS)).items()}
+    missing, unexpected = head.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise ModelLoadError(f"exit head at {directory} does not fit this model (missing {missing}, unexpected {unexpected})")
+    return head.eval(), spec
+
+
+class PreparedHead:
+    """An exit head made ready for fast drafting on one target (packed projection, wrapped
+    layer); built once per target and head, shared by that target's requests."""
+
+    def __init__(self, target, head: ExitHead, spec: ExitHeadSpec | None = None):
+        if not target.fast:
+            raise ConfigError("eesd needs the fast forward path (Llama, Qwen2 or Gemma 3 models, not --no-fast)")
+        from ..fastpath import Linear
+
+        self.head, self.spec = head, spec
+        self.exit_layer = head.exit_layer
+        self.layer = target._fast.wrap_layer(head.layer)
+        self.norm = head.norm
+        self.project = Linear(head.output_rows().to(target.dtype).contiguous(), None)  # [V_d, d]
+        self.vocab = head.vocab  # [V_d]
+
+
+class EarlyExitDrafter:
+    """Drafts with the target's first N layers and an exit head (needs the fast path)."""
+
+    def __init__(self, target, head: PreparedHead | ExitHead, sampling: SamplingConfig = SamplingConfig()):
+        prepared = head if isinstance(head, PreparedHead) else PreparedHead(target, head)
+        self.target = target
+        self.sampling = sampling
+        self.exit_layer = prepared.exit_layer
+        self._fast = target._fast
+        self._layer = prepared.layer
+        self._project = prepared.project
+        self._vocab = prepared.vocab
+        self._norm = prepared.norm
+        self._cache: StaticKV | None = None
+        self._head_length = 0  # positions 0.. with valid head keys/values
+        self._fed = 0
+        self._generator = torch.Generator()
+        self._generator.manual_seed(0 if sampling.seed is None else sampling.seed + 1)
+
+    def begin(self, prompt: Sequence[int]) -> None:
+        self.target.capture_exit(self.exit_layer)
+        if self._cache is None:
+            self._cache = self._fast.new_cache(layers=1)
+        self._cache.crop(0)
+        self._head_length = 0
+
+    @torch.inference_mode()
+    def _head_step(self, residual: torch.Tensor, start: int) -> torch.Tensor:
+        """Head layer over residual [m, d] at positions start.. -> draft logits [m, V_d]."""
+        out = self._fast.run_layer(self._layer, residual, start, self._cache)
+        return self._project(self._norm(out))
+
+    def _catch_up(self, context: Sequence[int]) -> torch.Tensor:
+        """Fill the head cache for every committed position and return the draft logits after
+        the context's last token: [1, V_d]."""
+        last = len(context) - 1
+        rows = []
+        if self._head_length < last:  # committed tokens the head has not seen: from the capture
+            start, states = self.target.exit_capture
+            assert start <= self._head_length and last <= start + states.shape[0], "stale exit capture"
+            rows.append(states[self._head_length - start : last - start])
+        token = torch.tensor([context[-1]], dtype=torch.long)
+        # The last token is not in the target's cache yet: run layers 0..N-1 for it, writing
+        # scratch entries that the next verification overwrites.
+        rows.append(self._fast.run(self._fast.embed(token), last, self.target.cache, range(self.exit_layer)))
+        logits = self._head_step(torch.cat(rows), self._head_length)
+        self._head_length = len(context)
+        return logits[-1:]
+
+    @torch.inference_mode()
+    def propose(self, context: Sequence[int], k: int, keep: Keep = keep_all) -> Draft:
+        logits = self._catch_up(context)  # [1, V_d]
+        tokens, rows, confidence = [], [], []
+        self._fed = 0  # draft tokens run through layers 0..N-1 and the head (all but the last)
+        go_on = k > 0 and keep(0, None)
+        while go_on:
+            token, q_row, top1 = self._choose(logits[0])
+            tokens.append(token)
+            rows.append(q_row)
+            confidence.append(top1)
+            go_on = len(tokens) < k and keep(len(tokens), top1)
+            if not go_on:
+                break  # the last draft token is not fed: nothing will be drafted after it
+            position = len(context) + self._fed
+            residual = self._fast.run(self._fast.embed(torch.tensor([token])), position,
+                                      self.target.cache, range(self.exit_layer))
+            logits = self._head_step(residual, position)
+            self._fed += 1
+        q = None
+        if rows and rows[0] is not None:
+            q = torch.zeros(len(rows), self.target.vocab_size)  # [k, vocab], zero outside V_d
+            q[:, self._vocab] = torch.stack(rows)
+        return Draft(torch.tensor(tokens, dtype=torch.long), q=q, confidence=tuple(confidence))
+
+    def _choose(self, logits: torch.Tensor) -> tuple[int, torch.Tensor | None, float]:
+        """Draft token (a full-vocabulary id), its q row over V_d (None when greedy) and the
+        head's top-1 probability (the confidence controllers calibrate)."""
+        if self.sampling.greedy:
+            top1, index = torch.softmax(logits.float(), -1).max(-1)
+            return int(self._vocab[index]), None, float(top1)
+        q = probabilities(logits.unsqueeze(0), self.sampling)[0]  # [V_d]
+        index = int(torch.multinomial(q, 1, generator=self._generator))
+        return int(self._vocab[index]), q, float(q.max())
+
+    def commit(self, committed: Sequence[int], n_proposed: int) -> None:
+        """Keep the head entries of the accepted draft tokens that were fed through the head;
+        the rest (the last draft token, the target's token) are filled at the next propose."""
+        accepted = len(committed) - 1
+        self._head_length += min(accepted, self._fed)
+        self._fed = 0
+        self._cache.length = self._head_length

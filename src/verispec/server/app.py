@@ -1,0 +1,572 @@
+"""The OpenAI-compatible HTTP app: routes, validation and response shapes.
+
+Owns the FastAPI app (`create_app(target, settings)`), the endpoints
+
+  GET  /v1/models, /v1/models/{id}   the one served model
+  POST /v1/completions               text completion (`text_completion`)
+  POST /v1/chat/completions          chat, with the tokenizer's chat template or the plain
+                                     "Role: content" fallback for base models (text.encode_messages)
+  GET  /health                       liveness and queue state (never needs the API key)
+  GET  /metrics                      Prometheus text format
+
+the OpenAI error shape `{"error": {"message", "type", "param", "code"}}` for every failure
+(400 invalid request, 401 API key, 404 unknown model or route, 429 queue full, 503 shutting down
+or timed out while waiting, 500 internal), optional Bearer-key authentication, and server-sent
+events for `stream: true`. Every completion carries the request's speculation metrics in the
+extension field `verispec` (in a stream: the final chunk before `data: [DONE]`).
+
+Does not own generation: a validated request is handed to `worker.Worker`, whose single thread
+owns the Target and serves requests one at a time in arrival order. The event loop never runs
+the model; prompt encoding runs in the thread pool. A handler waits for its job's events and
+polls `request.is_disconnected()` between them: a client that goes away cancels its job (a
+waiting job leaves the queue, a running one stops at its next step).
+
+Timeout (`request_timeout`, counted from arrival, queue wait included): a request that times
+out while still waiting gets 503 (code "timeout"); one that is generating stops at its next step
+and ends normally with the text so far and finish_reason "length" (`verispec.stop_reason` is
+"timeout"), in a stream as the final chunk followed by [DONE].
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import time
+import uuid
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import AsyncIterator, Callable
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ..api import Request as GenerationRequest
+from ..errors import ConfigError, VerispecError
+from ..methods import MethodOptions, get_method
+from ..model import Target
+from ..sampling import SamplingConfig
+from ..text import encode_messages, encode_prompt
+from .metrics import ServerMetrics
+from .schemas import ChatCompletionRequest, CompletionRequest
+from .worker import (DONE, QUEUED, Delta, Event, Failed, Finished, Job, QueueFull, QueueTimeout, Started, Worker,
+                     WorkerStopped)
+
+
+DEFAULT_MODEL_ID = "verispec-default"
+OPEN_PATHS = frozenset({"/health"})  # reachable without the API key
+_POLL_S = 0.1  # how often a waiting handler checks for a disconnect and its deadline
+_FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "timeout": "length", "cancelled": "length"}
+
+
+def default_model_id(model: str | None) -> str:
+    """The id a server advertises for `model`: "verispec-default" for the embedded model,
+    otherwise the basename of the path or hub id."""
+    if model is None:
+        return DEFAULT_MODEL_ID
+    return Path(model.rstrip("/")).name or DEFAULT_MODEL_ID
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    """What `verispec serve` configures, validated on construction (before any model loads).
+
+    request_timeout: seconds from a request's arrival (queue wait included) after which it ends;
+    None or 0 for no limit. max_tokens_limit: the largest max_tokens a request may ask for, and
+    the budget of a request that does not say (capped by the room left in the context).
+    """
+
+    model_id: str = DEFAULT_MODEL_ID
+    default_method: str = "anpd"
+    api_key: str | None = None
+    max_queue: int = 16
+    request_timeout: float | None = 300.0
+    max_tokens_limit: int = 1024
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model_id, str) or not self.model_id.strip():
+            raise ConfigError("the model id must be a non-empty string")
+        get_method(self.default_method)
+        if self.api_key is not None and not self.api_key.strip():
+            raise ConfigError("the API key must not be empty (omit it to serve without one)")
+        if not isinstance(self.max_queue, int) or self.max_queue < 1:
+            raise ConfigError(f"max_queue must be an integer >= 1, got {self.max_queue!r}")
+        if self.request_timeout is not None and (
+            not isinstance(self.request_timeout, (int, float)) or not self.request_timeout >= 0
+        ):
+            raise ConfigError(f"request_timeout must be >= 0 seconds (0 = no limit), got {self.request_timeout!r}")
+        if not isinstance(self.max_tokens_limit, int) or self.max_tokens_limit < 1:
+            raise ConfigError(f"max_tokens_limit must be an integer >= 1, got {self.max_tokens_limit!r}")
+
+    @property
+    def timeout(self) -> float | None:
+        return self.request_timeout or None
+
+
+# -- errors ------------------------------------------------------------------------------------
+
+class APIError(Exception):
+    """An error answered in OpenAI's shape."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None, headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def _invalid(message: str, param: str | None = None, code: str | None = "invalid_value") -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+def _field_path(loc) -> list[str]:
+    """A pydantic error location without "body" and without the union-member tags pydantic adds
+    ("str", "list[int]", "TextPart"...): ("body", "prompt", "list[int]", 2) -> ["prompt", "2"]."""
+    path = []
+    for part in loc:
+        if part == "body":
+            continue
+        text = str(part)
+        if isinstance(part, str) and ("[" in text or text in {"str", "int", "float", "bool", "dict", "none"}
+                                      or text[:1].isupper()):
+            continue
+        path.append(text)
+    return path
+
+
+def _validation_error(exc: RequestValidationError) -> APIError:
+    """FastAPI/pydantic's list of errors -> one 400 naming the first offending parameter."""
+    errors = exc.errors()
+    if not errors:
+        return _invalid("invalid request body")
+    first = errors[0]
+    kind = first.get("type", "")
+    loc = _field_path(first.get("loc", ()))
+    if kind == "json_invalid":
+        detail = (first.get("ctx") or {}).get("error", "")
+        return _invalid(f"malformed JSON in the request body: {detail}".rstrip(": "), code="invalid_json")
+    if not loc:
+        if kind == "missing":
+            return _invalid("the request body is missing: send a JSON object", code="invalid_json")
+        return _invalid("the request body must be a JSON object (Content-Type: application/json)",
+                        code="invalid_json")
+    param = loc[0]
+    where = ".".join(loc)
+    if kind == "missing":
+        return _invalid(f"missing required parameter: '{where}'", param=param, code="missing_required_parameter")
+    others = {".".join(_field_path(e.get("loc", ()))) for e in errors[1:]} - {where}
+    more = f" (and {len(others)} more invalid field{'s' if len(others) > 1 else ''})" if others else ""
+    return _invalid(f"invalid value for '{where}': {first.get('msg', 'invalid')}{more}", param=param,
+                    code="invalid_type")
+
+
+# -- ASGI middlewares (pure ASGI: they must not buffer or break streaming responses) -----------
+
+def _endpoint_label(path: str) -> str:
+    known = {"/v1/models", "/v1/completions", "/v1/chat/completions", "/health", "/metrics"}
+    if path in known:
+        return path
+    if path.startswith("/v1/models/"):
+        return "/v1/models/{model}"
+    return "other"  # unknown routes share one label: no unbounded label values
+
+
+class _MetricsMiddleware:
+    def __init__(self, app, metrics: ServerMetrics):
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = time.perf_counter()
+        status = 500
+
+        async def send_status(message):
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_status)
+        finally:
+            self.metrics.request(_endpoint_label(scope["path"]), status, time.perf_counter() - started)
+
+
+class _AuthMiddleware:
+    """Requires `Authorization: Bearer KEY` on every path except OPEN_PATHS."""
+
+    def __init__(self, app, api_key: str):
+        self.app, self.key = app, api_key.encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+            return await self.app(scope, receive, send)
+        header = dict(scope["headers"]).get(b"authorization", b"")
+        scheme, _, token = header.partition(b" ")
+        if not header:
+            error = APIError(401, "missing API key: send the header 'Authorization: Bearer <key>'",
+                             code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+        elif scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.key):
+            error = APIError(401, "incorrect API key", code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+        else:
+            return await self.app(scope, receive, send)
+        await error.response()(scope, receive, send)
+
+
+class _JobStreamingResponse(StreamingResponse):
+    """A stream that cancels its job however it ends (finished, client gone, server stopping)."""
+
+    def __init__(self, content, on_close: Callable[[], None], **kwargs):
+        super().__init__(content, **kwargs)
+        self._on_close = on_close
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+
+
+# -- the app -------------------------------------------------------------------------------------
+
+def create_app(target: Target, settings: ServerSettings | None = None) -> FastAPI:
+    """An OpenAI-compatible app serving `target`. Its worker thread (the only user of `target`)
+    starts and stops with the app's lifespan."""
+    settings = settings or ServerSettings()
+    metrics = ServerMetrics(queue_length=lambda: worker.queue_length, busy=lambda: float(worker.busy))
+    worker = Worker(target, settings.max_queue, observer=metrics)
+    created = int(time.time())
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        worker.start()
+        try:
+            yield
+        finally:
+            await run_in_threadpool(worker.stop)
+
+    app = FastAPI(title="verispec", version="0.1.0", lifespan=lifespan,
+                  summary="OpenAI-compatible server for verispec (speculative decoding on CPU)")
+    app.state.worker, app.state.metrics, app.state.settings, app.state.target = worker, metrics, settings, target
+    if settings.api_key:
+        app.add_middleware(_AuthMiddleware, api_key=settings.api_key)
+    app.add_middleware(_MetricsMiddleware, metrics=metrics)  # added last = outermost: counts 401s too
+
+    # -- error handlers ------------------------------------------------------------------------
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError):
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _request_invalid(request: Request, exc: RequestValidationError):
+        return _validation_error(exc).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        if exc.status_code == 404:
+            message = f"unknown route: {request.method} {request.url.path}"
+        else:
+            message = str(exc.detail)
+        kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        return APIError(exc.status_code, message, kind, code=code, headers=getattr(exc, "headers", None)).response()
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, exc: Exception):
+        # Starlette re-raises the exception after this answer, so the server logs its traceback.
+        return APIError(500, f"internal server error: {type(exc).__name__}", "server_error",
+                        code="internal_error").response()
+
+    # -- info routes ---------------------------------------------------------------------------
+    def model_card() -> dict:
+        return {"id": settings.model_id, "object": "model", "created": created, "owned_by": "verispec",
+                "verispec": {"name": target.name, "max_length": target.max_length,
+                             "default_method": settings.default_method}}
+
+    @app.get("/v1/models")
+    async def list_models():
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def get_model(model_id: str):
+        _check_model(model_id)
+        return model_card()
+
+    @app.get("/health")
+    async def health():
+        alive = worker.alive
+        body = {"status": "ok" if alive else "unavailable", "model": settings.model_id,
+                "busy": worker.busy, "queue_length": worker.queue_length, "max_queue": settings.max_queue}
+        return JSONResponse(body, status_code=200 if alive else 503)
+
+    @app.get("/metrics")
+    async def prometheus_metrics():
+        return Response(metrics.render(), media_type=metrics.content_type)
+
+    # -- generation routes ---------------------------------------------------------------------
+    def _check_model(model: str | None) -> None:
+        if model is not None and model != settings.model_id:
+            raise APIError(404, f"the model '{model}' does not exist; this server serves '{settings.model_id}'",
+                           param="model", code="model_not_found")
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        _check_common(body)
+        ids = await _encode(lambda: _completion_ids(body), "prompt")
+        generation = _generation_request(body, ids, body.max_tokens, "prompt")
+        return await _respond(request, body, generation, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        _check_common(body)
+        if not body.messages:
+            raise _invalid("messages must not be empty", param="messages", code="empty_array")
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        ids = await _encode(lambda: encode_messages(target.tokenizer, messages), "messages")
+        generation = _generation_request(body, ids, body.token_budget(), "messages")
+        return await _respond(request, body, generation, chat=True)
+
+    def _check_common(body) -> None:
+        _check_model(body.model)
+        if body.n is not None and body.n != 1:
+            raise _invalid(f"n must be 1 (one choice per request), got {body.n}", param="n")
+        problems = body.unsupported()
+        if problems:
+            param, message = problems[0]
+            raise _invalid(message, param=param, code="unsupported_parameter")
+        method = body.method or settings.default_method
+        try:
+            get_method(method)
+        except ConfigError as error:
+            raise _invalid(str(error), param="method", code="unknown_method") from None
+        for stop in body.stop_strings():
+            if not stop:
+                raise _invalid("stop strings must be non-empty", param="stop")
+
+    def _completion_ids(body: CompletionRequest) -> list[int]:
+        prompt = body.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
+            vocab = target.vocab_size
+            bad = [t for t in prompt if not 0 <= t < vocab]
+            if bad:
+                raise _invalid(f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})", param="prompt")
+            return list(prompt)
+        if isinstance(prompt, list):
+            if len(prompt) != 1:
+                raise _invalid("send exactly one prompt per request (batched prompts are not supported)"
+                               if prompt else "the prompt is empty", param="prompt")
+            prompt = prompt[0]
+        return encode_prompt(target.tokenizer, prompt, "raw")
+
+    async def _encode(encode: Callable[[], list[int]], param: str) -> list[int]:
+        """Tokenize off the event loop; template and prompt errors become 400."""
+        try:
+            ids = await run_in_threadpool(encode)
+        except APIError:
+            raise
+        except VerispecError as error:
+            raise _invalid(str(error), param=param) from None
+        except Exception as error:  # a chat template that refuses the messages (jinja2 raise_exception)
+            if type(error).__module__.startswith("jinja2"):
+                raise _invalid(f"the chat template refused the messages: {error}", param=param) from None
+            raise
+        if not ids:
+            raise _invalid("the prompt encodes to no tokens", param=param)
+        context = target.max_length
+        if len(ids) >= context:
+            raise _invalid(f"the prompt has {len(ids)} tokens; the model's context is {context} tokens, "
+                           f"which leaves no room to generate", param=param, code="context_length_exceeded")
+        return ids
+
+    def _generation_request(body, ids: list[int], max_tokens: int | None, prompt_param: str) -> GenerationRequest:
+        room = target.max_length - len(ids)
+        if max_tokens is None:
+            max_tokens = min(settings.max_tokens_limit, room)
+        elif max_tokens < 1:
+            raise _invalid(f"max_tokens must be >= 1, got {max_tokens}", param="max_tokens")
+        elif max_tokens > settings.max_tokens_limit:
+            raise _invalid(f"max_tokens ({max_tokens}) exceeds this server's limit of {settings.max_tokens_limit}",
+                           param="max_tokens")
+        elif max_tokens > room:
+            raise _invalid(
+                f"this model's context is {target.max_length} tokens, but {len(ids) + max_tokens} were requested "
+                f"({len(ids)} in the {prompt_param}, {max_tokens} for the completion); lower max_tokens",
+                param="max_tokens", code="context_length_exceeded")
+        temperature = 1.0 if body.temperature is None else body.temperature
+        top_p = 1.0 if body.top_p is None else body.top_p
+        top_k = 0 if body.top_k is None else body.top_k
+        try:
+            sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=body.seed)
+        except ConfigError as error:
+            param = next((p for p in ("temperature", "top_k", "top_p", "seed") if str(error).startswith(p)), None)
+            raise _invalid(str(error), param=param) from None
+        try:
+            return GenerationRequest(tuple(ids), body.method or settings.default_method, max_tokens, sampling,
+                                     body.stop_strings(), MethodOptions())
+        except ConfigError as error:
+            raise _invalid(str(error)) from None
+
+    # -- running a job and answering -------------------------------------------------------------
+    async def _respond(request: Request, body, generation: GenerationRequest, chat: bool):
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue[Event] = asyncio.Queue()
+        timeout = settings.timeout
+        arrival = time.monotonic()
+        job = Job(generation, lambda event: loop.call_soon_threadsafe(events.put_nowait, event),
+                  deadline=None if timeout is None else arrival + timeout, created=arrival)
+        worker.start()  # idempotent; normally started by the lifespan
+        try:
+            worker.submit(job)
+        except QueueFull as error:
+            raise APIError(429, f"the server is busy: {error}; retry later", "rate_limit_error",
+                           code="queue_full", headers={"Retry-After": "1"}) from None
+        except WorkerStopped as error:
+            raise APIError(503, str(error), "server_error", code="unavailable") from None
+
+        shape = _Shape(chat, settings.model_id, generation)
+        try:
+            if not body.stream:
+                while True:
+                    event = await _next_event(request, job, events)
+                    if event is None:
+                        return Response(status_code=499)  # the client went away; nobody reads this
+                    if isinstance(event, Finished):
+                        return JSONResponse(shape.completion(event))
+                    if isinstance(event, Failed):
+                        raise _failure(event)
+            # Streaming: the headers go out with the first text, so that a failure before any text
+            # (a bad request, a fault in the prefill, a timeout in the queue) is still a plain error.
+            while True:
+                first = await _next_event(request, job, events)
+                if first is None:
+                    return Response(status_code=499)
+                if isinstance(first, Failed):
+                    raise _failure(first)
+                if not isinstance(first, Started):
+                    break
+        except BaseException:  # an error answer, or this handler cancelled (server shutdown)
+            worker.cancel(job, "cancelled")  # no effect on a job that has ended
+            raise
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+
+        async def sse() -> AsyncIterator[str]:
+            event: Event | None = first
+            if chat:
+                yield shape.sse(shape.chunk({"role": "assistant", "content": ""}))
+            while event is not None:
+                if isinstance(event, Delta):
+                    yield shape.sse(shape.chunk(event.text))
+                elif isinstance(event, Finished):
+                    for chunk in shape.final_chunks(event, include_usage):
+                        yield shape.sse(chunk)
+                    yield "data: [DONE]\n\n"
+                    return
+                elif isinstance(event, Failed):
+                    yield shape.sse(_failure(event).body())
+                    yield "data: [DONE]\n\n"
+                    return
+                event = await _next_event(request, job, events)
+
+        return _JobStreamingResponse(
+            sse(), on_close=lambda: worker.cancel(job, "cancelled") if job.state != DONE else None,
+            media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def _next_event(request: Request, job: Job, events: asyncio.Queue) -> Event | None:
+        """The job's next event; None once the client has disconnected (the job is then cancelled).
+        A job still waiting when its deadline passes leaves the queue with a 503."""
+        while True:
+            try:
+                return await asyncio.wait_for(events.get(), _POLL_S)
+            except asyncio.TimeoutError:
+                pass
+            if await request.is_disconnected():
+                worker.cancel(job, "cancelled")
+                return None
+            if job.deadline is not None and job.state == QUEUED and time.monotonic() >= job.deadline:
+                if worker.cancel(job, "timeout"):
+                    raise APIError(503, f"the request timed out after {settings.timeout:g} s waiting in the queue",
+                                   "server_error", code="timeout")
+
+    return app
+
+
+def _failure(event: Failed) -> APIError:
+    if event.user_error:
+        return _invalid(str(event.error))
+    if isinstance(event.error, WorkerStopped):
+        return APIError(503, str(event.error), "server_error", code="unavailable")
+    if isinstance(event.error, QueueTimeout):
+        return APIError(503, str(event.error), "server_error", code="timeout")
+    return APIError(500, f"generation failed: {type(event.error).__name__}: {event.error}", "server_error",
+                    code="internal_error")
+
+
+class _Shape:
+    """OpenAI's response and chunk shapes for one request."""
+
+    def __init__(self, chat: bool, model_id: str, generation: GenerationRequest):
+        self.chat, self.model, self.generation = chat, model_id, generation
+        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        self.created = int(time.time())
+
+    def _head(self, obj: str) -> dict:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
+                "system_fingerprint": None}
+
+    def _usage(self, event: Finished) -> dict:
+        prompt = len(self.generation.prompt_ids)
+        completion = len(event.result.token_ids)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+    @staticmethod
+    def extension(event: Finished) -> dict:
+        stats = event.result.stats.to_dict()
+        stats.update(stop_reason=event.reason, queue_s=round(event.queue_s, 4))
+        return stats
+
+    def completion(self, event: Finished) -> dict:
+        finish = _FINISH_REASONS.get(event.reason, "length")
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": event.text},
+                      "logprobs": None, "finish_reason": finish}
+            head = self._head("chat.completion")
+        else:
+            choice = {"index": 0, "text": event.text, "logprobs": None, "finish_reason": finish}
+            head = self._head("text_completion")
+        return {**head, "choices": [choice], "usage": self._usage(event), "verispec": self.extension(event)}
+
+    def chunk(self, delta: str | dict, finish: str | None = None) -> dict:
+        if self.chat:
+            content = delta if isinstance(delta, dict) else {"content": delta}
+            choice = {"index": 0, "delta": content, "logprobs": None, "finish_reason": finish}
+            return {**self._head("chat.completion.chunk"), "choices": [choice]}
+        choice = {"index": 0, "text": delta if isinstance(delta, str) else "", "logprobs": None,
+                  "finish_reason": finish}
+        return {**self._head("text_completion"), "choices": [choice]}
+
+    def final_chunks(self, event: Finished, include_usage: bool) -> list[dict]:
+        """The chunk with finish_reason (and usage and metrics); with include_usage, OpenAI's
+        extra usage-only chunk (empty choices) follows and carries the metrics too."""
+        finish = _FINISH_REASONS.get(event.reason, "length")
+        last = self.chunk({} if self.chat else "", finish)
+        last.update(usage=self._usage(event), verispec=self.extension(event))
+        if not include_usage:
+            return [last]
+        usage_only = {**self._head(last["object"]), "choices": [], "usage": self._usage(event),
+                      "verispec": self.extension(event)}
+        return [last, usage_only]
+
+    @staticmethod
+    def sse(payload: dict) -> str:
+        return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"

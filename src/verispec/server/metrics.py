@@ -1,0 +1,90 @@
+"""Prometheus metrics of one server instance.
+
+Owns a `CollectorRegistry` per app (never prometheus_client's global registry, so several apps,
+as in the tests, do not share or collide) and the metric definitions. The worker reports
+generations through the `worker.Observer` methods; the app's ASGI middleware reports every HTTP
+request (endpoint, status, latency). Does not own how the numbers are served (the app's /metrics
+route calls `render`).
+
+Metric names (all prefixed `verispec_`):
+  requests_total{endpoint,status}            HTTP requests by route and status code
+  request_duration_seconds{endpoint}         arrival to the last byte sent (a stream included)
+  time_to_first_token_seconds                arrival to the first text delta (queue wait included)
+  prompt_tokens_total{method}                prompt tokens of finished generations
+  generated_tokens_total{method}             tokens generated
+  drafted_tokens_total{method}               draft tokens proposed for verification
+  accepted_tokens_total{method}              draft tokens accepted by the target
+  target_forwards_total{method}              target forward passes (prefill included)
+  generations_total{method,outcome}          eos | stop | length | timeout | cancelled | error | invalid
+  queue_length                               requests waiting (the running one not included)
+  worker_busy                                1 while a request is being generated
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from ..stats import GenerationStats
+
+# Generation on CPU takes from tens of milliseconds to minutes.
+_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320, 640)
+_TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64)
+
+
+class ServerMetrics:
+    """The metrics of one app, in a registry of their own."""
+
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self, queue_length: Callable[[], float], busy: Callable[[], float]):
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter("verispec_requests", "HTTP requests by endpoint and status code.",
+                                ["endpoint", "status"], registry=r)
+        self.latency = Histogram("verispec_request_duration_seconds",
+                                 "Request latency: arrival to the last byte of the response.",
+                                 ["endpoint"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.ttft = Histogram("verispec_time_to_first_token_seconds",
+                              "Arrival of a generation request to its first text (queue wait included).",
+                              buckets=_TTFT_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("verispec_prompt_tokens", "Prompt tokens of generations.", ["method"], registry=r)
+        self.generated = Counter("verispec_generated_tokens", "Tokens generated.", ["method"], registry=r)
+        self.drafted = Counter("verispec_drafted_tokens", "Draft tokens proposed for verification.",
+                               ["method"], registry=r)
+        self.accepted = Counter("verispec_accepted_tokens", "Draft tokens accepted by the target.",
+                                ["method"], registry=r)
+        self.forwards = Counter("verispec_target_forwards", "Target forward passes (prefill included).",
+                                ["method"], registry=r)
+        self.generations = Counter("verispec_generations", "Generations by how they ended.",
+                                   ["method", "outcome"], registry=r)
+        self.queue_length = Gauge("verispec_queue_length", "Requests waiting for the worker.", registry=r)
+        self.queue_length.set_function(queue_length)
+        self.busy = Gauge("verispec_worker_busy", "1 while the worker generates a request.", registry=r)
+        self.busy.set_function(busy)
+
+    # -- worker.Observer ---------------------------------------------------------------------
+    def first_token(self, seconds: float) -> None:
+        self.ttft.observe(seconds)
+
+    def finished(self, stats: GenerationStats, reason: str) -> None:
+        method = stats.method
+        self.prompt_tokens.labels(method).inc(stats.prompt_tokens)
+        self.generated.labels(method).inc(stats.new_tokens)
+        self.drafted.labels(method).inc(stats.drafted)
+        self.accepted.labels(method).inc(stats.accepted)
+        self.forwards.labels(method).inc(stats.target_forwards)
+        self.generations.labels(method, reason).inc()
+
+    def failed(self, method: str, user_error: bool) -> None:
+        self.generations.labels(method, "invalid" if user_error else "error").inc()
+
+    # -- HTTP -------------------------------------------------------------------------------------
+    def request(self, endpoint: str, status: int, seconds: float) -> None:
+        self.requests.labels(endpoint, str(status)).inc()
+        self.latency.labels(endpoint).observe(seconds)
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of this registry."""
+        return generate_latest(self.registry)

@@ -1,0 +1,258 @@
+"""Self-distillation of an early-exit head: label a corpus with the target, train, evaluate.
+
+The target stays frozen. For every corpus position it provides the residual stream after its
+first N layers (the head's input) and its final hidden state, from which the target's
+next-token distribution restricted to the draft vocabulary, p_d = softmax(z[V_d]), is computed
+on the fly (the renormalised restriction needs only the V_d logits). The head is trained to
+minimise KL(p_d || q), the forward KL on the draft vocabulary: it is the cross-entropy against
+the target's soft labels, so the head learns the whole distribution, not just the argmax;
+speculative sampling accepts with probability sum min(p, q) = 1 - TV(p, q), which a small
+forward KL bounds through Pinsker's inequality, and greedy acceptance follows from matching the
+mode. Held-out estimates are computed against the target's full-vocabulary distribution:
+greedy acceptance P(argmax q == argmax p) and sampled acceptance E[sum min(p, q)].
+
+Runs on CPU with a progress bar, checkpoints (`checkpoint.pt`: head, optimiser, step, data
+split) every `checkpoint_every` steps and at the end, and resumes from them (`resume=True`); the
+labelled corpus is cached as `labels.pt` next to the checkpoint so a resume does not relabel.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import random
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from ..drafters.early_exit import ExitHead, save_head
+from ..errors import ConfigError
+from .corpus import read_corpus, token_sequences
+
+CHECKPOINT = "checkpoint.pt"
+LABELS = "labels.pt"
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    exit_layer: int = 4
+    draft_vocab: int = 16384
+    sequence_length: int = 256
+    batch: int = 4  # sequences per step
+    steps: int = 600
+    learning_rate: float = 3e-4
+    warmup: int = 30
+    held_out: float = 0.1  # fraction of sequences kept for evaluation
+    checkpoint_every: int = 50
+    max_minutes: float = 40.0  # training stops (and saves) when this wall time is used up
+    eval_tokens: int = 4096  # held-out positions scored against the full vocabulary
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("exit_layer", "draft_vocab", "sequence_length", "batch", "steps", "checkpoint_every"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ConfigError(f"{name.replace('_', '-')} must be an integer >= 1, got {getattr(self, name)!r}")
+        if not 0 < self.held_out < 1:
+            raise ConfigError(f"held-out fraction must be in (0, 1), got {self.held_out}")
+        if self.learning_rate <= 0 or self.max_minutes <= 0:
+            raise ConfigError("learning rate and max minutes must be > 0")
+
+
+@dataclass
+class Labels:
+    """Per corpus position: the head's input and the target's final hidden state."""
+
+    exit_states: list[torch.Tensor]  # per sequence [T, hidden]: residual after N layers
+    final_states: list[torch.Tensor]  # per sequence [T, hidden]: final-normed hidden states
+    token_ids: list[list[int]]
+
+
+@torch.inference_mode()
+def label(target, sequences: list[list[int]], exit_layer: int, progress: Callable[[int], None] | None = None) -> Labels:
+    """Run the frozen target over each sequence (fast path), keeping layer-N and final states."""
+    if not target.fast:
+        raise ConfigError("training an exit head needs the fast forward path (Llama, Qwen2 or Gemma 3)")
+    fast = target._fast
+    if not 1 <= exit_layer <= len(fast.layers):
+        raise ConfigError(f"exit layer must be in 1..{len(fast.layers)}, got {exit_layer}")
+    exits, finals = [], []
+    for ids in sequences:
+        cache = fast.new_cache(len(ids))
+        x = fast.embed(torch.tensor(ids))
+        x = fast.run(x, 0, cache, range(exit_layer))
+        exits.append(x.to(torch.bfloat16))
+        x = fast.run(x, 0, cache, range(exit_layer, len(fast.layers)))
+        finals.append(fast.norm(x).to(torch.bfloat16))
+        if progress is not None:
+            progress(1)
+    return Labels(exits, finals, sequences)
+
+
+def draft_vocabulary(sequences: list[list[int]], size: int, always: set[int]) -> list[int]:
+    """The `size` most frequent token ids of the sequences (ties: smaller id first), plus
+    `always` (e.g. EOS), most frequent first."""
+    counts = Counter(token for ids in sequences for token in ids)
+    ranked = sorted(counts, key=lambda t: (-counts[t], t))
+    vocab = [t for t in always if t not in counts] + ranked
+    return vocab[:size]
+
+
+def _kl(head_logits: torch.Tensor, target_logits: torch.Tensor) -> torch.Tensor:
+    """Mean KL(p || q) over positions; both [.., V_d] logits."""
+    log_p = F.log_softmax(target_logits.float(), -1)
+    log_q = F.log_softmax(head_logits.float(), -1)
+    return (log_p.exp() * (log_p - log_q)).sum(-1).mean()
+
+
+@torch.no_grad()
+def evaluate(head: ExitHead, labels: Labels, indices: list[int], output_weight: torch.Tensor,
+             eval_tokens: int) -> dict:
+    """Held-out KL on the draft vocabulary, and acceptance estimates against the full vocabulary."""
+    head.eval()
+    rows = head.output_rows().float()  # [V_d, d]
+    kls, greedy, sampled, counted = [], 0.0, 0.0, 0
+    for i in indices:
+        exit_states = labels.exit_states[i].float().unsqueeze(0)  # [1, T, d]
+        final = labels.final_states[i].float()  # [T, d]
+        q_logits = head(exit_states)[0]  # [T, V_d]
+        kls.append(float(_kl(q_logits, final @ rows.T)))
+        for begin in range(0, final.shape[0], 64):  # 64 positions at a time: [64, vocab] rows
+            if counted >= eval_tokens:
+                break
+            end = min(begin + 64, final.shape[0], begin + eval_tokens - counted)
+            p = torch.softmax(final[begin:end] @ output_weight.float().T, -1)  # [m, vocab]
+            q = torch.zeros_like(p)
+            q[:, head.vocab] = torch.softmax(q_logits[begin:end].float(), -1)
+            greedy += float((p.argmax(-1) == q.argmax(-1)).sum())
+            sampled += float(torch.minimum(p, q).sum())
+            counted += end - begin
+    head.train()
+    return {
+        "kl_draft_vocab": round(sum(kls) / max(len(kls), 1), 4),
+        "greedy_acceptance": round(greedy / max(counted, 1), 4),
+        "sampled_acceptance": round(sampled / max(counted, 1), 4),
+        "positions": counted,
+    }
+
+
+def _fingerprint_corpus(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+
+
+def train_exit_head(target, corpus_path: Path, out_dir: Path, config: TrainConfig, *, resume: bool = False,
+                    progress_factory=None, log: Callable[[str], None] = print) -> dict:
+    """Label, train and evaluate; writes the head (and checkpoints) into `out_dir`.
+    Returns the training summary that is also stored in the head's JSON."""
+    started = time.perf_counter()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    checkpoint_path = out_dir / CHECKPOINT
+    if checkpoint_path.exists() and not resume:
+        raise ConfigError(f"{checkpoint_path} exists: pass --resume to continue it, or choose another --out")
+    if resume and not checkpoint_path.exists():
+        raise ConfigError(f"nothing to resume: {checkpoint_path} does not exist")
+    torch.manual_seed(config.seed)
+    rng = random.Random(config.seed)
+    checkpoint = torch.load(checkpoint_path, weights_only=False) if resume else None
+    if checkpoint is not None and checkpoint["config"] != asdict(config):
+        changed = {k for k, v in asdict(config).items() if checkpoint["config"].get(k) != v} - {"steps", "max_minutes", "checkpoint_every"}
+        if changed:
+            raise ConfigError(f"--resume with different settings ({', '.join(sorted(changed))}) than the checkpoint")
+
+    documents = read_corpus(corpus_path)
+    sequences = list(token_sequences(target.tokenizer, documents, config.sequence_length))
+    if len(sequences) < 2:
+        raise ConfigError(f"the corpus {corpus_path} is too small ({len(sequences)} sequences)")
+    order = list(range(len(sequences)))
+    rng.shuffle(order)
+    held = max(1, int(len(order) * config.held_out))
+    held_out, train_ids = order[:held], order[held:]
+
+    labels_path = out_dir / LABELS
+    if resume and labels_path.exists():
+        labels = torch.load(labels_path, weights_only=False)
+        log(f"labels: reused {labels_path}")
+    else:
+        log(f"labelling {len(sequences)} sequences ({sum(map(len, sequences))} tokens) with the target")
+        bar = progress_factory(len(sequences), "label") if progress_factory else None
+        labels = label(target, sequences, config.exit_layer, bar.update if bar else None)
+        if bar:
+            bar.close()
+        torch.save(labels, labels_path)
+
+    always = set(target.eos_token_ids)
+    vocab = checkpoint["vocab"] if checkpoint else draft_vocabulary([sequences[i] for i in train_ids], config.draft_vocab, always)
+    head = ExitHead(target.model, config.exit_layer, vocab).float()
+    head.train()
+    parameters = [p for p in head.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(parameters, lr=config.learning_rate, weight_decay=0.0)
+    step = 0
+    if checkpoint:
+        head.load_state_dict(checkpoint["head"], strict=False)
+        optimizer.load_state_dict(checkpoint["optimizer"])
+        step = checkpoint["step"]
+        log(f"resumed at step {step}")
+    output_weight = target.model.get_output_embeddings().weight.detach()
+    before = checkpoint["before"] if checkpoint else evaluate(head, labels, held_out, output_weight, config.eval_tokens)
+    log(f"held-out before training: {before}")
+
+    rows = head.output_rows().float()  # [V_d, d]
+    bar = progress_factory(config.steps, "train", initial=step) if progress_factory else None
+    losses: list[float] = []
+    deadline = started + 60 * config.max_minutes
+    stopped = "steps"
+
+    def save_checkpoint() -> None:
+        torch.save({"head": head.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
+                    "vocab": vocab, "config": asdict(config), "before": before}, checkpoint_path)
+
+    while step < config.steps:
+        if time.perf_counter() > deadline:
+            stopped = "time"
+            break
+        batch = [train_ids[rng.randrange(len(train_ids))] for _ in range(config.batch)]
+        length = min(labels.exit_states[i].shape[0] for i in batch)
+        exit_states = torch.stack([labels.exit_states[i][:length] for i in batch]).float()  # [B, T, d]
+        final = torch.stack([labels.final_states[i][:length] for i in batch]).float()  # [B, T, d]
+        scale = min(1.0, (step + 1) / config.warmup) * 0.5 * (1 + math.cos(math.pi * step / config.steps))
+        for group in optimizer.param_groups:
+            group["lr"] = config.learning_rate * scale
+        loss = _kl(head(exit_states), final @ rows.T)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(parameters, 1.0)
+        optimizer.step()
+        step += 1
+        losses.append(float(loss.detach()))
+        if bar:
+            bar.update(1)
+            bar.set_postfix(kl=f"{sum(losses[-20:]) / len(losses[-20:]):.3f}")
+        if step % config.checkpoint_every == 0:
+            save_checkpoint()
+    if bar:
+        bar.close()
+    save_checkpoint()
+    after = evaluate(head, labels, held_out, output_weight, config.eval_tokens)
+    log(f"held-out after training: {after}")
+    summary = {
+        "corpus": corpus_path.name,
+        "corpus_sha256": _fingerprint_corpus(corpus_path),
+        "sequences": len(sequences),
+        "train_tokens": sum(len(sequences[i]) for i in train_ids),
+        "held_out_tokens": sum(len(sequences[i]) for i in held_out),
+        "steps": step,
+        "stopped_by": stopped,
+        "config": asdict(config),
+        "loss": "KL(p_target restricted to the draft vocabulary || q_head), forward KL",
+        "held_out_before": before,
+        "held_out_after": after,
+        "train_minutes": round((time.perf_counter() - started) / 60, 2),
+    }
+    save_head(head, head.spec(target.model, target.name, summary), out_dir)
+    (out_dir / "training.json").write_text(json.dumps(summary, indent=1) + "\n")
+    return summary

@@ -1,0 +1,151 @@
+"""Draft-length controllers on synthetic acceptance streams.
+
+A simulated step: the controller says K; draft token j is produced and `keep(j, c_j)` asked;
+the draft is verified: each token is accepted with probability alpha (or with its confidence,
+in the calibrated setting) until the first rejection. Costs, relative to a one-token target
+forward: a draft token costs `draft_cost`, a verification of w tokens 1 + slope * (w - 1).
+Throughput = committed tokens / total cost. Each test uses fixed seeds (deterministic).
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from verispec.control import (
+    BetaThompson, CalibratedThompson, ConstantLength, CostModel, ExpectedThroughput, Heuristic,
+    best_draft_length, break_even_thresholds, parse_controller,
+)
+from verispec.errors import ConfigError
+
+DRAFT_COST = 0.15
+SLOPE = 0.1
+
+
+def verify_cost(width: int) -> float:
+    return 1.0 + SLOPE * (width - 1)
+
+
+def simulate(controller, alphas, seed=0, confident=False):
+    """Run len(alphas) steps; alphas[i] is the acceptance probability at step i. With
+    confident=True each token gets a random confidence c and is accepted with probability c
+    (a perfectly calibrated drafter, mean acceptance 0.5). Returns tokens / cost per step."""
+    rng = random.Random(seed)
+    tokens = cost = 0.0
+    per_step = []
+    for alpha in alphas:
+        k = controller.next_length()
+        confidences, accepted_flags = [], []
+        previous = None
+        while len(confidences) < k and controller.keep(len(confidences), previous):
+            c = rng.random() if confident else alpha
+            confidences.append(c)
+            accepted_flags.append(rng.random() < c)
+            previous = c if confident else None
+        drafted = controller.cut(confidences if confident else [], len(confidences))
+        accepted = 0
+        for flag in accepted_flags[:drafted]:
+            if not flag:
+                break
+            accepted += 1
+        step_cost = DRAFT_COST * len(confidences) + verify_cost(drafted + 1)
+        controller.observe(drafted, accepted, confidences[:drafted], verify_cost(drafted + 1) * 0.1,
+                           DRAFT_COST * 0.1 * len(confidences))
+        tokens += accepted + 1
+        cost += step_cost
+        per_step.append((accepted + 1, step_cost))
+    return tokens / cost, per_step
+
+
+def rate(per_step):
+    return sum(t for t, _ in per_step) / sum(c for _, c in per_step)
+
+
+def best_constant(alphas, confident=False):
+    return max(simulate(ConstantLength(k), alphas, seed=1, confident=confident)[0] for k in range(0, 13))
+
+
+@pytest.mark.parametrize("alpha", [0.3, 0.6, 0.8, 0.9])
+@pytest.mark.parametrize("controller_class", [BetaThompson, CalibratedThompson])
+def test_thompson_is_within_10_percent_of_the_best_constant(alpha, controller_class):
+    alphas = [alpha] * 3000
+    throughput, _ = simulate(controller_class(12), alphas)
+    assert throughput >= 0.9 * best_constant(alphas), (alpha, throughput)
+
+
+def test_thompson_readapts_after_the_acceptance_rate_changes():
+    alphas = [0.9] * 1500 + [0.3] * 1500
+    controller = BetaThompson(12)
+    _, per_step = simulate(controller, alphas)
+    late = per_step[2000:]  # well after the change
+    best_after = best_constant([0.3] * 1500)
+    assert rate(late) >= 0.9 * best_after
+    # and it had really been drafting long before the change
+    high = best_constant([0.9] * 1500)
+    assert rate(per_step[500:1500]) >= 0.9 * high
+
+
+def test_calibrated_thompson_learns_the_calibration_of_the_confidence():
+    """With a perfectly calibrated drafter (token accepted with probability = its confidence),
+    each bin's posterior mean approaches the bin's centre, and throughput stays within 10% of the
+    best constant length."""
+    alphas = [0.5] * 3000
+    controller = CalibratedThompson(12, decay=1.0)
+    throughput, _ = simulate(controller, alphas, confident=True)
+    assert throughput >= 0.9 * best_constant(alphas, confident=True)
+    for b in range(controller.bins):
+        a, f = controller.posterior[1 + b]
+        if a + f > 50:  # bins with enough observations
+            assert abs(a / (a + f) - (b + 0.5) / controller.bins) < 0.12, (b, a, f)
+
+
+def test_heuristic_follows_transformers_rule():
+    controller = Heuristic(5)
+    controller.observe(5, 5, [], 0.1, 0.0)
+    assert controller.next_length() == 7
+    controller.observe(7, 2, [], 0.1, 0.0)
+    assert controller.next_length() == 6
+    for _ in range(10):
+        controller.observe(3, 0, [], 0.1, 0.0)
+    assert controller.next_length() == 1
+
+
+def test_adaptive_cut_maximises_expected_tokens_per_cost():
+    cost = CostModel()
+    for width, seconds in [(1, 0.1), (2, 0.16), (4, 0.2), (8, 0.22), (16, 0.3)]:
+        cost.observe(width, seconds)
+    assert cost.verify(8) == pytest.approx(2.2)
+    assert cost.verify(6) == pytest.approx(2.1)  # interpolated between 4 and 8
+    controller = ExpectedThroughput(16, cost)
+    assert controller.cut([0.1] * 8, 8) == 0  # unlikely drafts are not worth a wider forward
+    assert controller.cut([0.99] * 8, 8) == 8
+    # brute force agrees with best_draft_length
+    confidences = [0.9, 0.8, 0.7, 0.2, 0.9]
+    rates = []
+    for length in range(len(confidences) + 1):
+        expected, survive = 1.0, 1.0
+        for c in confidences[:length]:
+            survive *= c
+            expected += survive
+        rates.append(expected / cost.relative(length))
+    assert best_draft_length(confidences, cost.relative) == max(range(len(rates)), key=rates.__getitem__)
+
+
+def test_break_even_thresholds_are_monotone():
+    thresholds = break_even_thresholds(8, lambda length: length * 0.2 + verify_cost(length + 1))
+    assert thresholds == sorted(thresholds)
+    assert 0 < thresholds[0] < 1
+
+
+@pytest.mark.parametrize("spec", ["nope", "constant:x", "beta-ts:0", "adaptive:0", "heuristic:0", "constant:-1"])
+def test_bad_controller_specs_are_refused(spec):
+    with pytest.raises(ConfigError):
+        parse_controller(spec, 4)
+
+
+def test_specs_parse_to_their_controllers():
+    assert isinstance(parse_controller("beta-ts", 6), BetaThompson)
+    assert isinstance(parse_controller("calibrated-ts:3", 6), CalibratedThompson)
+    assert parse_controller("constant", 6).next_length() == 6
+    assert parse_controller("adaptive:9", 6).next_length() == 9

@@ -1,0 +1,178 @@
+"""EESD: the early-exit drafter is lossless, its head files are checked, training helps.
+
+- Greedy equivalence with `ar` (float32, tiny Llama / Gemma 3 / Qwen2 on the fast path) with an
+  untrained head at several exit layers and controllers, on weights where drafts are partly
+  rejected; and with N = L and a head whose layer adds nothing (zeroed output projections), so
+  the draft equals the target and every draft token is accepted.
+- Speculative sampling with the head's q is lossless: the distribution of the first three tokens
+  equals the exact autoregressive one (chi-square, false-positive rate ALPHA per test).
+- Training on a tiny model lowers the held-out KL; a head trained for another model or exit layer
+  is refused; the head round-trips through its files.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+
+import helpers
+from verispec.acceptance import verify_lossless
+from verispec.control import parse_controller
+from verispec.drafters.early_exit import (
+    EarlyExitDrafter, ExitHead, load_head, save_head, target_fingerprint,
+)
+from verispec.engine import Recipe
+from verispec.errors import ConfigError, ModelLoadError
+from verispec.methods import MethodOptions, build
+from verispec.model import Target
+from verispec.sampling import SamplingConfig
+
+ALPHA = 1e-4
+NEW_TOKENS = 40
+
+
+def eesd_recipe(target, head, controller="constant:4", sampling=SamplingConfig()):
+    return Recipe(EarlyExitDrafter(target, head, sampling), parse_controller(controller, 4), verify_lossless)
+
+
+def identity_head(target, vocab=None) -> ExitHead:
+    """N = L and a layer whose attention and MLP outputs are zero: with the full vocabulary
+    (default) the draft distribution is exactly the target's."""
+    layers = len(target.model.get_decoder().layers)
+    head = ExitHead(target.model, layers, vocab if vocab is not None else list(range(target.vocab_size)))
+    with torch.no_grad():
+        head.layer.self_attn.o_proj.weight.zero_()
+        head.layer.mlp.down_proj.weight.zero_()
+    return head
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "qwen2"])
+def test_untrained_head_is_lossless_with_partial_acceptance(arch):
+    # init 0.3: sharper, varied outputs, so an untrained head is often wrong
+    target = helpers.make_target(arch, seed=1, init=0.3)
+    layers = len(target.model.get_decoder().layers)
+    accepted = rejected = 0
+    for prompt_seed in (0, 1):
+        prompt = helpers.repetitive_prompt(target.vocab_size, prompt_seed, period=5, repeats=4)
+        reference = helpers.run(target, build("ar", target), prompt, NEW_TOKENS)[0]
+        assert reference == helpers.hf_greedy(target.model, prompt, NEW_TOKENS)
+        heads = [ExitHead(target.model, n, list(range(target.vocab_size // 2))) for n in range(1, layers)]
+        # the target itself restricted to half the vocabulary: right exactly when the target's
+        # choice lies in that half, so acceptance is partial by construction
+        heads.append(identity_head(target, vocab=list(range(0, target.vocab_size, 2))))
+        for head in heads:
+            exit_layer = head.exit_layer
+            for controller in ("constant:4", "constant:1", "beta-ts:6", "calibrated-ts:6", "heuristic:3"):
+                ids, stats, _ = helpers.run(target, eesd_recipe(target, head, controller), prompt, NEW_TOKENS)
+                assert ids == reference, (exit_layer, controller)
+                accepted += stats.accepted
+                rejected += stats.drafted - stats.accepted
+    assert accepted > 0 and rejected > 0  # both outcomes really happened
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "qwen2"])
+def test_exit_at_the_last_layer_with_an_identity_head_accepts_everything(arch):
+    target = helpers.make_target(arch, seed=1, init=0.3)
+    prompt = helpers.repetitive_prompt(target.vocab_size, 0, period=5, repeats=4)
+    reference = helpers.run(target, build("ar", target), prompt, NEW_TOKENS)[0]
+    ids, stats, steps = helpers.run(target, eesd_recipe(target, identity_head(target), "constant:5"), prompt, NEW_TOKENS)
+    assert ids == reference
+    assert stats.drafted > 0 and stats.accepted == stats.drafted
+    assert max(len(s) for s in steps) == 6
+
+
+def test_eesd_needs_the_fast_path():
+    target = helpers.make_target("llama", seed=0, fast=False)
+    with pytest.raises(ConfigError, match="fast"):
+        EarlyExitDrafter(target, ExitHead(target.model, 1, [0, 1, 2]))
+
+
+def test_speculative_sampling_with_the_head_is_lossless():
+    micro = Target(helpers.make_model(helpers.micro_llama_config(8, init=0.3), seed=0), None, name="micro")
+    prompt = [1, 2, 3, 1, 2, 3, 1, 2]
+    sampling = SamplingConfig(temperature=1.0)
+    exact = helpers.exact_sequence_distribution(micro.model, prompt, 3, sampling)
+    head = ExitHead(micro.model, 1, list(range(6)))  # q is zero on 2 of the 8 tokens
+    outcomes, drafted, accepted = [], 0, 0
+    for seed in range(500):
+        config = SamplingConfig(1.0, seed=seed)
+        recipe = eesd_recipe(micro, head, "constant:3", config)
+        ids, stats, _ = helpers.run(micro, recipe, prompt, 5, config)
+        outcomes.append(tuple(ids[:3]))
+        drafted += stats.drafted
+        accepted += stats.accepted
+    assert 0 < accepted < drafted  # q really went through accept and reject paths
+    statistic, pvalue, df = helpers.chi_square_pvalue(Counter(outcomes), exact)
+    assert pvalue > ALPHA, f"chi2={statistic:.1f}, df={df}, p={pvalue:.2e}"
+
+
+def test_head_files_round_trip_and_mismatches_are_refused(tmp_path):
+    target = helpers.make_target("llama", seed=0)
+    head = ExitHead(target.model, 1, [5, 3, 9])
+    with torch.no_grad():
+        head.norm.weight.add_(0.25)
+    save_head(head, head.spec(target.model, "tiny"), tmp_path, dtype=torch.float32)
+    loaded, spec = load_head(tmp_path, target.model, "tiny")
+    assert spec.exit_layer == 1 and list(spec.draft_vocab) == [5, 3, 9]
+    assert torch.equal(loaded.norm.weight, head.norm.weight)
+    with pytest.raises(ModelLoadError, match="layer 1"):
+        load_head(tmp_path, target.model, "tiny", exit_layer=2)
+    other = helpers.make_target("llama", seed=7)  # same architecture, different weights
+    assert target_fingerprint(other.model) != target_fingerprint(target.model)
+    with pytest.raises(ModelLoadError, match="trained for"):
+        load_head(tmp_path, other.model, "other")
+
+
+def test_fingerprint_ignores_the_dtype():
+    target = helpers.make_target("llama", seed=0)
+    bf16 = helpers.make_model(helpers.make_config("llama"), seed=0).to(torch.bfloat16)
+    assert target_fingerprint(bf16) == target_fingerprint(target.model)
+
+
+def test_eesd_method_with_a_head_directory(tmp_path):
+    target = helpers.make_target("llama", seed=1, init=0.3)
+    head = ExitHead(target.model, 1, list(range(64)))
+    save_head(head, head.spec(target.model, "tiny"), tmp_path, dtype=torch.float32)
+    prompt = helpers.repetitive_prompt(target.vocab_size, 0)
+    reference = helpers.run(target, build("ar", target), prompt, 20)[0]
+    recipe = build("eesd", target, MethodOptions(exit_head=str(tmp_path)))
+    assert helpers.run(target, recipe, prompt, 20)[0] == reference
+    with pytest.raises(ConfigError, match="not found"):
+        MethodOptions(exit_head=str(tmp_path / "missing"))
+
+
+def test_training_lowers_the_held_out_kl(tmp_path):
+    from verispec.train.exit_head import TrainConfig, train_exit_head
+
+    target = helpers.make_target("gemma3", seed=2, init=0.3, tokenizer=helpers.char_tokenizer())
+    corpus = tmp_path / "corpus.jsonl"
+    import json
+    import random
+
+    rng = random.Random(0)
+    words = ["alpha", "beta", "gamma", "delta", "river", "stone", "light", "cloud"]
+    with corpus.open("w") as sink:
+        for _ in range(40):
+            sink.write(json.dumps({"text": " ".join(rng.choice(words) for _ in range(30))}) + "\n")
+    config = TrainConfig(exit_layer=1, draft_vocab=24, sequence_length=48, batch=4, steps=60,
+                         learning_rate=3e-3, warmup=5, checkpoint_every=20, eval_tokens=256)
+    summary = train_exit_head(target, corpus, tmp_path / "head", config, log=lambda *_: None)
+    before, after = summary["held_out_before"], summary["held_out_after"]
+    assert after["kl_draft_vocab"] < 0.8 * before["kl_draft_vocab"], summary
+    assert (tmp_path / "head" / "exit_head.safetensors").is_file()
+    # the trained head loads for its model and drafts losslessly
+    head, spec = load_head(tmp_path / "head", target.model)
+    assert spec.training["steps"] == 60
+    prompt = target.tokenizer("alpha beta gamma")["input_ids"]
+    reference = helpers.run(target, build("ar", target), prompt, 16)[0]
+    assert helpers.run(target, eesd_recipe(target, head), prompt, 16)[0] == reference
+    # resume continues from the checkpoint and refuses changed settings
+    longer = TrainConfig(**{**config.__dict__, "steps": 70})
+    assert train_exit_head(target, corpus, tmp_path / "head", longer, resume=True, log=lambda *_: None)["steps"] == 70
+    with pytest.raises(ConfigError, match="exists"):
+        train_exit_head(target, corpus, tmp_path / "head", config, log=lambda *_: None)
+    changed = TrainConfig(**{**config.__dict__, "draft_vocab": 30})
+    with pytest.raises(ConfigError, match="different settings"):
+        train_exit_head(target, corpus, tmp_path / "head", changed, resume=True, log=lambda *_: None)
