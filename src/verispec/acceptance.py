@@ -136,6 +136,20 @@ def verify_lossless(
     return speculative_sample(draft.tokens, draft.q, p, generator)
 
 
+def verify_joint(tau: float):
+    """MTAD's rule as an engine rule: `joint_likelihood` with threshold tau on the target's
+    warped distribution (mtad always samples). Drafts carry q of each token (`q_tokens`)."""
+    if not tau > 0:
+        raise ValueError("tau must be > 0")
+
+    def rule(draft: Draft, logits: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator) -> Verdict:
+        p = probabilities(logits, sampling)  # [k+1, vocab]
+        q = draft.q_tokens if draft.q_tokens is not None else torch.ones(len(draft))
+        return joint_likelihood(draft.tokens, q, p, tau, generator)
+
+    return rule
+
+
 def _leading_true(flags: list[bool]) -> int:
     """Number of leading True values."""
     for i, flag in enumerate(flags):

@@ -80,22 +80,34 @@ class TextStream:
             )
 
 
+def sampling_for(method: str, temperature: float | None = None, top_k: int | None = None,
+                 top_p: float | None = None, seed: int | None = None) -> SamplingConfig:
+    """The sampling configuration of a request: given values, else the method's defaults."""
+    defaults = {"temperature": 0.0, "top_k": 0, "top_p": 1.0, **(get_method(method).default_sampling or {})}
+    given = {"temperature": temperature, "top_k": top_k, "top_p": top_p}
+    chosen = {key: defaults[key] if value is None else value for key, value in given.items()}
+    return SamplingConfig(seed=seed, **chosen)
+
+
 def make_request(
     target: Target,
     prompt: str | Sequence[int],
     method: str = "anpd",
     *,
     max_new_tokens: int = 128,
-    temperature: float = 0.0,
-    top_k: int = 0,
-    top_p: float = 1.0,
+    temperature: float | None = None,
+    top_k: int | None = None,
+    top_p: float | None = None,
     seed: int | None = None,
     stop: Sequence[str] = (),
     prompt_format: str = "raw",
     options: MethodOptions | None = None,
 ) -> Request:
-    """Validate the arguments of `generate`/`stream` and encode the prompt."""
-    sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+    """Validate the arguments of `generate`/`stream` and encode the prompt.
+
+    temperature / top_k / top_p left as None take the method's defaults (greedy for every
+    method but mtad, which samples at temperature 1 with top-k 10 and top-p 0.9)."""
+    sampling = sampling_for(method, temperature, top_k, top_p, seed)
     if isinstance(prompt, str):
         ids = encode_prompt(target.tokenizer, prompt, prompt_format)
     else:

@@ -71,6 +71,11 @@ class StaticKV:
         self.keys[layer][:, start : start + n] = keys
         self.values[layer][:, start : start + n] = values
 
+    def write_slots(self, layer: int, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """keys/values [kv_heads, n, head_dim] into the (not necessarily contiguous) slots [n]."""
+        self.keys[layer].index_copy_(1, slots, keys)
+        self.values[layer].index_copy_(1, slots, values)
+
     def read(self, layer: int, low: int, high: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Views of the keys and values of positions [low, high): [kv_heads, high-low, head_dim]."""
         return self.keys[layer][:, low:high], self.values[layer][:, low:high]

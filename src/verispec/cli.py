@@ -38,6 +38,15 @@ DEMO_PROMPT = (
 )
 
 
+# Options several commands share.
+MODEL_OPTION = typer.Option(None, help="Model directory, .gguf file or cached hub id (default: embedded Gemma 3 270M).")
+DTYPE_OPTION = typer.Option("auto", help="auto | float32 | bfloat16 | float16 (auto: bf16 only on CPUs with native bf16).")
+FAST_OPTION = typer.Option(True, "--fast/--no-fast", help="Use the fast forward path where the model supports it (--no-fast: transformers' eager forward).")
+EXIT_HEAD_OPTION = typer.Option(None, "--exit-head", help="Exit-head directory for eesd (default: the head shipped for the default model).")
+DRAFT_LENGTH_OPTION = typer.Option(None, "--draft-length", "-k", help="Most tokens drafted per step (default: the method's).")
+CONTROLLER_OPTION = typer.Option(None, help="Draft-length controller: constant[:K], heuristic[:K], adaptive[:K], beta-ts[:K], calibrated-ts[:K].")
+
+
 def _quiet_transformers() -> None:
     """Keep transformers' own progress bars and warnings out of the CLI's output."""
     import transformers
@@ -51,11 +60,11 @@ def _fail(message: str, code: int = 2) -> None:
     raise typer.Exit(code)
 
 
-def _load(model: Optional[str], dtype: str):
+def _load(model: Optional[str], dtype: str, fast: bool = True):
     from .model import load
 
     _quiet_transformers()
-    return load(model, dtype)
+    return load(model, dtype, fast=fast)
 
 
 def _stats_table(results: dict) -> Table:
@@ -94,25 +103,30 @@ def generate(
     prompt: str = typer.Argument(..., help="The prompt text, or '-' to read it from stdin."),
     method: str = typer.Option("anpd", "--method", "-m", help="Decoding method (see `verispec info`)."),
     max_new_tokens: int = typer.Option(128, "--max-new-tokens", "-n", help="Most tokens to generate."),
-    temperature: float = typer.Option(0.0, help="0 = greedy; > 0 samples."),
-    top_k: int = typer.Option(0, "--top-k", help="Sample from the k most likely tokens (0 = off)."),
-    top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling mass, in (0, 1]."),
+    temperature: Optional[float] = typer.Option(None, help="0 = greedy; > 0 samples (default: 0; mtad: 1)."),
+    top_k: Optional[int] = typer.Option(None, "--top-k", help="Sample from the k most likely tokens (0 = off; default: 0; mtad: 10)."),
+    top_p: Optional[float] = typer.Option(None, "--top-p", help="Nucleus sampling mass, in (0, 1] (default: 1; mtad: 0.9)."),
     seed: Optional[int] = typer.Option(None, help="Seed for sampling (default: random)."),
     stop: List[str] = typer.Option([], "--stop", help="Stop string; repeat for several."),
-    model: Optional[str] = typer.Option(None, help="Model directory, .gguf file or cached hub id (default: embedded Gemma 3 270M)."),
-    dtype: str = typer.Option("auto", help="auto | float32 | bfloat16 | float16 (auto: bf16 only on CPUs with native bf16)."),
-    draft_length: Optional[int] = typer.Option(None, "--draft-length", "-k", help="Tokens drafted per step (default: the method's)."),
-    controller: Optional[str] = typer.Option(None, help="Draft-length controller, e.g. constant:8."),
+    model: Optional[str] = MODEL_OPTION,
+    dtype: str = DTYPE_OPTION,
+    fast: bool = FAST_OPTION,
+    draft_length: Optional[int] = DRAFT_LENGTH_OPTION,
+    controller: Optional[str] = CONTROLLER_OPTION,
+    exit_head: Optional[str] = EXIT_HEAD_OPTION,
+    draft_model: Optional[str] = typer.Option(None, "--draft-model", help="Auxiliary draft model for sps and mtad (same tokenizer; default: the EESD exit head)."),
+    beams: int = typer.Option(4, help="mtad: beam width W."),
+    tau: float = typer.Option(0.5, help="mtad: joint-likelihood threshold."),
+    perplexity: bool = typer.Option(False, "--perplexity", help="Also score the generated tokens' perplexity under the target (temperature 1, no top-k/top-p)."),
     prompt_format: str = typer.Option("raw", help="raw: the prompt as given; chat: chat template or plain Q/A template."),
     stream: bool = typer.Option(False, "--stream", help="Print text as it is generated."),
     compare: bool = typer.Option(False, "--compare", help="Also run `ar` on the same prompt; print both stats and the speedup."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object with the text and all stats."),
 ) -> None:
     """Generate text with one method, optionally compared side by side with `ar`."""
-    from .api import make_request, stream as stream_text
+    from .api import make_request, sampling_for, stream as stream_text
     from .engine import DecodeConfig
     from .methods import MethodOptions, get_method
-    from .sampling import SamplingConfig
 
     if prompt == "-":
         prompt = sys.stdin.read()
@@ -121,12 +135,14 @@ def generate(
         if not prompt.strip():
             _fail("the prompt is empty")
         get_method(method)
-        DecodeConfig(max_new_tokens, SamplingConfig(temperature, top_k, top_p, seed))
-        options = MethodOptions(draft_length=draft_length, controller=controller)
-        target = _load(model, dtype)
+        sampling = sampling_for(method, temperature, top_k, top_p, seed)  # --compare's ar samples alike
+        DecodeConfig(max_new_tokens, sampling)
+        options = MethodOptions(draft_length=draft_length, controller=controller, exit_head=exit_head,
+                                draft_model=draft_model, beams=beams, tau=tau)
+        target = _load(model, dtype, fast)
         request_args = dict(
-            max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-            seed=seed, stop=tuple(stop), prompt_format=prompt_format, options=options,
+            max_new_tokens=max_new_tokens, temperature=sampling.temperature, top_k=sampling.top_k,
+            top_p=sampling.top_p, seed=seed, stop=tuple(stop), prompt_format=prompt_format, options=options,
         )
         make_request(target, prompt, method, **request_args)  # validate everything before any run
         results = {}
@@ -140,6 +156,11 @@ def generate(
             if stream and not as_json:
                 out.print(delta, end="", highlight=False, markup=False, soft_wrap=True)
         results[method] = text_stream.result
+        scores = {}
+        if perplexity:
+            from .score import perplexity as score
+
+            scores = {name: score(target, r.prompt_ids, r.token_ids) for name, r in results.items()}
     except VerispecError as error:
         _fail(str(error))
         return
@@ -147,8 +168,12 @@ def generate(
     summary = {"model": target.name, "dtype": str(target.dtype).replace("torch.", ""), "method": method}
     if as_json:
         payload = {**summary, **chosen.to_dict()}
+        if perplexity:
+            payload["perplexity"] = scores[method]
         if "ar" in results and method != "ar":
             payload["baseline"] = {"method": "ar", **results["ar"].to_dict()}
+            if perplexity:
+                payload["baseline"]["perplexity"] = scores["ar"]
         if compare:
             payload.update(_comparison(results, method))
         print(json.dumps(payload))
@@ -158,6 +183,8 @@ def generate(
     else:
         out.print(chosen.text, highlight=False, markup=False)
     out.print(_stats_table(results))
+    if perplexity:
+        out.print("perplexity under the target: " + ", ".join(f"{n} {v:.3f}" for n, v in scores.items()))
     if compare:
         comparison = _comparison(results, method)
         verdict = "identical" if comparison["identical"] else f"differ from token {comparison['first_difference']}"
@@ -192,21 +219,24 @@ def bench(
     dataset: str = typer.Option("builtin", help="builtin | spec-bench | PATH.jsonl (Spec-Bench format)."),
     categories: Optional[str] = typer.Option(None, help="Comma-separated categories to keep (default: all)."),
     per_category: Optional[int] = typer.Option(None, "--per-category", help="At most N prompts per category (default: all)."),
-    methods: str = typer.Option("ar,pld,anpd", help="Comma-separated verispec methods (any of `verispec info`)."),
+    methods: str = typer.Option("ar,pld,anpd", help="Comma-separated verispec methods (any of `verispec info`); METHOD/CONTROLLER runs a method under a given controller, e.g. eesd/constant:4."),
     peers: str = typer.Option("hf-ar,hf-pld", help="Comma-separated peers: hf-ar, hf-pld, hf-early-exit, hf-assisted ('' for none)."),
     max_new_tokens: int = typer.Option(128, "--max-new-tokens", "-n", help="Most tokens to generate per prompt."),
     temperature: float = typer.Option(0.0, help="0 = greedy; > 0 samples."),
     top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling mass, in (0, 1]."),
+    top_k: int = typer.Option(0, "--top-k", help="Sample from the k most likely tokens (0 = off)."),
     seed: Optional[int] = typer.Option(None, help="Seed for sampling (default: random)."),
-    dtype: str = typer.Option("auto", help="auto | float32 | bfloat16 | float16."),
+    dtype: str = DTYPE_OPTION,
+    fast: bool = FAST_OPTION,
     repeats: int = typer.Option(1, help="Runs of each (prompt, method); the summary uses the median time."),
     out_dir: Optional[str] = typer.Option(None, "--out", help="Output directory (default: bench-out/<timestamp>)."),
     resume: bool = typer.Option(False, "--resume", help="Continue the interrupted run in --out (same settings required)."),
-    model: Optional[str] = typer.Option(None, help="Model directory, .gguf file or cached hub id (default: embedded Gemma 3 270M)."),
-    draft_model: Optional[str] = typer.Option(None, "--draft-model", help="Draft model for the hf-assisted peer."),
+    model: Optional[str] = MODEL_OPTION,
+    draft_model: Optional[str] = typer.Option(None, "--draft-model", help="Draft model for sps and mtad (default: the EESD exit head) and the hf-assisted peer."),
     early_exit_layer: int = typer.Option(6, "--early-exit-layer", help="Layers the hf-early-exit peer drafts with."),
-    draft_length: Optional[int] = typer.Option(None, "--draft-length", "-k", help="Tokens drafted per step by our methods (default: each method's)."),
-    controller: Optional[str] = typer.Option(None, help="Draft-length controller for our methods, e.g. constant:8."),
+    draft_length: Optional[int] = DRAFT_LENGTH_OPTION,
+    controller: Optional[str] = CONTROLLER_OPTION,
+    exit_head: Optional[str] = EXIT_HEAD_OPTION,
     progress: bool = typer.Option(True, "--progress/--no-progress", help="Show a progress bar on stderr."),
 ) -> None:
     """Benchmark methods and peer systems on a prompt set; write records, summary, report and plots."""
@@ -219,7 +249,7 @@ def bench(
     from .bench.peers import PeerSettings, get_peer
     from .control import parse_controller
     from .engine import DecodeConfig
-    from .methods import MethodOptions, get_method
+    from .methods import MethodOptions, parse_variant
     from .model import resolve_dtype
     from .sampling import SamplingConfig
 
@@ -230,12 +260,13 @@ def bench(
             _fail("--resume needs --out DIR: the directory of the run to continue")
         method_names, peer_names = _names(methods), _names(peers)
         for name in method_names:
-            get_method(name)
-        peer_settings = PeerSettings(temperature, top_p, seed, early_exit_layer, draft_model, dtype)
+            parse_variant(name)
+        peer_settings = PeerSettings(temperature, top_p, seed, early_exit_layer, draft_model, dtype, top_k)
         for name in peer_names:
             get_peer(name).check(peer_settings)
-        DecodeConfig(max_new_tokens, SamplingConfig(temperature, 0, top_p, seed))
-        MethodOptions(draft_length=draft_length, controller=controller)
+        DecodeConfig(max_new_tokens, SamplingConfig(temperature, top_k, top_p, seed))
+        MethodOptions(draft_length=draft_length, controller=controller, exit_head=exit_head,
+                      draft_model=draft_model)
         if controller:
             parse_controller(controller, draft_length or 1)
         path, questions = datasets.load_dataset(dataset, _names(categories or ""), per_category)
@@ -243,7 +274,9 @@ def bench(
             model=_resolved_path_or_id(model),
             # Knobs that only a peer uses are kept only when that peer runs, so that they cannot
             # block a --resume whose results they do not affect.
-            draft_model=_resolved_path_or_id(draft_model) if any(get_peer(p).needs_draft_model for p in peer_names) else None,
+            draft_model=_resolved_path_or_id(draft_model) if (
+                any(get_peer(p).needs_draft_model for p in peer_names)
+                or any(parse_variant(m)[0] in ("sps", "mtad") for m in method_names)) else None,
             dtype=str(resolve_dtype(dtype)).replace("torch.", ""),
             # A named set is identified by its name and content, not by where it is installed.
             dataset=dataset if dataset in datasets.DATASET_NAMES else str(path.resolve()),
@@ -260,10 +293,13 @@ def bench(
             draft_length=draft_length,
             controller=controller,
             early_exit_layer=early_exit_layer if "hf-early-exit" in peer_names else None,
+            exit_head=_resolved_path_or_id(exit_head),
+            fast=fast,
+            top_k=top_k,
         )
         directory = Path(out_dir) if out_dir else Path("bench-out") / datetime.now().strftime("%Y%m%d-%H%M%S")
         runner.check_run_dir(directory, settings, resume)
-        target = _load(model, dtype)
+        target = _load(model, dtype, fast)
         for name in peer_names:
             get_peer(name).check(peer_settings, target)  # checks that need the model (layer counts)
         probe = EnergyProbe()
@@ -296,8 +332,9 @@ def bench(
 
 @app.command()
 def info(
-    model: Optional[str] = typer.Option(None, help="Model to describe (default: embedded Gemma 3 270M)."),
-    dtype: str = typer.Option("auto", help="auto | float32 | bfloat16 | float16."),
+    model: Optional[str] = MODEL_OPTION,
+    dtype: str = DTYPE_OPTION,
+    fast: bool = FAST_OPTION,
 ) -> None:
     """Print the model, dtype, threads, methods and library versions."""
     import torch
@@ -308,7 +345,7 @@ def info(
     from .model import cache_root, cpu_has_native_bf16
 
     try:
-        target = _load(model, dtype)
+        target = _load(model, dtype, fast)
     except VerispecError as error:
         _fail(str(error))
         return
@@ -320,7 +357,8 @@ def info(
         ("dtype", str(target.dtype).replace("torch.", "")),
         ("CPU native bf16", str(cpu_has_native_bf16())),
         ("torch threads", str(torch.get_num_threads())),
-        ("chunked LM head", str(target.uses_own_head)),
+        ("forward path", "fast (static KV cache, prepacked linears)" if target.fast else "eager (transformers)"),
+        ("own LM head", str(target.uses_own_head)),
         ("cache directory", str(cache_root())),
         ("methods", ", ".join(METHODS)),
         ("verispec", __version__),
@@ -355,8 +393,9 @@ def _listen(host: str, port: int):
 
 @app.command()
 def serve(
-    model: Optional[str] = typer.Option(None, help="Model directory, .gguf file or cached hub id (default: embedded Gemma 3 270M)."),
-    dtype: str = typer.Option("auto", help="auto | float32 | bfloat16 | float16."),
+    model: Optional[str] = MODEL_OPTION,
+    dtype: str = DTYPE_OPTION,
+    fast: bool = FAST_OPTION,
     method: str = typer.Option("anpd", "--method", "-m", help="Default decoding method (a request may choose another with the `method` field)."),
     host: str = typer.Option("127.0.0.1", help="Address to listen on (0.0.0.0 exposes the server to the network)."),
     port: int = typer.Option(8000, help="TCP port (0 = any free port)."),
@@ -387,7 +426,7 @@ def serve(
             max_tokens_limit=max_tokens_limit,
         )
         sock = _listen(host, port)
-        target = _load(model, dtype)
+        target = _load(model, dtype, fast)
     except VerispecError as error:
         _fail(str(error))
         return
@@ -402,6 +441,63 @@ def serve(
     config = uvicorn.Config(create_app(target, settings), log_level="info", lifespan="on",
                             timeout_graceful_shutdown=5)
     uvicorn.Server(config).run(sockets=[sock])
+
+
+@app.command("train-exit")
+def train_exit(
+    model: Optional[str] = MODEL_OPTION,
+    exit_layer: int = typer.Option(4, "--exit-layer", help="N: the head reads the residual stream after the target's first N layers."),
+    draft_vocab: int = typer.Option(16384, "--draft-vocab", help="V_d: the head predicts over the V_d most frequent corpus tokens."),
+    corpus: Optional[str] = typer.Option(None, help="Training text: JSONL with a 'text' field, or plain text (default: the shipped corpus the default model generated)."),
+    generate_corpus: bool = typer.Option(False, "--generate-corpus", help="First let the target continue the shipped training prompts, and train on that."),
+    corpus_tokens: int = typer.Option(256, "--corpus-tokens", help="With --generate-corpus: tokens generated per prompt."),
+    steps: int = typer.Option(600, help="Optimiser steps."),
+    batch: int = typer.Option(4, help="Sequences per step."),
+    sequence_length: int = typer.Option(256, "--sequence-length", help="Tokens per training sequence."),
+    learning_rate: float = typer.Option(3e-4, "--learning-rate", help="Peak learning rate (AdamW, warm-up then cosine)."),
+    max_minutes: float = typer.Option(40.0, "--max-minutes", help="Stop training (and save) after this much wall time."),
+    checkpoint_every: int = typer.Option(50, "--checkpoint-every", help="Steps between checkpoints."),
+    out_dir: str = typer.Option("exit-head", "--out", help="Directory for the head, checkpoints and labels."),
+    resume: bool = typer.Option(False, "--resume", help="Continue from the checkpoint in --out."),
+    seed: int = typer.Option(0, help="Seed for the data split, batches and corpus generation."),
+) -> None:
+    """Train an EESD exit head by self-distillation (the target stays frozen)."""
+    from pathlib import Path
+
+    from tqdm import tqdm
+
+    from .train.corpus import CORPUS_PATH, PROMPTS_PATH, generate_corpus as make_corpus, read_prompts
+    from .train.exit_head import TrainConfig, train_exit_head
+
+    try:
+        config = TrainConfig(exit_layer=exit_layer, draft_vocab=draft_vocab, sequence_length=sequence_length,
+                             batch=batch, steps=steps, learning_rate=learning_rate, max_minutes=max_minutes,
+                             checkpoint_every=checkpoint_every, seed=seed)
+        directory = Path(out_dir)
+        corpus_path = Path(corpus) if corpus else CORPUS_PATH
+        if corpus and not corpus_path.is_file():
+            _fail(f"corpus file not found: {corpus}")
+        target = _load(model, "float32")
+        if generate_corpus:
+            prompts = read_prompts(PROMPTS_PATH)
+            corpus_path = directory / "corpus.jsonl"
+            with tqdm(total=len(prompts), desc="corpus", unit="prompt") as bar:
+                make_corpus(target, prompts, corpus_tokens, corpus_path, seed=seed, progress=bar.update)
+
+        def progress(total, desc, initial=0):
+            return tqdm(total=total, desc=desc, initial=initial, unit="step" if desc == "train" else "seq")
+
+        summary = train_exit_head(target, corpus_path, directory, config, resume=resume,
+                                  progress_factory=progress, log=lambda m: err.print(m, highlight=False))
+    except VerispecError as error:
+        _fail(str(error))
+        return
+    after = summary["held_out_after"]
+    out.print(f"exit head written to {directory} ({summary['steps']} steps, {summary['train_minutes']} min); "
+              f"held-out greedy acceptance {after['greedy_acceptance']:.1%}, sampled acceptance "
+              f"{after['sampled_acceptance']:.1%}, KL {after['kl_draft_vocab']:.3f} "
+              f"(before training: {summary['held_out_before']['greedy_acceptance']:.1%})")
+    out.print(f"use it with: verispec generate ... --method eesd --exit-head {directory}")
 
 
 def main() -> None:

@@ -160,14 +160,15 @@ class FastDecoder:
         return self._wrap(layer)
 
     @torch.inference_mode()
-    def run_layer(self, layer: "_Layer", x: torch.Tensor, start: int, cache: StaticKV, cache_layer: int = 0) -> torch.Tensor:
-        """One extra layer (not one of the model's) over x [n, hidden] at positions start..,
-        with its keys/values in `cache` layer `cache_layer`."""
-        n = x.shape[0]
-        cache.reserve(start + n)
-        positions = torch.arange(start, start + n).unsqueeze(0)
+    def run_layer(self, layer: "_Layer", x: torch.Tensor, start: int, cache: StaticKV, cache_layer: int = 0,
+                  tree: "Tree | None" = None) -> torch.Tensor:
+        """One extra layer (not one of the model's) over x [n, hidden] at positions start..
+        (or placed by `tree`), with its keys/values in `cache` layer `cache_layer`."""
+        placement = tree or Tree.contiguous(start, x.shape[0])
+        cache.reserve(placement.end)
         args = (layer.rope_layer_type,) if layer.rope_layer_type is not None else ()
-        return self._layer(layer, cache_layer, x, start, cache, self.rotary(x, positions, *args))
+        rope = self.rotary(x, placement.positions.unsqueeze(0), *args)
+        return self._layer(layer, cache_layer, x, placement, cache, rope)
 
     @torch.inference_mode()
     def hidden_states(self, ids: torch.Tensor, cache: StaticKV) -> torch.Tensor:
@@ -183,24 +184,26 @@ class FastDecoder:
         return self.embed_tokens(ids.unsqueeze(0))[0]
 
     @torch.inference_mode()
-    def run(self, x: torch.Tensor, start: int, cache: StaticKV, layers: range | None = None) -> torch.Tensor:
-        """The residual stream x [n, hidden] at positions start..start+n-1 through `layers`
-        (default: all), writing their keys/values into `cache` (its length is left alone: the
-        caller decides what is committed). Returns the residual stream after the last layer."""
-        n = x.shape[0]
+    def run(self, x: torch.Tensor, start: int, cache: StaticKV, layers: range | None = None,
+            tree: "Tree | None" = None) -> torch.Tensor:
+        """The residual stream x [n, hidden] at positions start..start+n-1 (or placed by `tree`)
+        through `layers` (default: all), writing their keys/values into `cache` (its length is
+        left alone: the caller decides what is committed). Returns the residual stream after the
+        last layer."""
+        placement = tree or Tree.contiguous(start, x.shape[0])
         layers = layers if layers is not None else range(len(self.layers))
-        cache.reserve(start + n)
-        positions = torch.arange(start, start + n).unsqueeze(0)  # [1, n]
+        cache.reserve(placement.end)
+        positions = placement.positions.unsqueeze(0)  # [1, n]
         rope = {}
         for index in layers:
             layer = self.layers[index]
             if layer.rope_layer_type not in rope:
                 args = (layer.rope_layer_type,) if layer.rope_layer_type is not None else ()
                 rope[layer.rope_layer_type] = self.rotary(x, positions, *args)  # cos, sin [1, n, head_dim]
-            x = self._layer(layer, index, x, start, cache, rope[layer.rope_layer_type])
+            x = self._layer(layer, index, x, placement, cache, rope[layer.rope_layer_type])
         return x
 
-    def _layer(self, layer: _Layer, index: int, x: torch.Tensor, start: int, cache: StaticKV, rope) -> torch.Tensor:
+    def _layer(self, layer: _Layer, index: int, x: torch.Tensor, placement: "Tree", cache: StaticKV, rope) -> torch.Tensor:
         n = x.shape[0]
         h = layer.input_norm(x)
         q, k, v = layer.qkv(h).split(
@@ -213,16 +216,7 @@ class FastDecoder:
             q, k = layer.q_norm(q), layer.k_norm(k)
         cos, sin = rope
         q, k = self.apply_rotary(q, k, cos, sin)
-        cache.write(index, start, k[0], v[0])
-        low = 0 if layer.window is None else max(0, start - layer.window + 1)
-        keys, values = cache.read(index, low, start + n)  # [kv, L, d]
-        mask = None
-        if n > 1:
-            query_pos = torch.arange(start, start + n).unsqueeze(1)  # [n, 1]
-            key_pos = torch.arange(low, start + n).unsqueeze(0)  # [1, L]
-            mask = key_pos <= query_pos
-            if layer.window is not None:
-                mask &= key_pos > query_pos - layer.window
+        keys, values, mask = placement.attend(cache, index, k[0], v[0], layer.window)  # [kv, L, d], [n, L]
         attended = F.scaled_dot_product_attention(
             q, keys.unsqueeze(0), values.unsqueeze(0), attn_mask=mask, scale=layer.scaling,
             enable_gqa=self.heads != self.kv_heads,
@@ -237,3 +231,56 @@ class FastDecoder:
         if layer.post_mlp_norm is not None:
             mlp = layer.post_mlp_norm(mlp)
         return x + mlp
+
+
+@dataclass(frozen=True)
+class Tree:
+    """Where a chunk's tokens sit: their logical positions (for rotary embeddings and windows),
+    the cache slots their keys/values are written to, and which slots each may attend to.
+
+    The usual case is `contiguous`: a continuation at positions start..start+n-1, written to the
+    same slots, attending causally. Beam and tree drafts place several alternative continuations
+    side by side in scratch slots past the committed context: `visible[i, s]` says whether token
+    i sees slot s (its ancestors and itself), `slot_positions[s]` is the logical position of
+    slot s; sliding-window layers additionally hide slots outside their window.
+    """
+
+    positions: torch.Tensor  # [n] long
+    slots: torch.Tensor | None = None  # [n] long; None: slots == positions (contiguous)
+    visible: torch.Tensor | None = None  # [n, S] bool over slots 0..S-1
+    slot_positions: torch.Tensor | None = None  # [S] long
+
+    @staticmethod
+    def contiguous(start: int, n: int) -> "Tree":
+        return Tree(torch.arange(start, start + n))
+
+    @property
+    def end(self) -> int:
+        """One past the largest slot written or read."""
+        if self.slots is None:
+            return int(self.positions[-1]) + 1
+        return max(int(self.slots.max()) + 1, self.visible.shape[1])
+
+    def attend(self, cache: StaticKV, layer: int, keys: torch.Tensor, values: torch.Tensor, window: int | None):
+        """Write this chunk's keys/values [kv, n, d]; return the keys/values it reads [kv, L, d]
+        and the boolean attention mask [n, L] (None: every query sees every key)."""
+        n = keys.shape[1]
+        if self.slots is None:  # contiguous: read only the visible range, mask only if n > 1
+            start = int(self.positions[0])
+            cache.write(layer, start, keys, values)
+            low = 0 if window is None else max(0, start - window + 1)
+            all_keys, all_values = cache.read(layer, low, start + n)
+            if n == 1:
+                return all_keys, all_values, None
+            query = self.positions.unsqueeze(1)  # [n, 1]
+            key = torch.arange(low, start + n).unsqueeze(0)  # [1, L]
+            mask = key <= query
+            if window is not None:
+                mask &= key > query - window
+            return all_keys, all_values, mask
+        cache.write_slots(layer, self.slots, keys, values)
+        all_keys, all_values = cache.read(layer, 0, self.visible.shape[1])
+        mask = self.visible
+        if window is not None:
+            mask = mask & (self.slot_positions.unsqueeze(0) > self.positions.unsqueeze(1) - window)
+        return all_keys, all_values, mask

@@ -11,14 +11,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from .acceptance import verify_lossless
+from .acceptance import verify_joint, verify_lossless
 from .control import parse_controller
 from .drafters.base import Drafter, NullDrafter
-from .drafters.early_exit import EarlyExitDrafter, PreparedHead, load_head
+from .drafters.early_exit import EarlyExitDrafter, ExitHeadLM, PreparedHead, load_head
+from .drafters.model import AuxLM, BeamDrafter, DraftLM, SampledDrafter
 from .drafters.ngram import AnpdDrafter, NgramConfig, PromptLookupDrafter
 from .engine import Recipe, Rule
 from .errors import ConfigError, ModelLoadError
-from .model import DEFAULT_MODEL_NAME, Target
+from .model import DEFAULT_MODEL_NAME, Target, load
 from .sampling import SamplingConfig
 
 # The exit head trained for the embedded default model ships inside the package.
@@ -34,8 +35,15 @@ class MethodOptions:
     ngram_max_n: int = 5  # ANPD: largest n-gram order
     pld_max_ngram: int = 3  # prompt lookup: longest n-gram matched
     exit_head: str | None = None  # EESD: directory of a trained exit head (default: the shipped one)
+    draft_model: str | None = None  # sps / mtad: auxiliary draft model (default: the EESD exit head)
+    beams: int = 4  # mtad: beam width W
+    tau: float = 0.5  # mtad: joint-likelihood threshold
 
     def __post_init__(self) -> None:
+        if not isinstance(self.beams, int) or self.beams < 1:
+            raise ConfigError(f"beams must be an integer >= 1, got {self.beams!r}")
+        if not isinstance(self.tau, (int, float)) or not self.tau > 0:
+            raise ConfigError(f"tau must be > 0, got {self.tau!r}")
         if self.draft_length is not None and (not isinstance(self.draft_length, int) or self.draft_length < 1):
             raise ConfigError(f"draft length must be an integer >= 1, got {self.draft_length!r}")
         if self.controller is not None:
@@ -55,7 +63,10 @@ class Method:
     default_length: int
     make_drafter: MakeDrafter
     default_controller: str = "constant"
-    rule: Rule = verify_lossless
+    make_rule: Callable[[MethodOptions], Rule] = lambda options: verify_lossless
+    # Sampling defaults applied when a request leaves them unset (None = the global defaults:
+    # greedy). mtad samples: temperature 1, top-k 10, top-p 0.9, as in the authors' code.
+    default_sampling: dict | None = None
 
 
 def prepared_exit_head(target: Target, directory: str | None) -> PreparedHead:
@@ -82,6 +93,21 @@ def _eesd(target: Target, options: MethodOptions, sampling: SamplingConfig) -> D
     return EarlyExitDrafter(target, prepared_exit_head(target, options.exit_head), sampling)
 
 
+def draft_lm(target: Target, options: MethodOptions) -> DraftLM:
+    """The auxiliary drafting model: --draft-model when given (loaded once per target), else
+    the target's own first layers with the EESD exit head."""
+    if options.draft_model is None:
+        return ExitHeadLM(target, prepared_exit_head(target, options.exit_head))
+    path = str(Path(options.draft_model).expanduser())
+    key = ("draft-model", path)
+    if key not in target.attachments:
+        target.attachments[key] = load(path, target.dtype, fast=True)
+    return AuxLM(target.attachments[key], target)
+
+
+MTAD_SAMPLING = {"temperature": 1.0, "top_k": 10, "top_p": 0.9}
+
+
 # Draft lengths and controllers chosen by measurement on the default model; see README.
 METHODS: dict[str, Method] = {
     m.name: m
@@ -95,8 +121,40 @@ METHODS: dict[str, Method] = {
                "adaptive"),
         Method("eesd", "EESD: the target's first layers plus a trained exit head, Thompson-sampled length",
                True, 8, _eesd, "beta-ts"),
+        Method("sps", "speculative sampling with an auxiliary drafter (default: the EESD exit head)", True, 4,
+               lambda target, options, sampling: SampledDrafter(draft_lm(target, options), sampling)),
+        Method("mtad", "MTAD: beam-sampled drafts, joint-likelihood acceptance (approximate joint decoding)",
+               False, 4, lambda target, options, sampling: BeamDrafter(draft_lm(target, options), options.beams, sampling),
+               make_rule=lambda options: verify_joint(options.tau), default_sampling=MTAD_SAMPLING),
     )
 }
+
+
+VARIANT_OPTIONS = {"tau": float, "beams": int}
+
+
+def parse_variant(spec: str) -> tuple[str, str | None, dict]:
+    """'METHOD[/CONTROLLER][/KEY=VALUE...]' -> (method, controller or None, option overrides).
+
+    Used by the benchmark to run one method under several settings side by side, e.g.
+    'eesd/constant:4' or 'mtad/tau=0.1'. KEY is one of VARIANT_OPTIONS. Validated."""
+    name, *parts = spec.split("/")
+    method = get_method(name.strip())
+    controller, overrides = None, {}
+    for part in parts:
+        key, equals, value = part.partition("=")
+        if not equals:
+            controller = part
+            parse_controller(controller, method.default_length or 1)
+            continue
+        if key not in VARIANT_OPTIONS:
+            raise ConfigError(f"in {spec!r}: unknown option {key!r} (known: {', '.join(VARIANT_OPTIONS)})")
+        try:
+            overrides[key] = VARIANT_OPTIONS[key](value)
+        except ValueError:
+            raise ConfigError(f"in {spec!r}: {key} must be a number, got {value!r}") from None
+    MethodOptions(**overrides)  # validates the values
+    return method.name, controller, overrides
 
 
 def method_names() -> list[str]:
@@ -119,4 +177,4 @@ def build(name: str, target: Target, options: MethodOptions = MethodOptions(),
         controller = parse_controller("constant", 0)
     else:
         controller = parse_controller(options.controller or method.default_controller, length)
-    return Recipe(method.make_drafter(target, options, sampling), controller, method.rule)
+    return Recipe(method.make_drafter(target, options, sampling), controller, method.make_rule(options))

@@ -41,6 +41,7 @@ class PeerSettings:
     early_exit_layer: int = 6
     draft_model: str | None = None
     dtype: str = "auto"
+    top_k: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.early_exit_layer, bool) or not isinstance(self.early_exit_layer, int) or self.early_exit_layer < 1:
@@ -88,7 +89,7 @@ def _generate_runner(target: Target, settings: PeerSettings, extra: dict | None 
     if sampling:
         # Every sampling knob is passed explicitly, so the model's own generation_config (which may
         # carry e.g. top_k=64) cannot change the distribution: top_k=0 is "off", as for our methods.
-        arguments.update(temperature=settings.temperature, top_p=settings.top_p, top_k=0)
+        arguments.update(temperature=settings.temperature, top_p=settings.top_p, top_k=settings.top_k)
 
     def run(prompt_ids: Sequence[int], max_new_tokens: int) -> PeerOutput:
         assert len(prompt_ids) > 0 and max_new_tokens >= 1, "a prompt and a positive budget"

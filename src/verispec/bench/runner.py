@@ -24,14 +24,14 @@ from __future__ import annotations
 import json
 import os
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable, Sequence
 
 from ..api import stream
 from ..errors import ConfigError
-from ..methods import MethodOptions
+from ..methods import MethodOptions, parse_variant
 from ..model import Target
 from ..score import perplexity
 from .datasets import Question, encode_question
@@ -70,6 +70,9 @@ class BenchSettings:
     draft_length: int | None
     controller: str | None
     early_exit_layer: int | None  # None when hf-early-exit does not run
+    exit_head: str | None = None  # eesd's head directory (None: the shipped one)
+    fast: bool = True  # the fast forward path
+    top_k: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.repeats, bool) or not isinstance(self.repeats, int) or self.repeats < 1:
@@ -98,12 +101,14 @@ class BenchSettings:
         data.update(categories=list(self.categories), methods=list(self.methods), peers=list(self.peers))
         return data
 
-    def options(self) -> MethodOptions:
-        return MethodOptions(draft_length=self.draft_length, controller=self.controller)
+    def options(self, controller: str | None = None) -> MethodOptions:
+        """Method options; `controller` (from a METHOD/CONTROLLER variant) overrides --controller."""
+        return MethodOptions(draft_length=self.draft_length, controller=controller or self.controller,
+                             exit_head=self.exit_head, draft_model=self.draft_model)
 
     def peer_settings(self) -> PeerSettings:
         layer = self.early_exit_layer if self.early_exit_layer is not None else PeerSettings.early_exit_layer
-        return PeerSettings(self.temperature, self.top_p, self.seed, layer, self.draft_model, self.dtype)
+        return PeerSettings(self.temperature, self.top_p, self.seed, layer, self.draft_model, self.dtype, self.top_k)
 
 
 # -- the run directory ------------------------------------------------------------------------
@@ -218,13 +223,15 @@ Generate = Callable[[Sequence[int], int], Outcome]  # (prompt ids, max_new_token
 
 
 def method_runner(target: Target, name: str, settings: BenchSettings) -> Generate:
-    """One of our methods, built through `verispec.api.stream` (any name in `METHODS`)."""
-    options = settings.options()
+    """One of our methods, built through `verispec.api.stream` (any name in `METHODS`, or a
+    METHOD/CONTROLLER variant)."""
+    method, controller, overrides = parse_variant(name)
+    options = replace(settings.options(controller), **overrides)
 
     def run(prompt_ids: Sequence[int], max_new_tokens: int) -> Outcome:
         text_stream = stream(
-            target, list(prompt_ids), name, max_new_tokens=max_new_tokens, temperature=settings.temperature,
-            top_p=settings.top_p, seed=settings.seed, options=options,
+            target, list(prompt_ids), method, max_new_tokens=max_new_tokens, temperature=settings.temperature,
+            top_p=settings.top_p, top_k=settings.top_k, seed=settings.seed, options=options,
         )
         for _ in text_stream:
             pass

@@ -40,8 +40,9 @@ from safetensors.torch import load_file, save_file
 
 from ..cache import StaticKV
 from ..errors import ConfigError, ModelLoadError
-from ..sampling import SamplingConfig, probabilities
-from .base import Draft, Keep, keep_all
+from ..fastpath import Tree
+from ..sampling import SamplingConfig
+from .model import SampledDrafter
 
 HEAD_WEIGHTS = "exit_head.safetensors"
 HEAD_CONFIG = "exit_head.json"
@@ -183,24 +184,19 @@ class PreparedHead:
         self.vocab = head.vocab  # [V_d]
 
 
-class EarlyExitDrafter:
-    """Drafts with the target's first N layers and an exit head (needs the fast path)."""
+class ExitHeadLM:
+    """The target's first N layers plus an exit head, as a `DraftLM` (see `drafters.model`)."""
 
-    def __init__(self, target, head: PreparedHead | ExitHead, sampling: SamplingConfig = SamplingConfig()):
+    def __init__(self, target, head: "PreparedHead | ExitHead"):
         prepared = head if isinstance(head, PreparedHead) else PreparedHead(target, head)
         self.target = target
-        self.sampling = sampling
         self.exit_layer = prepared.exit_layer
+        self.vocab = prepared.vocab  # [V_d]
+        self.vocab_size = target.vocab_size
         self._fast = target._fast
-        self._layer = prepared.layer
-        self._project = prepared.project
-        self._vocab = prepared.vocab
-        self._norm = prepared.norm
+        self._layer, self._project, self._norm = prepared.layer, prepared.project, prepared.norm
         self._cache: StaticKV | None = None
         self._head_length = 0  # positions 0.. with valid head keys/values
-        self._fed = 0
-        self._generator = torch.Generator()
-        self._generator.manual_seed(0 if sampling.seed is None else sampling.seed + 1)
 
     def begin(self, prompt: Sequence[int]) -> None:
         self.target.capture_exit(self.exit_layer)
@@ -209,15 +205,14 @@ class EarlyExitDrafter:
         self._cache.crop(0)
         self._head_length = 0
 
-    @torch.inference_mode()
-    def _head_step(self, residual: torch.Tensor, start: int) -> torch.Tensor:
-        """Head layer over residual [m, d] at positions start.. -> draft logits [m, V_d]."""
-        out = self._fast.run_layer(self._layer, residual, start, self._cache)
+    def _head(self, residual: torch.Tensor, start: int, tree: Tree | None = None) -> torch.Tensor:
+        """Head layer over residual [m, d] -> draft logits [m, V_d]."""
+        out = self._fast.run_layer(self._layer, residual, start, self._cache, tree=tree)
         return self._project(self._norm(out))
 
-    def _catch_up(self, context: Sequence[int]) -> torch.Tensor:
-        """Fill the head cache for every committed position and return the draft logits after
-        the context's last token: [1, V_d]."""
+    @torch.inference_mode()
+    def sync(self, context: Sequence[int]) -> torch.Tensor:
+        """Fill the head cache for every committed position; logits [V_d] after the last token."""
         last = len(context) - 1
         rows = []
         if self._head_length < last:  # committed tokens the head has not seen: from the capture
@@ -228,49 +223,26 @@ class EarlyExitDrafter:
         # The last token is not in the target's cache yet: run layers 0..N-1 for it, writing
         # scratch entries that the next verification overwrites.
         rows.append(self._fast.run(self._fast.embed(token), last, self.target.cache, range(self.exit_layer)))
-        logits = self._head_step(torch.cat(rows), self._head_length)
+        logits = self._head(torch.cat(rows), self._head_length)
         self._head_length = len(context)
-        return logits[-1:]
+        return logits[-1]
 
     @torch.inference_mode()
-    def propose(self, context: Sequence[int], k: int, keep: Keep = keep_all) -> Draft:
-        logits = self._catch_up(context)  # [1, V_d]
-        tokens, rows, confidence = [], [], []
-        self._fed = 0  # draft tokens run through layers 0..N-1 and the head (all but the last)
-        go_on = k > 0 and keep(0, None)
-        while go_on:
-            token, q_row, top1 = self._choose(logits[0])
-            tokens.append(token)
-            rows.append(q_row)
-            confidence.append(top1)
-            go_on = len(tokens) < k and keep(len(tokens), top1)
-            if not go_on:
-                break  # the last draft token is not fed: nothing will be drafted after it
-            position = len(context) + self._fed
-            residual = self._fast.run(self._fast.embed(torch.tensor([token])), position,
-                                      self.target.cache, range(self.exit_layer))
-            logits = self._head_step(residual, position)
-            self._fed += 1
-        q = None
-        if rows and rows[0] is not None:
-            q = torch.zeros(len(rows), self.target.vocab_size)  # [k, vocab], zero outside V_d
-            q[:, self._vocab] = torch.stack(rows)
-        return Draft(torch.tensor(tokens, dtype=torch.long), q=q, confidence=tuple(confidence))
+    def extend(self, tokens: torch.Tensor, tree: Tree) -> torch.Tensor:
+        """Draft tokens through layers 0..N-1 (scratch entries in the target's cache) and the head."""
+        start = int(tree.positions[0])
+        residual = self._fast.run(self._fast.embed(tokens), start, self.target.cache, range(self.exit_layer),
+                                  tree=tree if tree.slots is not None else None)
+        return self._head(residual, start, tree if tree.slots is not None else None)
 
-    def _choose(self, logits: torch.Tensor) -> tuple[int, torch.Tensor | None, float]:
-        """Draft token (a full-vocabulary id), its q row over V_d (None when greedy) and the
-        head's top-1 probability (the confidence controllers calibrate)."""
-        if self.sampling.greedy:
-            top1, index = torch.softmax(logits.float(), -1).max(-1)
-            return int(self._vocab[index]), None, float(top1)
-        q = probabilities(logits.unsqueeze(0), self.sampling)[0]  # [V_d]
-        index = int(torch.multinomial(q, 1, generator=self._generator))
-        return int(self._vocab[index]), q, float(q.max())
-
-    def commit(self, committed: Sequence[int], n_proposed: int) -> None:
-        """Keep the head entries of the accepted draft tokens that were fed through the head;
-        the rest (the last draft token, the target's token) are filled at the next propose."""
-        accepted = len(committed) - 1
-        self._head_length += min(accepted, self._fed)
-        self._fed = 0
+    def keep(self, m: int) -> None:
+        self._head_length += m
         self._cache.length = self._head_length
+
+
+class EarlyExitDrafter(SampledDrafter):
+    """EESD's drafter: `SampledDrafter` over the target's first N layers and an exit head
+    (needs the fast path)."""
+
+    def __init__(self, target, head: "PreparedHead | ExitHead", sampling: SamplingConfig = SamplingConfig()):
+        super().__init__(ExitHeadLM(target, head), sampling)

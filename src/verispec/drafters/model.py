@@ -1,0 +1,271 @@
+"""Drafting with a model: an auxiliary LM or an exit head, by sampling or by beam sampling.
+
+Owns three things:
+- `DraftLM`, the small interface a drafting model offers: `sync(context)` brings its own state
+  up to the committed context and returns the logits for the next token; `extend(tokens, tree)`
+  runs draft tokens placed past the context (one path, or several beams side by side in scratch
+  cache slots) and returns their next-token logits; `keep(m)` commits the first m tokens of a
+  single-path extension. `AuxLM` implements it for an auxiliary causal LM with its own KV cache
+  (`--draft-model`); `early_exit.ExitHeadLM` for the target's first layers plus an exit head.
+- `SampledDrafter`: one token at a time, greedy (argmax, q = None) or sampled from the warped
+  draft distribution q, which it returns with the draft so that speculative sampling stays
+  lossless (`sps`, and EESD's drafter).
+- `BeamDrafter`: MTAD's beam sampling (Qin et al., ICLR 2025): the first step draws W distinct
+  tokens from q; each later step draws W (beam, token) pairs without replacement with
+  probability proportional to beam weight x q(token | beam) (Gumbel top-W), and the new weights
+  are those products, renormalised. After gamma steps the draft is the beam of largest weight,
+  with the q of each of its tokens along its own path (`Draft.q_tokens`) for the joint rule.
+  All W beams of a step run in one forward, as a tree over scratch cache slots.
+
+Draft distributions use the request's temperature / top-k / top-p, the same warping as the
+target's p. Vocabularies: an auxiliary model must share the target's tokenizer (checked), and
+its logits beyond the target's vocabulary are ignored.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Protocol, Sequence
+
+import torch
+
+from ..cache import StaticKV
+from ..errors import ConfigError
+from ..fastpath import Tree
+from ..sampling import SamplingConfig, probabilities
+from .base import Draft, Keep, keep_all
+
+
+class DraftLM(Protocol):
+    vocab: torch.Tensor | None  # [V_d] target ids of the draft logits' columns; None = identity
+    vocab_size: int  # the target's vocabulary size (q rows are this wide)
+
+    def begin(self, prompt: Sequence[int]) -> None: ...
+
+    def sync(self, context: Sequence[int]) -> torch.Tensor:
+        """Logits [V_d] for the token after `context` (committed tokens)."""
+
+    def extend(self, tokens: torch.Tensor, tree: Tree) -> torch.Tensor:
+        """Logits [n, V_d] after each of `tokens` [n] placed by `tree` (scratch, uncommitted)."""
+
+    def keep(self, m: int) -> None:
+        """Commit the first m tokens of the last single-path extension (0 after beams)."""
+
+
+def tree_for_beams(context_length: int, step: int, width: int, paths: list[list[int]]) -> Tree:
+    """Placement of one beam step: `width` tokens at logical position context_length + step - 1,
+    in slots context_length + (step-1)*width + b; beam b sees the context, the slots of its own
+    path (`paths[b]`) and its new slot."""
+    base = context_length + (step - 1) * width
+    slots = torch.arange(base, base + width)
+    total = base + width
+    visible = torch.zeros(width, total, dtype=torch.bool)
+    visible[:, :context_length] = True
+    for b, path in enumerate(paths):
+        visible[b, path] = True
+        visible[b, base + b] = True
+    slot_positions = torch.arange(total)
+    for s in range(width * step):  # scratch slots: logical position of the beam step they hold
+        slot_positions[context_length + s] = context_length + s // width
+    positions = torch.full((width,), context_length + step - 1, dtype=torch.long)
+    return Tree(positions, slots, visible, slot_positions)
+
+
+class AuxLM:
+    """An auxiliary causal LM (a `Target`) as a draft model, with its own KV cache."""
+
+    def __init__(self, draft_target, target):
+        check_same_tokenizer(draft_target, target)
+        if not draft_target.fast:
+            raise ConfigError(
+                f"the draft model {draft_target.name} has no fast forward path (Llama, Qwen2, Gemma 3 "
+                f"families), which model drafting needs"
+            )
+        self.model = draft_target
+        self.vocab = None
+        self.vocab_size = target.vocab_size
+        self._length = 0  # committed positions in the draft model's cache
+        self._scratch_start = 0
+
+    def begin(self, prompt: Sequence[int]) -> None:
+        self.model.reset()
+        self._length = 0
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model._head(hidden)[:, : self.vocab_size]  # [n, V]
+
+    @torch.inference_mode()
+    def sync(self, context: Sequence[int]) -> torch.Tensor:
+        cache = self.model.cache
+        cache.crop(min(cache.length, self._length))
+        missing = torch.tensor(list(context[self._length:]), dtype=torch.long)
+        hidden = self.model._fast.hidden_states(missing, cache)  # appends, advances the length
+        self._length = cache.length
+        self._scratch_start = self._length
+        return self._logits(hidden[-1:])[0]
+
+    @torch.inference_mode()
+    def extend(self, tokens: torch.Tensor, tree: Tree) -> torch.Tensor:
+        fast = self.model._fast
+        x = fast.run(fast.embed(tokens), int(tree.positions[0]), self.model.cache, tree=tree)
+        return self._logits(fast.norm(x))
+
+    def keep(self, m: int) -> None:
+        self._length = self._scratch_start + m
+        self.model.cache.length = self._length
+
+
+def check_same_tokenizer(draft_target, target) -> None:
+    """Refuse a draft model whose tokenizer differs from the target's."""
+    a, b = draft_target.tokenizer, target.tokenizer
+    if a is None or b is None:
+        if draft_target.vocab_size < target.vocab_size:
+            raise ConfigError(
+                f"the draft model's vocabulary ({draft_target.vocab_size}) is smaller than the target's "
+                f"({target.vocab_size})"
+            )
+        return
+    if a.get_vocab() != b.get_vocab():
+        raise ConfigError(
+            f"the draft model {draft_target.name} does not use the target's tokenizer: its ids would mean "
+            f"other tokens (vocabularies of {len(a)} and {len(b)} entries differ)"
+        )
+
+
+class SampledDrafter:
+    """Drafts one token at a time from a `DraftLM`: argmax under greedy decoding, else a sample
+    from the warped draft distribution q (returned with the draft)."""
+
+    def __init__(self, lm: DraftLM, sampling: SamplingConfig = SamplingConfig()):
+        self.lm = lm
+        self.sampling = sampling
+        self._generator = torch.Generator()
+        self._generator.manual_seed(0 if sampling.seed is None else sampling.seed + 1)
+        self._fed = 0
+
+    def begin(self, prompt: Sequence[int]) -> None:
+        self.lm.begin(prompt)
+
+    @torch.inference_mode()
+    def propose(self, context: Sequence[int], k: int, keep: Keep = keep_all) -> Draft:
+        logits = self.lm.sync(context)  # [V_d]
+        tokens, rows, confidence = [], [], []
+        self._fed = 0  # draft tokens fed back through the draft model (all but the last)
+        go_on = k > 0 and keep(0, None)
+        while go_on:
+            token, q_row, top1 = self._choose(logits)
+            tokens.append(token)
+            rows.append(q_row)
+            confidence.append(top1)
+            go_on = len(tokens) < k and keep(len(tokens), top1)
+            if not go_on:
+                break  # the last draft token is not fed: nothing will be drafted after it
+            position = len(context) + self._fed
+            logits = self.lm.extend(torch.tensor([token]), Tree.contiguous(position, 1))[0]
+            self._fed += 1
+        q = None
+        if rows and rows[0] is not None:
+            q = _full_rows(torch.stack(rows), self.lm)  # [k, vocab], zero outside the draft vocabulary
+        return Draft(torch.tensor(tokens, dtype=torch.long), q=q, confidence=tuple(confidence))
+
+    def _choose(self, logits: torch.Tensor) -> tuple[int, torch.Tensor | None, float]:
+        """Draft token (a target id), its q row over the draft vocabulary (None when greedy) and
+        the draft model's top-1 probability (the confidence controllers calibrate)."""
+        if self.sampling.greedy:
+            top1, index = torch.softmax(logits.float(), -1).max(-1)
+            return _target_id(int(index), self.lm), None, float(top1)
+        q = probabilities(logits.unsqueeze(0), self.sampling)[0]  # [V_d]
+        index = int(torch.multinomial(q, 1, generator=self._generator))
+        return _target_id(index, self.lm), q, float(q.max())
+
+    def commit(self, committed: Sequence[int], n_proposed: int) -> None:
+        """Keep the draft model's entries of the accepted tokens that were fed through it."""
+        self.lm.keep(min(len(committed) - 1, self._fed))
+        self._fed = 0
+
+
+class BeamDrafter:
+    """MTAD's beam-sampled drafts (see the module docstring)."""
+
+    def __init__(self, lm: DraftLM, width: int = 4, sampling: SamplingConfig = SamplingConfig()):
+        if width < 1:
+            raise ConfigError(f"beam width must be >= 1, got {width}")
+        if sampling.greedy:
+            raise ConfigError("beam sampling needs temperature > 0 (mtad samples; its default is 1)")
+        self.lm, self.width, self.sampling = lm, width, sampling
+        self._generator = torch.Generator()
+        self._generator.manual_seed(0 if sampling.seed is None else sampling.seed + 1)
+
+    def begin(self, prompt: Sequence[int]) -> None:
+        self.lm.begin(prompt)
+
+    @torch.inference_mode()
+    def propose(self, context: Sequence[int], k: int, keep: Keep = keep_all) -> Draft:
+        if k <= 0 or not keep(0, None):
+            self.lm.sync(context)
+            return Draft(torch.empty(0, dtype=torch.long), q_tokens=torch.empty(0))
+        q = probabilities(self.lm.sync(context).unsqueeze(0), self.sampling)  # [1, V_d]
+        beams = beam_step(torch.zeros(1, dtype=torch.float64), q, self.width, self._generator)
+        # beams: (parent [W], token index [W], log weight [W], q of the token [W])
+        parents, tokens, log_weights, token_q = beams
+        paths = [[] for _ in range(len(tokens))]
+        history_tokens = [[int(t)] for t in tokens]
+        history_q = [[float(p)] for p in token_q]
+        for step in range(1, k):
+            best = int(torch.argmax(log_weights))
+            if not keep(step, float(math.exp(float(log_weights[best])))):
+                break
+            tree = tree_for_beams(len(context), step, len(tokens), paths)
+            logits = self.lm.extend(_target_ids(tokens, self.lm), tree)  # [W, V_d]
+            slots = tree.slots.tolist()
+            paths = [paths[b] + [slots[b]] for b in range(len(tokens))]
+            q = probabilities(logits, self.sampling)  # [W, V_d]
+            parents, tokens, log_weights, token_q = beam_step(log_weights, q, self.width, self._generator)
+            paths = [paths[int(p)] for p in parents]
+            history_tokens = [history_tokens[int(p)] + [int(t)] for p, t in zip(parents, tokens)]
+            history_q = [history_q[int(p)] + [float(x)] for p, x in zip(parents, token_q)]
+        self.lm.keep(0)
+        best = int(torch.argmax(log_weights))
+        chosen = _target_ids(torch.tensor(history_tokens[best]), self.lm)
+        confidence = tuple(history_q[best])
+        return Draft(chosen, q_tokens=torch.tensor(history_q[best], dtype=torch.float32), confidence=confidence)
+
+    def commit(self, committed: Sequence[int], n_proposed: int) -> None:
+        pass  # beams live in scratch slots; the next sync recomputes the committed tokens
+
+
+def beam_step(log_weights: torch.Tensor, q: torch.Tensor, width: int, generator: torch.Generator):
+    """Draw `width` distinct (beam, token) pairs without replacement, with probability
+    proportional to weight[beam] * q[beam, token] (Gumbel top-k), and renormalise.
+
+    log_weights: [B] log beam weights; q: [B, V] draft probabilities.
+    Returns (parent [W], token [W], new log weights [W] (log-sum-exp 0), q of the token [W])."""
+    joint = log_weights.unsqueeze(1) + torch.log(q.double())  # [B, V]
+    flat = joint.flatten()
+    finite = int(torch.isfinite(flat).sum())
+    take = min(width, finite)
+    uniform = torch.rand(flat.shape, generator=generator, dtype=torch.float64).clamp_(1e-300, 1.0)
+    keys = flat - torch.log(-torch.log(uniform))  # + Gumbel(0, 1)
+    chosen = torch.topk(keys, take).indices  # [W]
+    vocab = q.shape[1]
+    parents, tokens = chosen // vocab, chosen % vocab
+    new = flat[chosen]
+    new = new - torch.logsumexp(new, 0)
+    return parents, tokens, new, q[parents, tokens]
+
+
+def _target_id(index: int, lm: DraftLM) -> int:
+    return index if lm.vocab is None else int(lm.vocab[index])
+
+
+def _target_ids(indices: torch.Tensor, lm: DraftLM) -> torch.Tensor:
+    return indices.long() if lm.vocab is None else lm.vocab[indices]
+
+
+def _full_rows(rows: torch.Tensor, lm: DraftLM) -> torch.Tensor:
+    """Draft-vocabulary rows [k, V_d] -> target-vocabulary rows [k, vocab] (zeros elsewhere)."""
+    if lm.vocab is None:
+        return rows.float()
+    full = torch.zeros(rows.shape[0], lm.vocab_size)
+    full[:, lm.vocab] = rows.float()
+    return full

@@ -1,0 +1,225 @@
+"""sps and mtad: auxiliary-model drafting, beam sampling, the joint rule, cache consistency.
+
+Statistical tests use Pearson's chi-square against the exact distribution of the first three
+generated tokens of a micro Llama (8-token vocabulary), with a false-positive rate of
+ALPHA = 1e-4 per test; seeds are fixed, so each test is deterministic.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+import pytest
+import torch
+
+import helpers
+from verispec.acceptance import joint_likelihood
+from verispec.drafters.model import AuxLM, BeamDrafter, beam_step, check_same_tokenizer, tree_for_beams
+from verispec.errors import ConfigError
+from verispec.fastpath import Tree
+from verispec.methods import MethodOptions, build
+from verispec.model import Target
+from verispec.sampling import SamplingConfig
+
+ALPHA = 1e-4
+PROMPT = [1, 2, 3, 1, 2, 3, 1, 2]
+
+
+@pytest.fixture(scope="module")
+def micro():
+    return Target(helpers.make_model(helpers.micro_llama_config(8, init=0.3), seed=0), None, name="micro")
+
+
+@pytest.fixture(scope="module")
+def micro_draft(tmp_path_factory):
+    """A different micro Llama with the same vocabulary, saved so methods can load it by path."""
+    path = tmp_path_factory.mktemp("draft")
+    helpers.make_model(helpers.micro_llama_config(8, init=0.3), seed=5).save_pretrained(path)
+    helpers.char_tokenizer().save_pretrained(path)  # loading needs one; ids are compared by vocab size here
+    return path
+
+
+def first_tokens(target, method, options, sampling, seeds):
+    outcomes, drafted, accepted = [], 0, 0
+    for seed in range(seeds):
+        config = SamplingConfig(sampling.temperature, sampling.top_k, sampling.top_p, seed)
+        ids, stats, _ = helpers.run(target, build(method, target, options, config), PROMPT, 5, config)
+        outcomes.append(tuple(ids[:3]))
+        drafted += stats.drafted
+        accepted += stats.accepted
+    return outcomes, drafted, accepted
+
+
+def assert_fits(outcomes, exact, label):
+    statistic, pvalue, df = helpers.chi_square_pvalue(Counter(outcomes), exact)
+    assert pvalue > ALPHA, f"{label}: chi2={statistic:.1f}, df={df}, p={pvalue:.2e}"
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])
+def test_greedy_sps_with_a_draft_model_equals_ar(arch, tmp_path):
+    target = helpers.make_target(arch, seed=1, init=0.3)
+    helpers.make_model(helpers.make_config(arch, init=0.3), seed=9).save_pretrained(tmp_path)
+    helpers.char_tokenizer().save_pretrained(tmp_path)
+    options = MethodOptions(draft_model=str(tmp_path))
+    accepted = drafted = 0
+    for prompt_seed in (0, 1):
+        prompt = helpers.repetitive_prompt(target.vocab_size, prompt_seed, period=5, repeats=4)
+        reference = helpers.run(target, build("ar", target), prompt, 30)[0]
+        for controller in ("constant:4", "constant:1", "beta-ts:6"):
+            opts = MethodOptions(draft_model=str(tmp_path), controller=controller)
+            ids, stats, _ = helpers.run(target, build("sps", target, opts), prompt, 30)
+            assert ids == reference, controller
+            drafted += stats.drafted
+            accepted += stats.accepted
+    assert drafted > 0 and options.draft_model == str(tmp_path)
+
+
+def test_sps_is_lossless_under_sampling(micro, micro_draft):
+    sampling = SamplingConfig(temperature=1.0)
+    exact = helpers.exact_sequence_distribution(micro.model, PROMPT, 3, sampling)
+    outcomes, drafted, accepted = first_tokens(micro, "sps", MethodOptions(draft_model=str(micro_draft)), sampling, 500)
+    assert 0 < accepted < drafted
+    assert_fits(outcomes, exact, "sps")
+
+
+def test_mtad_with_an_impassable_tau_is_autoregressive_sampling(micro, micro_draft):
+    sampling = SamplingConfig(temperature=1.0)
+    exact = helpers.exact_sequence_distribution(micro.model, PROMPT, 3, sampling)
+    options = MethodOptions(draft_model=str(micro_draft), tau=1e30)
+    outcomes, drafted, accepted = first_tokens(micro, "mtad", options, sampling, 500)
+    assert drafted > 0 and accepted == 0
+    assert_fits(outcomes, exact, "mtad tau=1e30")
+
+
+def test_mtad_with_a_tiny_tau_accepts_every_draft(micro, micro_draft):
+    sampling = SamplingConfig(temperature=1.0)  # no top-k/top-p: every token has p > 0
+    options = MethodOptions(draft_model=str(micro_draft), tau=1e-30)
+    _, drafted, accepted = first_tokens(micro, "mtad", options, sampling, 20)
+    assert drafted > 0 and accepted == drafted
+
+
+def test_mtad_defaults_and_greedy_refusal(micro, micro_draft):
+    from verispec.api import sampling_for
+
+    config = sampling_for("mtad")
+    assert (config.temperature, config.top_k, config.top_p) == (1.0, 10, 0.9)
+    assert sampling_for("anpd").greedy
+    with pytest.raises(ConfigError, match="temperature"):
+        build("mtad", micro, MethodOptions(draft_model=str(micro_draft)), SamplingConfig(temperature=0.0))
+
+
+def test_beam_step_draws_distinct_pairs_with_normalised_weights():
+    generator = torch.Generator().manual_seed(0)
+    q = torch.softmax(torch.randn(3, 10, generator=generator), -1)
+    log_weights = torch.log(torch.tensor([0.5, 0.3, 0.2], dtype=torch.float64))
+    parents, tokens, new, token_q = beam_step(log_weights, q, 4, generator)
+    pairs = list(zip(parents.tolist(), tokens.tolist()))
+    assert len(set(pairs)) == 4
+    assert float(torch.logsumexp(new, 0)) == pytest.approx(0.0, abs=1e-12)
+    expected = torch.tensor([math.log(float(math.exp(log_weights[p]) * q[p, t])) for p, t in pairs], dtype=torch.float64)
+    assert torch.allclose(new, expected - torch.logsumexp(expected, 0))
+    assert torch.allclose(token_q, q[parents, tokens])
+    # taking every pair returns all of them
+    parents, tokens, _, _ = beam_step(log_weights, q, 30, generator)
+    assert len(set(zip(parents.tolist(), tokens.tolist()))) == 30
+
+
+def test_beam_step_single_draw_follows_weight_times_q():
+    generator = torch.Generator().manual_seed(1)
+    q = torch.tensor([[0.5, 0.3, 0.2], [0.1, 0.1, 0.8]])
+    weights = torch.tensor([0.6, 0.4], dtype=torch.float64)
+    joint = {(b, t): float(weights[b] * q[b, t]) for b in range(2) for t in range(3)}
+    counts = Counter()
+    for _ in range(6000):
+        parents, tokens, _, _ = beam_step(torch.log(weights), q, 1, generator)
+        counts[(int(parents[0]), int(tokens[0]))] += 1
+    statistic, pvalue, df = helpers.chi_square_pvalue(counts, joint)
+    assert pvalue > ALPHA
+
+
+def test_joint_rule_longest_passing_prefix_ties_and_l0():
+    generator = torch.Generator().manual_seed(0)
+    p = torch.tensor([[0.9, 0.1], [0.1, 0.9], [0.5, 0.5], [0.5, 0.5]])
+    draft = torch.tensor([0, 0, 1])
+    q = torch.tensor([0.9, 0.9, 0.05])
+    # log ratios: 0, log(1/9), log(10): prefix sums 0, -2.197, 0.105 -> with tau 1 (log 0) the
+    # longest passing prefix is L = 3 even though L = 1 and 2 fail: not the first failure
+    assert joint_likelihood(draft, q, p, 1.0 - 1e-9, generator).n_accepted == 3
+    # ties do not pass: the sum must exceed log tau strictly
+    assert joint_likelihood(draft[:1], q[:1], p[:2], 1.0, generator).n_accepted == 0
+    # nothing passes -> L = 0, and the token comes from p_1
+    verdict = joint_likelihood(torch.tensor([1]), torch.tensor([0.99]), torch.tensor([[1.0, 0.0], [0.5, 0.5]]), 0.5, generator)
+    assert verdict == type(verdict)(0, 0)
+
+
+def test_tree_placement_matches_contiguous_paths(micro_draft):
+    """W beam paths run as a tree over scratch slots give the logits each path gets when run
+    alone and contiguously (the cache consistency beams rely on)."""
+    draft = Target(helpers.make_model(helpers.micro_llama_config(8, init=0.3), seed=5), None, "draft")
+    target = Target(helpers.make_model(helpers.micro_llama_config(8, init=0.3), seed=0), None, "target")
+    lm = AuxLM(draft, target)
+    lm.begin(PROMPT)
+    context = PROMPT
+    lm.sync(context)
+    paths = [[]] * 3
+    first = torch.tensor([4, 5, 6])
+    tree = tree_for_beams(len(context), 1, 3, paths)
+    tree_logits = lm.extend(first, tree)
+    paths = [[s] for s in tree.slots.tolist()]
+    second = torch.tensor([7, 1, 2])
+    tree2 = tree_for_beams(len(context), 2, 3, paths)
+    tree_logits2 = lm.extend(second, tree2)
+    for b in range(3):
+        fresh = draft.model(input_ids=torch.tensor([context + [int(first[b])]])).logits[0, -1]
+        torch.testing.assert_close(tree_logits[b], fresh[:8], rtol=1e-4, atol=1e-5)
+        fresh2 = draft.model(input_ids=torch.tensor([context + [int(first[b]), int(second[b])]])).logits[0, -1]
+        torch.testing.assert_close(tree_logits2[b], fresh2[:8], rtol=1e-4, atol=1e-5)
+
+
+class CheckedAuxLM(AuxLM):
+    """An AuxLM that checks, at every sync, that its cached state gives the logits of a fresh
+    forward over the whole context (crop then re-feed equals fresh)."""
+
+    checks = 0
+
+    def sync(self, context):
+        logits = super().sync(context)
+        fresh = self.model.model(input_ids=torch.tensor([list(context)])).logits[0, -1, : self.vocab_size]
+        torch.testing.assert_close(logits, fresh, rtol=1e-4, atol=1e-5)
+        CheckedAuxLM.checks += 1
+        return logits
+
+
+@pytest.mark.parametrize("beams", [1, 3])
+def test_draft_model_cache_is_consistent_after_every_step(micro, beams):
+    draft = Target(helpers.make_model(helpers.micro_llama_config(8, init=0.3), seed=5), None, "draft")
+    sampling = SamplingConfig(temperature=1.0, seed=3)
+    from verispec.acceptance import verify_joint, verify_lossless
+    from verispec.control import ConstantLength
+    from verispec.drafters.model import SampledDrafter
+    from verispec.engine import Recipe
+
+    CheckedAuxLM.checks = 0
+    for seed in range(5):
+        config = SamplingConfig(1.0, seed=seed)
+        sps = Recipe(SampledDrafter(CheckedAuxLM(draft, micro), config), ConstantLength(3), verify_lossless)
+        helpers.run(micro, sps, PROMPT, 12, config)
+        mtad = Recipe(BeamDrafter(CheckedAuxLM(draft, micro), beams, config), ConstantLength(3), verify_joint(0.5))
+        helpers.run(micro, mtad, PROMPT, 12, config)
+    assert CheckedAuxLM.checks > 20
+
+
+def test_a_draft_model_with_another_tokenizer_is_refused(char_tokenizer):
+    from transformers import PreTrainedTokenizerFast
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {chr(97 + i): i for i in range(len(char_tokenizer))}
+    other = Tokenizer(models.WordLevel(vocab=vocab, unk_token="a"))
+    other.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    other_tokenizer = PreTrainedTokenizerFast(tokenizer_object=other)
+    model = helpers.make_model(helpers.make_config("llama", vocab_size=len(char_tokenizer)), seed=0)
+    target = Target(model, char_tokenizer, "target")
+    draft = Target(model, other_tokenizer, "draft")
+    with pytest.raises(ConfigError, match="tokenizer"):
+        check_same_tokenizer(draft, target)
