@@ -176,3 +176,47 @@ def test_training_lowers_the_held_out_kl(tmp_path):
     changed = TrainConfig(**{**config.__dict__, "draft_vocab": 30})
     with pytest.raises(ConfigError, match="different settings"):
         train_exit_head(target, corpus, tmp_path / "head", changed, resume=True, log=lambda *_: None)
+
+
+class SkippingController:
+    """Drafts up to k tokens, but declines to draft at all on a fixed pattern of steps, so the
+    draft model must catch up on several committed tokens at once."""
+
+    def __init__(self, k: int, pattern=(True, False, False, True, False)):
+        self.k, self.pattern, self.step = k, pattern, 0
+
+    def next_length(self) -> int:
+        return self.k
+
+    def keep(self, j, confidence) -> bool:
+        if j == 0:
+            self.step += 1
+            return self.pattern[self.step % len(self.pattern)]
+        return True
+
+    def cut(self, confidence, proposed):
+        return proposed
+
+    def observe(self, *args) -> None:
+        pass
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "qwen2"])
+def test_skipped_draft_steps_are_caught_up(arch, tmp_path):
+    """EESD and sps with a draft model stay lossless when the controller skips drafting on some
+    steps (the draft model then catches up from the target's captured states / its own cache)."""
+    from verispec.drafters.model import AuxLM, SampledDrafter
+
+    target = helpers.make_target(arch, seed=1, init=0.3)
+    prompt = helpers.repetitive_prompt(target.vocab_size, 0, period=5, repeats=4)
+    reference = helpers.run(target, build("ar", target), prompt, NEW_TOKENS)[0]
+    drafters = [
+        EarlyExitDrafter(target, identity_head(target)),  # right about everything: long acceptances
+        EarlyExitDrafter(target, ExitHead(target.model, 1, list(range(target.vocab_size)))),
+        SampledDrafter(AuxLM(helpers.make_target(arch, seed=4, init=0.3), target)),
+    ]
+    for drafter in drafters:
+        recipe = Recipe(drafter, SkippingController(4), verify_lossless)
+        ids, stats, steps = helpers.run(target, recipe, prompt, NEW_TOKENS)
+        assert ids == reference
+        assert stats.drafted > 0 and sum(1 for s in steps if len(s) == 1) > 0

@@ -447,7 +447,8 @@ def serve(
 def train_exit(
     model: Optional[str] = MODEL_OPTION,
     exit_layer: int = typer.Option(4, "--exit-layer", help="N: the head reads the residual stream after the target's first N layers."),
-    draft_vocab: int = typer.Option(16384, "--draft-vocab", help="V_d: the head predicts over the V_d most frequent corpus tokens."),
+    draft_vocab: int = typer.Option(32768, "--draft-vocab", help="V_d: the head predicts over the V_d most frequent corpus tokens."),
+    init_layer: Optional[int] = typer.Option(None, "--init-layer", help="Target layer the head's layer starts from (default: the last layer)."),
     corpus: Optional[str] = typer.Option(None, help="Training text: JSONL with a 'text' field, or plain text (default: the shipped corpus the default model generated)."),
     generate_corpus: bool = typer.Option(False, "--generate-corpus", help="First let the target continue the shipped training prompts, and train on that."),
     corpus_tokens: int = typer.Option(256, "--corpus-tokens", help="With --generate-corpus: tokens generated per prompt."),
@@ -470,7 +471,7 @@ def train_exit(
     from .train.exit_head import TrainConfig, train_exit_head
 
     try:
-        config = TrainConfig(exit_layer=exit_layer, draft_vocab=draft_vocab, sequence_length=sequence_length,
+        config = TrainConfig(exit_layer=exit_layer, init_layer=init_layer, draft_vocab=draft_vocab, sequence_length=sequence_length,
                              batch=batch, steps=steps, learning_rate=learning_rate, max_minutes=max_minutes,
                              checkpoint_every=checkpoint_every, seed=seed)
         directory = Path(out_dir)

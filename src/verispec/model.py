@@ -238,7 +238,7 @@ class Target:
         self._body = model.get_decoder()
         self._fast = None
         self._capture_layer = 0
-        self.exit_capture = None
+        self._captures: list[tuple[int, torch.Tensor]] = []
         self.attachments: dict = {}  # things built once per target (e.g. prepared exit heads)
         if fast:
             reason = FastDecoder.supports(model)
@@ -288,7 +288,7 @@ class Target:
     def reset(self) -> None:
         """Start a new request: an empty KV cache, no exit-layer capture."""
         self._capture_layer = 0
-        self.exit_capture = None
+        self._captures = []
         if self._fast is None:
             self.cache = new_cache(self.model)
         elif isinstance(self.cache, StaticKV):
@@ -323,19 +323,29 @@ class Target:
     def hidden_states(self, ids: torch.Tensor) -> torch.Tensor:
         """Final-normed decoder states of `ids` [1, n] -> [n, hidden], appended to the cache.
         With an exit layer set (`capture_exit`), also keeps the residual stream after that many
-        layers in `exit_capture` = (first position, [n, hidden])."""
+        layers, for `exit_states`."""
         if self._fast is None:
             return self._body(input_ids=ids, cache=self.cache, use_cache=True).last_hidden_state[0]
         start, n = self.cache.length, ids.shape[1]
         x = self._fast.embed(ids[0])  # [n, hidden]
         if self._capture_layer:
             x = self._fast.run(x, start, self.cache, range(self._capture_layer))
-            self.exit_capture = (start, x)
+            # Entries at or past `start` were rolled back before this forward: drop them.
+            self._captures = [(p, t[: start - p]) for p, t in self._captures if p < start] + [(start, x)]
             x = self._fast.run(x, start, self.cache, range(self._capture_layer, len(self._fast.layers)))
         else:
             x = self._fast.run(x, start, self.cache)
         self.cache.length = start + n
         return self._fast.norm(x)
+
+    def exit_states(self, low: int, high: int) -> torch.Tensor:
+        """The captured residual stream of positions [low, high): [high - low, hidden]; forgets
+        what lies before `low` (an early-exit drafter consumes positions in order)."""
+        self._captures = [(p, t) for p, t in self._captures if p + t.shape[0] > low]
+        rows = [t[max(0, low - p) : high - p] for p, t in self._captures if p < high]
+        states = torch.cat(rows) if rows else torch.empty(0, self.config.hidden_size)
+        assert states.shape[0] == high - low, f"positions {low}..{high} were not captured"
+        return states
 
     def capture_exit(self, layer: int) -> None:
         """Keep the residual stream after `layer` layers of every forward (fast path; for

@@ -51,7 +51,7 @@ class PeerSettings:
 @dataclass
 class PeerOutput:
     token_ids: list[int]  # the generated ids only (no prompt), EOS included when generated
-    target_forwards: int  # full-depth forward passes of target.model, prefill included
+    target_forwards: int | None  # full-depth forward passes of target.model, prefill included (None: not visible)
 
 
 PeerRun = Callable[[Sequence[int], int], PeerOutput]  # (prompt ids, max_new_tokens) -> output
@@ -127,6 +127,54 @@ def _assisted(target: Target, settings: PeerSettings) -> PeerRun:
     return _generate_runner(target, settings, extra)
 
 
+def _llamacpp(target: Target, settings: PeerSettings, prompt_lookup: bool) -> PeerRun:
+    """llama.cpp (llama-cpp-python, an optional dependency) on the GGUF file the target came
+    from: the embedded default's, or a --model given as .gguf. Its own tokenizer; greedy or
+    sampled per the flags; torch's thread count. Target forwards are not visible (None)."""
+    try:
+        from llama_cpp import Llama
+    except ImportError as error:
+        raise ConfigError(
+            "the llamacpp peers need llama-cpp-python: build it with "
+            "CMAKE_ARGS=\"-DGGML_NATIVE=OFF -DGGML_AVX2=ON\" pip install llama-cpp-python "
+            "(add -DGGML_AVX512=ON on CPUs with AVX-512)"
+        ) from error
+    from ..model import DEFAULT_MODEL_NAME, embedded_default_path
+
+    if target.name == DEFAULT_MODEL_NAME:
+        gguf = embedded_default_path()
+    elif str(target.name).endswith(".gguf"):
+        gguf = target.name
+    else:
+        raise ConfigError("the llamacpp peers need a GGUF model: the default model or --model FILE.gguf")
+    extra = {}
+    if prompt_lookup:
+        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+        extra["draft_model"] = LlamaPromptLookupDecoding(num_pred_tokens=10)
+    llm = Llama(model_path=str(gguf), n_ctx=8192, n_threads=torch.get_num_threads(), verbose=False,
+                seed=settings.seed if settings.seed is not None else 0, **extra)
+    eos = set(target.eos_token_ids)
+    sampling = settings.temperature > 0
+
+    def run(prompt_ids: Sequence[int], max_new_tokens: int) -> PeerOutput:
+        llm.reset()
+        produced: list[int] = []
+        try:
+            for token in llm.generate(
+                list(prompt_ids), temp=settings.temperature if sampling else 0.0, top_k=settings.top_k if sampling else 1,
+                top_p=settings.top_p if sampling else 1.0, repeat_penalty=1.0, reset=True,
+            ):
+                produced.append(int(token))
+                if token in eos or len(produced) >= max_new_tokens:
+                    break
+        except Exception as error:
+            raise PeerError(f"llama.cpp failed ({type(error).__name__}: {error})") from error
+        return PeerOutput(produced, None)
+
+    return run
+
+
 PEERS: dict[str, Peer] = {
     p.name: p
     for p in (
@@ -138,6 +186,10 @@ PEERS: dict[str, Peer] = {
              lambda target, s: _generate_runner(target, s, {"assistant_early_exit": s.early_exit_layer})),
         Peer("hf-assisted", "transformers generate(): assisted generation with --draft-model as assistant_model",
              _assisted, needs_draft_model=True),
+        Peer("llamacpp-ar", "llama.cpp on the same GGUF file (quantized weights): autoregressive decoding",
+             lambda target, s: _llamacpp(target, s, prompt_lookup=False)),
+        Peer("llamacpp-pld", "llama.cpp on the same GGUF file: prompt lookup decoding, 10 tokens",
+             lambda target, s: _llamacpp(target, s, prompt_lookup=True)),
     )
 }
 

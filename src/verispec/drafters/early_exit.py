@@ -19,7 +19,9 @@ that the verification forward then overwrites; context tokens are never recomput
 keeps its own one-layer static cache, rolled back by moving its length. After verification, the
 accepted tokens' head entries are already there (drafting computed them) except for the last
 draft token when everything was accepted; its layer-N state is taken from the verification
-forward itself (`Target.exit_capture`), so committed target cache entries are never rewritten.
+forward itself (`Target.exit_states`), so committed target cache entries are never rewritten.
+When the controller decides not to draft, nothing is computed: the next draft catches up on the
+skipped positions from the states the target's forwards captured meanwhile.
 Verification runs the full model on every verified token (it does not reuse the draft's layer-N
 states): the savings would be at most N/L of the body's cost on the drafted tokens, and reusing
 them would make the target's numerics depend on how the draft was computed.
@@ -215,10 +217,8 @@ class ExitHeadLM:
         """Fill the head cache for every committed position; logits [V_d] after the last token."""
         last = len(context) - 1
         rows = []
-        if self._head_length < last:  # committed tokens the head has not seen: from the capture
-            start, states = self.target.exit_capture
-            assert start <= self._head_length and last <= start + states.shape[0], "stale exit capture"
-            rows.append(states[self._head_length - start : last - start])
+        if self._head_length < last:  # committed tokens the head has not seen: captured by the target
+            rows.append(self.target.exit_states(self._head_length, last))
         token = torch.tensor([context[-1]], dtype=torch.long)
         # The last token is not in the target's cache yet: run layers 0..N-1 for it, writing
         # scratch entries that the next verification overwrites.

@@ -33,7 +33,7 @@ from ..cache import StaticKV
 from ..errors import ConfigError
 from ..fastpath import Tree
 from ..sampling import SamplingConfig, probabilities
-from .base import Draft, Keep, keep_all
+from .base import EMPTY_DRAFT, Draft, Keep, keep_all
 
 
 class DraftLM(Protocol):
@@ -142,16 +142,20 @@ class SampledDrafter:
         self._generator = torch.Generator()
         self._generator.manual_seed(0 if sampling.seed is None else sampling.seed + 1)
         self._fed = 0
+        self._synced = False
 
     def begin(self, prompt: Sequence[int]) -> None:
         self.lm.begin(prompt)
 
     @torch.inference_mode()
     def propose(self, context: Sequence[int], k: int, keep: Keep = keep_all) -> Draft:
+        self._fed = 0  # draft tokens fed back through the draft model (all but the last)
+        self._synced = k > 0 and keep(0, None)
+        if not self._synced:
+            return EMPTY_DRAFT  # no draft, no draft-model work: the next sync catches up
         logits = self.lm.sync(context)  # [V_d]
         tokens, rows, confidence = [], [], []
-        self._fed = 0  # draft tokens fed back through the draft model (all but the last)
-        go_on = k > 0 and keep(0, None)
+        go_on = True
         while go_on:
             token, q_row, top1 = self._choose(logits)
             tokens.append(token)
@@ -180,8 +184,9 @@ class SampledDrafter:
 
     def commit(self, committed: Sequence[int], n_proposed: int) -> None:
         """Keep the draft model's entries of the accepted tokens that were fed through it."""
-        self.lm.keep(min(len(committed) - 1, self._fed))
-        self._fed = 0
+        if self._synced:
+            self.lm.keep(min(len(committed) - 1, self._fed))
+        self._fed, self._synced = 0, False
 
 
 class BeamDrafter:
@@ -202,8 +207,7 @@ class BeamDrafter:
     @torch.inference_mode()
     def propose(self, context: Sequence[int], k: int, keep: Keep = keep_all) -> Draft:
         if k <= 0 or not keep(0, None):
-            self.lm.sync(context)
-            return Draft(torch.empty(0, dtype=torch.long), q_tokens=torch.empty(0))
+            return EMPTY_DRAFT  # no draft, no draft-model work: the next sync catches up
         q = probabilities(self.lm.sync(context).unsqueeze(0), self.sampling)  # [1, V_d]
         beams = beam_step(torch.zeros(1, dtype=torch.float64), q, self.width, self._generator)
         # beams: (parent [W], token index [W], log weight [W], q of the token [W])

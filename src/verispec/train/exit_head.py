@@ -42,7 +42,8 @@ LABELS = "labels.pt"
 @dataclass(frozen=True)
 class TrainConfig:
     exit_layer: int = 4
-    draft_vocab: int = 16384
+    init_layer: int | None = None  # target layer the head starts from (None: the last layer)
+    draft_vocab: int = 32768
     sequence_length: int = 256
     batch: int = 4  # sequences per step
     steps: int = 600
@@ -94,12 +95,17 @@ def label(target, sequences: list[list[int]], exit_layer: int, progress: Callabl
     return Labels(exits, finals, sequences)
 
 
-def draft_vocabulary(sequences: list[list[int]], size: int, always: set[int]) -> list[int]:
-    """The `size` most frequent token ids of the sequences (ties: smaller id first), plus
-    `always` (e.g. EOS), most frequent first."""
+def draft_vocabulary(sequences: list[list[int]], size: int, always: set[int], vocab_size: int) -> list[int]:
+    """V_d: `always` (e.g. EOS) and the corpus tokens, most frequent first (ties: smaller id
+    first); when the corpus has fewer than `size` distinct tokens, the smallest ids not yet in
+    fill the rest (subword vocabularies number their pieces roughly by frequency)."""
     counts = Counter(token for ids in sequences for token in ids)
     ranked = sorted(counts, key=lambda t: (-counts[t], t))
     vocab = [t for t in always if t not in counts] + ranked
+    chosen = set(vocab)
+    filler = (t for t in range(vocab_size) if t not in chosen)
+    while len(vocab) < min(size, vocab_size):
+        vocab.append(next(filler))
     return vocab[:size]
 
 
@@ -186,8 +192,9 @@ def train_exit_head(target, corpus_path: Path, out_dir: Path, config: TrainConfi
         torch.save(labels, labels_path)
 
     always = set(target.eos_token_ids)
-    vocab = checkpoint["vocab"] if checkpoint else draft_vocabulary([sequences[i] for i in train_ids], config.draft_vocab, always)
-    head = ExitHead(target.model, config.exit_layer, vocab).float()
+    vocab = checkpoint["vocab"] if checkpoint else draft_vocabulary(
+        [sequences[i] for i in train_ids], config.draft_vocab, always, target.vocab_size)
+    head = ExitHead(target.model, config.exit_layer, vocab, config.init_layer).float()
     head.train()
     parameters = [p for p in head.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(parameters, lr=config.learning_rate, weight_decay=0.0)

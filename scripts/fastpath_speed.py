@@ -1,0 +1,111 @@
+"""Fast path against eager path, side by side in one run, on the default model.
+
+1. Step times: a 1-token decode step and a 16-token verify step after a 256-token context, on
+   both paths (same weights, same process), against the bandwidth floor.
+2. Generation: `ar` and `anpd` on both paths, transformers' `generate()` (greedy) and, when
+   llama-cpp-python is installed, llama.cpp's autoregressive decoding on the same GGUF file, on
+   the first N questions of each chosen Spec-Bench category, in rotating order per prompt.
+   Prints tokens/s (ratio of totals) and the exact-match rate against `ar` on the fast path.
+
+    python scripts/fastpath_speed.py --per-category 2 --max-new-tokens 128
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+import verispec
+from verispec.api import stream
+from verispec.bench.datasets import encode_question, load_dataset
+from verispec.bench.peers import PeerSettings, get_peer
+from verispec.model import Target
+
+from profile_step import read_bandwidth  # scripts/ is on sys.path when run as a script
+
+
+def step_time(target: Target, context: list[int], width: int, repeats: int = 7) -> float:
+    target.reset()
+    target.forward(context, last_only=True)
+    times = []
+    for _ in range(repeats + 2):
+        started = time.perf_counter()
+        target.forward(context[:width])
+        times.append(time.perf_counter() - started)
+        target.crop(len(context))
+    return statistics.median(times[2:])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--categories", default="")
+    parser.add_argument("--per-category", type=int, default=2)
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--llamacpp", action="store_true", help="include llama.cpp (needs llama-cpp-python)")
+    args = parser.parse_args()
+
+    fast = verispec.load(None, args.dtype)
+    eager = Target(fast.model, fast.tokenizer, fast.name, fast=False)
+    context = torch.randint(1000, 20000, (256,), generator=torch.Generator().manual_seed(0)).tolist()
+    weight_bytes = sum(p.numel() * p.element_size() for p in fast.model.parameters())
+    floor = weight_bytes / read_bandwidth()
+    print(f"dtype {fast.dtype}, threads {torch.get_num_threads()}, bandwidth floor {floor * 1e3:.1f} ms")
+    for name, target in (("eager", eager), ("fast", fast)):
+        one, sixteen = step_time(target, context, 1), step_time(target, context, 16)
+        print(f"{name:6} 1-token step {one * 1e3:6.1f} ms ({one / floor:.2f}x floor), 16-token verify "
+              f"{sixteen * 1e3:6.1f} ms ({sixteen / one:.2f}x its 1-token step)")
+
+    categories = [c for c in args.categories.split(",") if c] or None
+    _, questions = load_dataset("spec-bench", categories, args.per_category)
+    runs = {
+        "ar (fast)": lambda ids: _ours(fast, ids, "ar", args.max_new_tokens),
+        "anpd (fast)": lambda ids: _ours(fast, ids, "anpd", args.max_new_tokens),
+        "ar (eager)": lambda ids: _ours(eager, ids, "ar", args.max_new_tokens),
+        "anpd (eager)": lambda ids: _ours(eager, ids, "anpd", args.max_new_tokens),
+    }
+    peers = ["hf-ar"] + (["llamacpp-ar", "llamacpp-pld"] if args.llamacpp else [])
+    for peer in peers:
+        prepared = get_peer(peer).prepare(fast, PeerSettings())
+        runs[peer] = lambda ids, run=prepared: _peer(run, ids, args.max_new_tokens)
+    names = list(runs)
+    for name in names:  # warm-up
+        runs[name](encode_question(fast.tokenizer, questions[0])[:64])
+    totals = {name: [0, 0.0, 0] for name in names}  # tokens, seconds, exact matches
+    for index, question in enumerate(questions):
+        ids = encode_question(fast.tokenizer, question)
+        outputs = {}
+        for name in names[index % len(names):] + names[: index % len(names)]:
+            tokens, seconds = runs[name](ids)
+            outputs[name] = tokens
+            totals[name][0] += len(tokens)
+            totals[name][1] += seconds
+        for name in names:
+            totals[name][2] += outputs[name] == outputs["ar (fast)"]
+        print(f"question {question.question_id} ({question.category}) done", flush=True)
+    base = totals["ar (fast)"][0] / totals["ar (fast)"][1]
+    print(f"\n{'run':16} {'tokens/s':>9} {'vs ar (fast)':>13} {'exact vs ar (fast)':>19}")
+    for name, (tokens, seconds, same) in totals.items():
+        rate = tokens / seconds
+        print(f"{name:16} {rate:9.2f} {rate / base:13.2f} {same:>12}/{len(questions)}")
+
+
+def _ours(target: Target, ids: list[int], method: str, budget: int) -> tuple[list[int], float]:
+    started = time.perf_counter()
+    text_stream = stream(target, ids, method, max_new_tokens=budget)
+    for _ in text_stream:
+        pass
+    return text_stream.result.token_ids, time.perf_counter() - started
+
+
+def _peer(run, ids: list[int], budget: int) -> tuple[list[int], float]:
+    started = time.perf_counter()
+    output = run(ids, budget)
+    return output.token_ids, time.perf_counter() - started
+
+
+if __name__ == "__main__":
+    main()

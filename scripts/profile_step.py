@@ -1,0 +1,112 @@
+"""Where the time of one target step goes: a decode step (1 token) and verify steps (8, 16).
+
+Runs the default model after a 256-token context on the chosen forward path(s) under the PyTorch
+profiler and groups the operators into parts: LM head, attention projections, attention itself,
+MLP, norms, rotary embedding, cache writes/reads, masks, and the rest; "Python and framework
+overhead" is the step's wall time minus the time inside operators. Also measures the memory
+read bandwidth (2 threads, summing a 1 GiB tensor) and prints the bandwidth floor of one step:
+the bytes of the weights divided by that bandwidth.
+
+    python scripts/profile_step.py [--dtype float32] [--paths fast eager] [--widths 1 8 16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections import defaultdict
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+import verispec
+from verispec.model import Target
+
+
+def read_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
+    data = torch.ones(int(gib * (1 << 30)) // 4, dtype=torch.float32)
+    data.sum()
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        data.sum()
+        times.append(time.perf_counter() - started)
+    return data.numel() * 4 / min(times)
+
+
+def classify(name: str, shapes, vocab: int, hidden: int) -> str:
+    if "linear" in name or name in ("aten::mm", "aten::addmm", "aten::matmul", "aten::bmm"):
+        flat = str(shapes)
+        if str(vocab) in flat:
+            return "LM head"
+        return "linear layers (q/k/v/o, MLP)"
+    if "scaled_dot_product" in name or "softmax" in name:
+        return "attention (SDPA)"
+    if name in ("aten::gelu", "aten::silu", "aten::gelu_"):
+        return "MLP activation"
+    if name in ("aten::pow", "aten::mean", "aten::rsqrt", "aten::add_", "aten::norm"):
+        return "norms"
+    if name in ("aten::cos", "aten::sin", "aten::cat", "aten::neg", "aten::slice"):
+        return "rotary / reshaping"
+    if name in ("aten::index_copy_", "aten::copy_", "aten::index_select"):
+        return "cache writes / copies"
+    if name in ("aten::le", "aten::gt", "aten::__and__", "aten::bitwise_and", "aten::arange", "aten::masked_fill"):
+        return "masks / positions"
+    if name.startswith("aten::embedding"):
+        return "embedding"
+    return "other elementwise"
+
+
+def profile_path(target: Target, context: list[int], width: int, repeats: int) -> tuple[float, dict]:
+    vocab, hidden = target.vocab_size, target.config.hidden_size
+    target.reset()
+    target.forward(context, last_only=True)
+    tokens = context[:width]
+    for _ in range(2):
+        target.forward(tokens)
+        target.crop(len(context))
+    walls = []
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        for _ in range(repeats):
+            started = time.perf_counter()
+            target.forward(tokens)
+            walls.append(time.perf_counter() - started)
+            target.crop(len(context))
+    parts: dict[str, float] = defaultdict(float)
+    for event in prof.key_averages(group_by_input_shape=True):
+        parts[classify(event.key, event.input_shapes, vocab, hidden)] += event.self_cpu_time_total / 1e6 / repeats
+    wall = statistics.median(walls)
+    inside = sum(parts.values())
+    parts["Python and framework overhead"] = max(0.0, sum(walls) / repeats - inside)
+    return wall, dict(parts)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--paths", nargs="+", default=["fast", "eager"])
+    parser.add_argument("--widths", nargs="+", type=int, default=[1, 8, 16])
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+
+    fast = verispec.load(None, args.dtype)
+    targets = {"fast": fast, "eager": Target(fast.model, fast.tokenizer, "eager", fast=False)}
+    context = torch.randint(1000, 20000, (256,), generator=torch.Generator().manual_seed(0)).tolist()
+    weight_bytes = sum(p.numel() * p.element_size() for p in fast.model.parameters())
+    bandwidth = read_bandwidth()
+    print(f"threads {torch.get_num_threads()}, dtype {fast.dtype}, weights {weight_bytes / 1e9:.3f} GB, "
+          f"read bandwidth {bandwidth / 1e9:.1f} GB/s, bandwidth floor {weight_bytes / bandwidth * 1e3:.1f} ms/step")
+    for width in args.widths:
+        for name in args.paths:
+            wall, parts = profile_path(targets[name], context, width, args.repeats)
+            print(f"\n{name} path, width {width}: {wall * 1e3:.1f} ms per step (median of {args.repeats}; "
+                  f"profiled, so a little slower than unprofiled)")
+            print(f"  {'part':34} {'ms':>8} {'share':>6}")
+            total = sum(parts.values())
+            for part, seconds in sorted(parts.items(), key=lambda kv: -kv[1]):
+                print(f"  {part:34} {seconds * 1e3:8.1f} {seconds / total:6.1%}")
+
+
+if __name__ == "__main__":
+    main()
