@@ -5,10 +5,12 @@ final norm, and a projection onto a reduced draft vocabulary), its file format (
 JSON, `save_head` / `load_head`, refusing a head made for another model or layer), and the
 drafter (`EarlyExitDrafter`). Training lives in `verispec.train`.
 
-The head's layer is initialised from the target's last layer: the head must turn the residual
-stream at depth N into the hidden state the final norm and the LM head read, and the last layer
-is the one whose output already lives in that space (its input statistics differ, which training
-fixes). Its output projection is the rows of the target's own output embedding for the V_d most
+The head's layer is initialised from target layer N, the first layer the draft skips: its
+input is exactly the residual stream at depth N that the head reads, so it starts as a sensible
+next step of the computation. Measured on the default model (N = 4, V_d = 32768, 400 training
+steps), it reached a held-out greedy acceptance of 37.7% (sampled 31.8%) against 36.2% (30.3%)
+for a head initialised from the last layer, whose output lives in the LM head's space but whose
+input statistics are wrong at depth 4 (initial KL 27.6). Its output projection is the rows of the target's own output embedding for the V_d most
 frequent tokens of the training corpus; it is tied, not trained or stored, so a head file holds
 one layer and a norm (about 11 MB in bfloat16 for Gemma 3 270M). q is zero outside the draft
 vocabulary, which keeps speculative sampling lossless (the rejection step covers those tokens).
@@ -85,7 +87,7 @@ class ExitHead(torch.nn.Module):
         if not 1 <= exit_layer <= layers:
             raise ConfigError(f"exit layer must be in 1..{layers} for this model, got {exit_layer}")
         self.exit_layer = exit_layer
-        self.init_layer = layers - 1 if init_layer is None else init_layer
+        self.init_layer = min(exit_layer, layers - 1) if init_layer is None else init_layer
         self.layer = copy.deepcopy(body.layers[self.init_layer])
         self.norm = copy.deepcopy(body.norm)
         self.register_buffer("vocab", torch.tensor(list(draft_vocab), dtype=torch.long), persistent=False)

@@ -42,11 +42,11 @@ LABELS = "labels.pt"
 @dataclass(frozen=True)
 class TrainConfig:
     exit_layer: int = 4
-    init_layer: int | None = None  # target layer the head starts from (None: the last layer)
+    init_layer: int | None = None  # target layer the head starts from (None: layer N)
     draft_vocab: int = 32768
     sequence_length: int = 256
     batch: int = 4  # sequences per step
-    steps: int = 600
+    steps: int = 1500
     learning_rate: float = 3e-4
     warmup: int = 30
     held_out: float = 0.1  # fraction of sequences kept for evaluation
