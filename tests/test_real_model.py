@@ -66,3 +66,30 @@ def test_fast_path_is_used_and_eager_path_agrees(real_target):
     eager_anpd = verispec.generate(eager, PROMPT, method="anpd", max_new_tokens=32,
                                    options=MethodOptions(controller="constant:8")).token_ids
     assert fast_ids == eager_ar == eager_anpd
+
+
+def test_shipped_exit_head_is_used_by_eesd_and_stays_exact(real_target):
+    """`--method eesd` needs no flag: the head for the default model ships in the package, its
+    drafts are accepted on an easy continuation, and greedy output equals `ar`."""
+    from verispec.methods import DEFAULT_EXIT_HEAD
+
+    assert (DEFAULT_EXIT_HEAD / "exit_head.safetensors").is_file()
+    size = sum(f.stat().st_size for f in DEFAULT_EXIT_HEAD.iterdir())
+    assert size <= 15 * 2**20, size
+    ar = verispec.generate(real_target, PROMPT, method="ar", max_new_tokens=32)
+    for controller in (None, "constant:4"):
+        eesd = verispec.generate(real_target, PROMPT, method="eesd", max_new_tokens=32,
+                                 options=MethodOptions(controller=controller))
+        assert eesd.token_ids == ar.token_ids, controller
+        assert eesd.stats.accepted > 0, (controller, eesd.stats)
+
+
+def test_sps_and_mtad_run_on_the_shipped_head(real_target):
+    """Both auxiliary-model methods run out of the box (the exit head is their draft model);
+    sps is greedy-exact, mtad samples with its defaults and accepts some drafts."""
+    ar = verispec.generate(real_target, PROMPT, method="ar", max_new_tokens=24)
+    sps = verispec.generate(real_target, PROMPT, method="sps", max_new_tokens=24)
+    assert sps.token_ids == ar.token_ids
+    mtad = verispec.generate(real_target, PROMPT, method="mtad", max_new_tokens=24, seed=0)
+    assert len(mtad.token_ids) == 24 or mtad.stats.stop_reason in ("eos", "stop")
+    assert mtad.stats.accepted > 0, mtad.stats

@@ -233,7 +233,7 @@ def bench(
     resume: bool = typer.Option(False, "--resume", help="Continue the interrupted run in --out (same settings required)."),
     model: Optional[str] = MODEL_OPTION,
     draft_model: Optional[str] = typer.Option(None, "--draft-model", help="Draft model for sps and mtad (default: the EESD exit head) and the hf-assisted peer."),
-    early_exit_layer: int = typer.Option(6, "--early-exit-layer", help="Layers the hf-early-exit peer drafts with."),
+    early_exit_layer: int = typer.Option(4, "--early-exit-layer", help="Layers the hf-early-exit peer drafts with (default: 4, the layer of the shipped EESD head)."),
     draft_length: Optional[int] = DRAFT_LENGTH_OPTION,
     controller: Optional[str] = CONTROLLER_OPTION,
     exit_head: Optional[str] = EXIT_HEAD_OPTION,

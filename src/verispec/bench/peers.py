@@ -38,7 +38,7 @@ class PeerSettings:
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int | None = None
-    early_exit_layer: int = 6
+    early_exit_layer: int = 4
     draft_model: str | None = None
     dtype: str = "auto"
     top_k: int = 0
