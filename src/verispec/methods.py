@@ -120,7 +120,7 @@ METHODS: dict[str, Method] = {
                lambda target, options, sampling: AnpdDrafter(NgramConfig(max_n=options.ngram_max_n)),
                "adaptive"),
         Method("eesd", "EESD: the target's first layers plus a trained exit head, Thompson-sampled length",
-               True, 8, _eesd, "beta-ts"),
+               True, 8, _eesd, "calibrated-ts"),
         Method("sps", "speculative sampling with an auxiliary drafter (default: the EESD exit head)", True, 4,
                lambda target, options, sampling: SampledDrafter(draft_lm(target, options), sampling)),
         Method("mtad", "MTAD: beam-sampled drafts, joint-likelihood acceptance (approximate joint decoding)",
