@@ -91,5 +91,5 @@ def test_sps_and_mtad_run_on_the_shipped_head(real_target):
     sps = verispec.generate(real_target, PROMPT, method="sps", max_new_tokens=24)
     assert sps.token_ids == ar.token_ids
     mtad = verispec.generate(real_target, PROMPT, method="mtad", max_new_tokens=24, seed=0)
-    assert len(mtad.token_ids) == 24 or mtad.stats.stop_reason in ("eos", "stop")
+    assert len(mtad.token_ids) == 24 or mtad.stats.stop_reason == "eos"
     assert mtad.stats.accepted > 0, mtad.stats

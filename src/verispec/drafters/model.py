@@ -221,11 +221,10 @@ class BeamDrafter:
                 break
             tree = tree_for_beams(len(context), step, len(tokens), paths)
             logits = self.lm.extend(_target_ids(tokens, self.lm), tree)  # [W, V_d]
-            slots = tree.slots.tolist()
-            paths = [paths[b] + [slots[b]] for b in range(len(tokens))]
+            slots = tree.slots.tolist()  # the scratch slot each beam's newest token was written to
             q = probabilities(logits, self.sampling)  # [W, V_d]
             parents, tokens, log_weights, token_q = beam_step(log_weights, q, self.width, self._generator)
-            paths = [paths[int(p)] for p in parents]
+            paths = [paths[int(p)] + [slots[int(p)]] for p in parents]
             history_tokens = [history_tokens[int(p)] + [int(t)] for p, t in zip(parents, tokens)]
             history_q = [history_q[int(p)] + [float(x)] for p, x in zip(parents, token_q)]
         self.lm.keep(0)
