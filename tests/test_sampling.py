@@ -121,6 +121,32 @@ def test_sample_draws_from_the_support():
     assert set(draws) <= {1, 3} and draws.count(1) > draws.count(3)
 
 
+def test_sample_follows_the_distribution_and_never_draws_a_zero():
+    """The inverse-CDF draw is an exact draw: Pearson chi-square at level 1e-4 against probs
+    with zeros interleaved (a wrong search side would land on them), unnormalised mass, and a
+    wrong law is rejected by the same check."""
+    from helpers import chi_square_pvalue
+
+    generator = torch.Generator().manual_seed(7)
+    probs = torch.rand(40, generator=generator) * (torch.arange(40) % 3 != 0)  # zeros at 0, 3, ...
+    probs = probs * 3.7  # sample does not need a normalised vector
+    draws = [sample(probs, generator) for _ in range(20000)]
+    counts = {t: draws.count(t) for t in set(draws)}
+    assert all(probs[t] > 0 for t in counts)
+    expected = {t: float(probs[t] / probs.sum()) for t in range(40) if probs[t] > 0}
+    assert chi_square_pvalue(counts, expected)[1] > 1e-4
+    wrong = {t: 1.0 / len(expected) for t in expected}
+    assert chi_square_pvalue(counts, wrong)[1] < 1e-4
+
+
+def test_sample_point_mass_and_last_entry():
+    generator = torch.Generator().manual_seed(0)
+    for index in (0, 5, 9):
+        probs = torch.zeros(10)
+        probs[index] = 1.0
+        assert {sample(probs, generator) for _ in range(50)} == {index}
+
+
 def test_seeded_generator_is_reproducible():
     config = SamplingConfig(temperature=1.0, seed=42)
     probs = torch.full((10,), 0.1)

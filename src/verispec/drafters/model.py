@@ -32,7 +32,7 @@ import torch
 from ..cache import StaticKV
 from ..errors import ConfigError
 from ..fastpath import Tree
-from ..sampling import SamplingConfig, probabilities
+from ..sampling import SamplingConfig, probabilities, sample
 from .base import EMPTY_DRAFT, Draft, Keep, keep_all
 
 
@@ -179,7 +179,7 @@ class SampledDrafter:
             top1, index = torch.softmax(logits.float(), -1).max(-1)
             return _target_id(int(index), self.lm), None, float(top1)
         q = probabilities(logits.unsqueeze(0), self.sampling)[0]  # [V_d]
-        index = int(torch.multinomial(q, 1, generator=self._generator))
+        index = sample(q, self._generator)
         return _target_id(index, self.lm), q, float(q.max())
 
     def commit(self, committed: Sequence[int], n_proposed: int) -> None:
@@ -243,16 +243,20 @@ def beam_step(log_weights: torch.Tensor, q: torch.Tensor, width: int, generator:
 
     log_weights: [B] log beam weights; q: [B, V] draft probabilities.
     Returns (parent [W], token [W], new log weights [W] (log-sum-exp 0), q of the token [W])."""
-    joint = log_weights.unsqueeze(1) + torch.log(q.double())  # [B, V]
-    flat = joint.flatten()
-    finite = int(torch.isfinite(flat).sum())
-    take = min(width, finite)
-    uniform = torch.rand(flat.shape, generator=generator, dtype=torch.float64).clamp_(1e-300, 1.0)
-    keys = flat - torch.log(-torch.log(uniform))  # + Gumbel(0, 1)
-    chosen = torch.topk(keys, take).indices  # [W]
     vocab = q.shape[1]
+    # Only pairs with q > 0 can be drawn (top-k leaves a few dozen of B * V), so the Gumbel keys
+    # are drawn for those alone: the same law, without B * V logarithms per step.
+    support = torch.nonzero(q.flatten() > 0).squeeze(1)  # [S] flat indices
+    joint = log_weights[support // vocab] + torch.log(q.flatten()[support].double())  # [S]
+    finite = torch.isfinite(joint)
+    support, joint = support[finite], joint[finite]
+    take = min(width, support.shape[0])
+    uniform = torch.rand(joint.shape, generator=generator, dtype=torch.float64).clamp_(1e-300, 1.0)
+    keys = joint - torch.log(-torch.log(uniform))  # + Gumbel(0, 1)
+    picked = torch.topk(keys, take).indices  # [W] positions in the support
+    chosen = support[picked]
     parents, tokens = chosen // vocab, chosen % vocab
-    new = flat[chosen]
+    new = joint[picked]
     new = new - torch.logsumexp(new, 0)
     return parents, tokens, new, q[parents, tokens]
 
