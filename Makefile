@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: demo test install clean
+.PHONY: demo test install llamacpp clean
 
 install: $(STAMP)
 
@@ -22,6 +22,13 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
+
+# Optional peer for `verispec bench --peers llamacpp-ar,llamacpp-pld`: llama-cpp-python built from
+# source (about 20 minutes on 2 cores). Not native: a native build crashed with an illegal
+# instruction on one of our machines; add -DGGML_AVX512=ON on CPUs with AVX-512.
+LLAMACPP_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON
+llamacpp: $(STAMP)
+	CMAKE_ARGS="$(LLAMACPP_CMAKE_ARGS)" $(BIN)/python -m pip install -c constraints.txt llama-cpp-python==0.3.36
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache

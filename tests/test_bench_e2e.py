@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import string
+import sys
 from pathlib import Path
 
 import pytest
@@ -249,3 +250,25 @@ def test_perplexity_matches_a_token_by_token_reference(tiny_model):
     expected = math.exp(nll / len(output))
     assert perplexity(target, prompt, output) == pytest.approx(expected, rel=1e-4)
     assert math.isnan(perplexity(target, prompt, []))
+
+
+# -- the optional llama.cpp peers: clear refusals where they cannot run --------------------------
+
+def test_llamacpp_peer_refuses_a_model_that_is_not_gguf(tiny_model, questions, tmp_path):
+    """A transformers directory has no GGUF file for llama.cpp: one error line, status 2."""
+    result = invoke(bench_args(tiny_model, questions, tmp_path / "out", "--peers", "llamacpp-ar"))
+    assert result.exit_code == 2, result.output
+    assert "need a GGUF model" in result.output and "Traceback" not in result.output
+
+
+def test_llamacpp_peer_without_the_package_says_how_to_build_it(monkeypatch):
+    from types import SimpleNamespace
+
+    from verispec.bench.peers import PeerSettings, get_peer
+    from verispec.errors import ConfigError
+
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)  # import llama_cpp -> ImportError
+    gguf_target = SimpleNamespace(name="model.gguf")
+    for peer in ("llamacpp-ar", "llamacpp-pld"):
+        with pytest.raises(ConfigError, match="make llamacpp"):
+            get_peer(peer).prepare(gguf_target, PeerSettings())

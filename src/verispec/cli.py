@@ -220,7 +220,7 @@ def bench(
     categories: Optional[str] = typer.Option(None, help="Comma-separated categories to keep (default: all)."),
     per_category: Optional[int] = typer.Option(None, "--per-category", help="At most N prompts per category (default: all)."),
     methods: str = typer.Option("ar,pld,anpd", help="Comma-separated verispec methods (any of `verispec info`); METHOD/CONTROLLER runs a method under a given controller, e.g. eesd/constant:4."),
-    peers: str = typer.Option("hf-ar,hf-pld", help="Comma-separated peers: hf-ar, hf-pld, hf-early-exit, hf-assisted ('' for none)."),
+    peers: str = typer.Option("hf-ar,hf-pld", help="Comma-separated peers: hf-ar, hf-pld, hf-early-exit, hf-assisted, llamacpp-ar, llamacpp-pld (the llamacpp ones need `make llamacpp`; '' for none)."),
     max_new_tokens: int = typer.Option(128, "--max-new-tokens", "-n", help="Most tokens to generate per prompt."),
     temperature: float = typer.Option(0.0, help="0 = greedy; > 0 samples."),
     top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling mass, in (0, 1]."),

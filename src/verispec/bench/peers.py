@@ -131,14 +131,6 @@ def _llamacpp(target: Target, settings: PeerSettings, prompt_lookup: bool) -> Pe
     """llama.cpp (llama-cpp-python, an optional dependency) on the GGUF file the target came
     from: the embedded default's, or a --model given as .gguf. Its own tokenizer; greedy or
     sampled per the flags; torch's thread count. Target forwards are not visible (None)."""
-    try:
-        from llama_cpp import Llama
-    except ImportError as error:
-        raise ConfigError(
-            "the llamacpp peers need llama-cpp-python: build it with "
-            "CMAKE_ARGS=\"-DGGML_NATIVE=OFF -DGGML_AVX2=ON\" pip install llama-cpp-python "
-            "(add -DGGML_AVX512=ON on CPUs with AVX-512)"
-        ) from error
     from ..model import DEFAULT_MODEL_NAME, embedded_default_path
 
     if target.name == DEFAULT_MODEL_NAME:
@@ -147,6 +139,14 @@ def _llamacpp(target: Target, settings: PeerSettings, prompt_lookup: bool) -> Pe
         gguf = target.name
     else:
         raise ConfigError("the llamacpp peers need a GGUF model: the default model or --model FILE.gguf")
+    try:
+        from llama_cpp import Llama
+    except ImportError as error:
+        raise ConfigError(
+            "the llamacpp peers need llama-cpp-python: build it with `make llamacpp` (or "
+            "CMAKE_ARGS=\"-DGGML_NATIVE=OFF -DGGML_AVX2=ON\" pip install llama-cpp-python==0.3.36; "
+            "add -DGGML_AVX512=ON on CPUs with AVX-512)"
+        ) from error
     extra = {}
     if prompt_lookup:
         from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
