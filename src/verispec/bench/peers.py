@@ -152,6 +152,11 @@ def _llamacpp(target: Target, settings: PeerSettings, prompt_lookup: bool) -> Pe
         from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
         extra["draft_model"] = LlamaPromptLookupDecoding(num_pred_tokens=10)
+        # With a draft model llama-cpp-python keeps logits for every position but sizes its score
+        # buffer from the logits_all argument: without it, a prompt past n_batch (512) tokens fails
+        # with "could not broadcast ... into shape (0,)" (0.3.36). The buffer is allocated lazily:
+        # only the rows of the positions used are touched.
+        extra["logits_all"] = True
     llm = Llama(model_path=str(gguf), n_ctx=8192, n_threads=torch.get_num_threads(), verbose=False,
                 seed=settings.seed if settings.seed is not None else 0, **extra)
     eos = set(target.eos_token_ids)
