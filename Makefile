@@ -24,7 +24,7 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q
 
 # Optional peer for `verispec bench --peers llamacpp-ar,llamacpp-pld`: llama-cpp-python built from
-# source (about 20 minutes on 2 cores). Not native: a native build crashed with an illegal
+# source (19 minutes here on 2 cores, alongside a test run). Not native: a native build crashed with an illegal
 # instruction on one of our machines; add -DGGML_AVX512=ON on CPUs with AVX-512.
 LLAMACPP_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON
 llamacpp: $(STAMP)

@@ -45,7 +45,7 @@ def main() -> None:
             full = out.logits[0, :-1].argmax(-1)  # [n]
             positions += full.numel()
             for n in args.layers:
-                raw = model.lm_head(model.model.norm(out.hidden_states[n][0, span])).argmax(-1)  # [n]
+                raw = model.get_output_embeddings()(model.get_decoder().norm(out.hidden_states[n][0, span])).argmax(-1)  # [n]
                 raw_agree[n] += int((raw == full).sum())
             drafted = head.vocab[head(out.hidden_states[spec.exit_layer])[0, span].argmax(-1)]
             trained_agree += int((drafted == full).sum())

@@ -5,8 +5,8 @@ Owns the registry `PEERS` (name -> `Peer`) and the peers built on transformers' 
 `prompt_lookup_num_tokens=10`), `hf-early-exit` (self-speculation from the target's first N
 layers, `assistant_early_exit=N`) and `hf-assisted` (assisted generation with a separate draft
 model from `--draft-model`). Each runs on `target.model` itself, so dtype, weights, prompts and
-token budget are the ones our methods get. A later peer (e.g. llama.cpp) is one more entry in
-`PEERS`.
+token budget are the ones our methods get. Also `llamacpp-ar` / `llamacpp-pld`: llama.cpp
+(optional llama-cpp-python) on the same GGUF file, with its own quantized arithmetic.
 
 Target forwards are counted with a forward hook on `target.model`, registered around each call and
 removed after it. `hf-early-exit` drafts with the same module object, shallowed by temporarily

@@ -246,10 +246,10 @@ def beam_step(log_weights: torch.Tensor, q: torch.Tensor, width: int, generator:
     vocab = q.shape[1]
     # Only pairs with q > 0 can be drawn (top-k leaves a few dozen of B * V), so the Gumbel keys
     # are drawn for those alone: the same law, without B * V logarithms per step.
-    support = torch.nonzero(q.flatten() > 0).squeeze(1)  # [S] flat indices
-    joint = log_weights[support // vocab] + torch.log(q.flatten()[support].double())  # [S]
-    finite = torch.isfinite(joint)
-    support, joint = support[finite], joint[finite]
+    # log_weights are normalised (finite) and q > 0 on the support, so every joint is finite.
+    flat_q = q.flatten()  # [B * V]
+    support = torch.nonzero(flat_q > 0).squeeze(1)  # [S] flat indices
+    joint = log_weights[support // vocab] + torch.log(flat_q[support].double())  # [S]
     take = min(width, support.shape[0])
     uniform = torch.rand(joint.shape, generator=generator, dtype=torch.float64).clamp_(1e-300, 1.0)
     keys = joint - torch.log(-torch.log(uniform))  # + Gumbel(0, 1)
