@@ -18,6 +18,7 @@ from verispec.acceptance import verify_lossless
 from verispec.control import ConstantLength
 from verispec.drafters.base import Draft
 from verispec.engine import DecodeConfig, Recipe, decode
+from verispec.gguf_blocks import BlockWeights
 from verispec.model import Target
 from verispec.sampling import SamplingConfig, probabilities
 from verispec.stats import GenerationStats
@@ -106,13 +107,62 @@ def make_target(arch: str, seed: int = 0, tokenizer=None, fast: bool = True, **c
     return Target(model, tokenizer, name=f"tiny-{arch}" + ("" if fast else "-eager"), fast=fast)
 
 
-# Every architecture on each forward path it has: the fast path (not for GPT-2) and the eager one.
-PATHS = tuple(arch for arch in ARCHITECTURES if arch != "gpt2") + tuple(f"{arch}-eager" for arch in ARCHITECTURES)
+# Every architecture on each forward path it has: the fast path (not for GPT-2), the fast path
+# with its linears on the int8 block kernel (weights made block-exact first), and the eager one.
+FAST_ARCHITECTURES = tuple(arch for arch in ARCHITECTURES if arch != "gpt2")
+PATHS = (
+    FAST_ARCHITECTURES
+    + tuple(f"{arch}-blocks" for arch in FAST_ARCHITECTURES)
+    + tuple(f"{arch}-eager" for arch in ARCHITECTURES)
+)
 
 
 def make_target_for_path(path: str, seed: int = 0, **kwargs) -> Target:
-    arch, _, eager = path.partition("-")
-    return make_target(arch, seed=seed, fast=not eager, **kwargs)
+    arch, _, variant = path.partition("-")
+    if variant == "blocks":
+        model = make_model(make_config(arch, **kwargs), seed)
+        return Target(model, None, name=f"tiny-{arch}-blocks", fast=True, blocks=blockify(model))
+    return make_target(arch, seed=seed, fast=not variant, **kwargs)
+
+
+def block_quantize(weight: torch.Tensor, block: int, affine: bool) -> BlockWeights:
+    """An int8 block form near `weight` [out, in], as GGUF quantizers make them: symmetric
+    (8-bit codes, one fp16-rounded scale per block, like Q8_0/Q6_K) or affine (4-bit codes 0..15
+    with a scale and an offset per block, like Q4_K's sub-blocks)."""
+    out = weight.shape[0]
+    grouped = weight.detach().view(out, -1, block)  # [out, nb, block]
+    if affine:
+        low, high = grouped.amin(-1), grouped.amax(-1)
+        scales = ((high - low) / 15).half().float()
+        offsets = (-low).half().float()
+        codes = ((grouped + offsets.unsqueeze(-1)) / scales.unsqueeze(-1)).round().clamp(0, 15)
+    else:
+        scales = (grouped.abs().amax(-1) / 127).half().float()
+        offsets = None
+        codes = (grouped / scales.unsqueeze(-1)).round().clamp(-127, 127)
+    return BlockWeights(codes.to(torch.int8).view(out, -1).contiguous(), scales, offsets, block)
+
+
+def blockify(model) -> dict:
+    """Make the decoder's linear weights and the LM head of `model` exactly block-representable,
+    in the real GGUF model's mix of formats (symmetric blocks of 32 for q/k/v, gate/up and the
+    head; affine 4-bit blocks of 32 for o; symmetric blocks of 16 for down), and return their block
+    forms {nn.Linear: BlockWeights} for `Target(..., blocks=...)`."""
+    formats = {"o_proj": (32, True), "down_proj": (16, False)}
+    modules = [model.get_output_embeddings()]
+    for layer in model.get_decoder().layers:
+        attention, mlp = layer.self_attn, layer.mlp
+        modules += [attention.q_proj, attention.k_proj, attention.v_proj, attention.o_proj,
+                    mlp.gate_proj, mlp.up_proj, mlp.down_proj]
+    names = {module: name.rsplit(".", 1)[-1] for name, module in model.named_modules()}
+    blocks = {}
+    with torch.no_grad():
+        for module in modules:
+            block, affine = formats.get(names[module], (32, False))
+            form = block_quantize(module.weight, block, affine)
+            module.weight.copy_(form.dequantize())
+            blocks[module] = form
+    return blocks
 
 
 def hf_greedy(model, prompt: Sequence[int], max_new_tokens: int) -> list[int]:

@@ -97,7 +97,7 @@ def test_scripted_drafter_equals_ar(arch_target, mode, k):
         assert all(reported == proposed for _, reported, proposed in drafter.commits)
 
 
-@pytest.mark.parametrize("arch", ["gemma3", "qwen2", "gemma3-eager", "qwen2-eager"])
+@pytest.mark.parametrize("arch", ["gemma3", "qwen2", "gemma3-blocks", "qwen2-blocks", "gemma3-eager", "qwen2-eager"])
 @pytest.mark.parametrize("mode", ["all", "partial", "none"])
 def test_sliding_window_crossed_inside_one_verification(tiny_targets, arch, mode):
     """A 5-token prompt (window 8): the first 7-token draft makes one verification forward run

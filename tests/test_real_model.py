@@ -68,6 +68,19 @@ def test_fast_path_is_used_and_eager_path_agrees(real_target):
     assert fast_ids == eager_ar == eager_anpd
 
 
+def test_block_kernel_covers_every_linear_and_keeps_the_output(real_target):
+    """Every linear of the GGUF model (LM head included) has an exact int8 block form, and the
+    fast path on the block kernel gives the same ids as the fast path on float32 weights."""
+    from verispec.model import Target
+
+    assert real_target.block_kernel_summary == "the LM head and 72 of 72 layer linears (exact int8 blocks)"
+    dense = Target(real_target.model, real_target.tokenizer, name="dense", fast=True)
+    assert dense.fast and dense.block_kernel_summary == "off"
+    for method in ("ar", "anpd"):
+        blocks_ids = verispec.generate(real_target, PROMPT, method=method, max_new_tokens=32).token_ids
+        assert blocks_ids == verispec.generate(dense, PROMPT, method=method, max_new_tokens=32).token_ids, method
+
+
 def test_shipped_exit_head_is_used_by_eesd_and_stays_exact(real_target):
     """`--method eesd` needs no flag: the head for the default model ships in the package, its
     drafts are accepted on an easy continuation, and greedy output equals `ar`."""

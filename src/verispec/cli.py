@@ -42,6 +42,10 @@ DEMO_PROMPT = (
 MODEL_OPTION = typer.Option(None, help="Model directory, .gguf file or cached hub id (default: embedded Gemma 3 270M).")
 DTYPE_OPTION = typer.Option("auto", help="auto | float32 | bfloat16 | float16 (auto: bf16 only on CPUs with native bf16).")
 FAST_OPTION = typer.Option(True, "--fast/--no-fast", help="Use the fast forward path where the model supports it (--no-fast: transformers' eager forward).")
+BLOCK_OPTION = typer.Option(
+    True, "--block-kernel/--no-block-kernel",
+    help="On the fast path in float32, run a GGUF model's linears on their exact int8 blocks (the same weights, a quarter of the bytes; --no-block-kernel: float32 weights).",
+)
 EXIT_HEAD_OPTION = typer.Option(None, "--exit-head", help="Exit-head directory for eesd (default: the head shipped for the default model).")
 DRAFT_LENGTH_OPTION = typer.Option(None, "--draft-length", "-k", help="Most tokens drafted per step (default: the method's).")
 CONTROLLER_OPTION = typer.Option(None, help="Draft-length controller: constant[:K], heuristic[:K], adaptive[:K], beta-ts[:K], calibrated-ts[:K].")
@@ -60,11 +64,11 @@ def _fail(message: str, code: int = 2) -> None:
     raise typer.Exit(code)
 
 
-def _load(model: Optional[str], dtype: str, fast: bool = True):
+def _load(model: Optional[str], dtype: str, fast: bool = True, block_kernel: bool = True):
     from .model import load
 
     _quiet_transformers()
-    return load(model, dtype, fast=fast)
+    return load(model, dtype, fast=fast, block_kernel=block_kernel)
 
 
 def _stats_table(results: dict) -> Table:
@@ -111,6 +115,7 @@ def generate(
     model: Optional[str] = MODEL_OPTION,
     dtype: str = DTYPE_OPTION,
     fast: bool = FAST_OPTION,
+    block_kernel: bool = BLOCK_OPTION,
     draft_length: Optional[int] = DRAFT_LENGTH_OPTION,
     controller: Optional[str] = CONTROLLER_OPTION,
     exit_head: Optional[str] = EXIT_HEAD_OPTION,
@@ -139,7 +144,7 @@ def generate(
         DecodeConfig(max_new_tokens, sampling)
         options = MethodOptions(draft_length=draft_length, controller=controller, exit_head=exit_head,
                                 draft_model=draft_model, beams=beams, tau=tau)
-        target = _load(model, dtype, fast)
+        target = _load(model, dtype, fast, block_kernel)
         request_args = dict(
             max_new_tokens=max_new_tokens, temperature=sampling.temperature, top_k=sampling.top_k,
             top_p=sampling.top_p, seed=seed, stop=tuple(stop), prompt_format=prompt_format, options=options,
@@ -228,6 +233,7 @@ def bench(
     seed: Optional[int] = typer.Option(None, help="Seed for sampling (default: random)."),
     dtype: str = DTYPE_OPTION,
     fast: bool = FAST_OPTION,
+    block_kernel: bool = BLOCK_OPTION,
     repeats: int = typer.Option(1, help="Runs of each (prompt, method); the summary uses the median time."),
     out_dir: Optional[str] = typer.Option(None, "--out", help="Output directory (default: bench-out/<timestamp>)."),
     resume: bool = typer.Option(False, "--resume", help="Continue the interrupted run in --out (same settings required)."),
@@ -295,11 +301,12 @@ def bench(
             early_exit_layer=early_exit_layer if "hf-early-exit" in peer_names else None,
             exit_head=_resolved_path_or_id(exit_head),
             fast=fast,
+            block_kernel=block_kernel,
             top_k=top_k,
         )
         directory = Path(out_dir) if out_dir else Path("bench-out") / datetime.now().strftime("%Y%m%d-%H%M%S")
         runner.check_run_dir(directory, settings, resume)
-        target = _load(model, dtype, fast)
+        target = _load(model, dtype, fast, block_kernel)
         for name in peer_names:
             get_peer(name).check(peer_settings, target)  # checks that need the model (layer counts)
         probe = EnergyProbe()
@@ -335,6 +342,7 @@ def info(
     model: Optional[str] = MODEL_OPTION,
     dtype: str = DTYPE_OPTION,
     fast: bool = FAST_OPTION,
+    block_kernel: bool = BLOCK_OPTION,
 ) -> None:
     """Print the model, dtype, threads, methods and library versions."""
     import torch
@@ -345,7 +353,7 @@ def info(
     from .model import cache_root, cpu_has_native_bf16
 
     try:
-        target = _load(model, dtype, fast)
+        target = _load(model, dtype, fast, block_kernel)
     except VerispecError as error:
         _fail(str(error))
         return
@@ -359,6 +367,7 @@ def info(
         ("torch threads", str(torch.get_num_threads())),
         ("forward path", "fast (static KV cache, prepacked linears)" if target.fast else "eager (transformers)"),
         ("own LM head", str(target.uses_own_head)),
+        ("block kernel", target.block_kernel_summary),
         ("cache directory", str(cache_root())),
         ("methods", ", ".join(METHODS)),
         ("verispec", __version__),
@@ -396,6 +405,7 @@ def serve(
     model: Optional[str] = MODEL_OPTION,
     dtype: str = DTYPE_OPTION,
     fast: bool = FAST_OPTION,
+    block_kernel: bool = BLOCK_OPTION,
     method: str = typer.Option("anpd", "--method", "-m", help="Default decoding method (a request may choose another with the `method` field)."),
     host: str = typer.Option("127.0.0.1", help="Address to listen on (0.0.0.0 exposes the server to the network)."),
     port: int = typer.Option(8000, help="TCP port (0 = any free port)."),
@@ -426,7 +436,7 @@ def serve(
             max_tokens_limit=max_tokens_limit,
         )
         sock = _listen(host, port)
-        target = _load(model, dtype, fast)
+        target = _load(model, dtype, fast, block_kernel)
     except VerispecError as error:
         _fail(str(error))
         return

@@ -31,9 +31,11 @@ import torch
 import torch.nn.functional as F
 
 from .cache import StaticKV
+from .gguf_blocks import BlockWeights
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "gemma3_text")
 _PACK_HINT = 16  # oneDNN packs for this batch size; measured fastest across widths 1..16
+BLOCK_KERNEL_MAX_ROWS = 4  # widest input sent to the block kernel (measured: docs/profile.md)
 
 
 def _mkldnn_packing_available(dtype: torch.dtype) -> bool:
@@ -64,6 +66,23 @@ class Linear:
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
+
+
+class BlockLinear:
+    """A `Linear` whose weight also has an exact int8 block form (`gguf_blocks.BlockWeights`):
+    inputs of at most `max_rows` rows are multiplied by the block kernel (`blockmm`), which
+    reads a quarter of the bytes; wider inputs, where the multiply is compute-bound rather than
+    memory-bound, by the float32 `Linear`."""
+
+    def __init__(self, blocks, dense: Linear, kernel, max_rows: int):
+        self.blocks, self.dense, self.kernel, self.max_rows = blocks, dense, kernel, max_rows
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] > self.max_rows or x.dtype != torch.float32:
+            return self.dense(x)
+        b = self.blocks
+        y = self.kernel.matmul(x, b.codes, b.scales, b.offsets, b.block)  # [n, out]
+        return y if self.dense.bias is None else y + self.dense.bias
 
 
 @dataclass
@@ -111,10 +130,14 @@ class FastDecoder:
             return "an MLP without gate/up/down projections"
         return None
 
-    def __init__(self, model):
+    def __init__(self, model, blocks: dict | None = None, kernel=None):
+        """blocks: {nn.Linear: BlockWeights} exact block forms of some of the model's linears
+        (`gguf_blocks`); with a `kernel` (`blockmm.kernel()`), those run on the block kernel."""
         reason = self.supports(model)
         assert reason is None, reason
         self.config = model.config
+        self._blocks = blocks if kernel is not None else {}
+        self._kernel = kernel
         body = model.get_decoder()
         self.embed_tokens = body.embed_tokens
         self.norm = body.norm
@@ -135,20 +158,35 @@ class FastDecoder:
         rope_type = layer_types[attn.layer_idx] if (layer_types and self._rotary_takes_type) else None
         return _Layer(
             input_norm=layer.input_layernorm,
-            qkv=Linear.fused(attn.q_proj, attn.k_proj, attn.v_proj),
+            qkv=self.linear(attn.q_proj, attn.k_proj, attn.v_proj),
             q_norm=getattr(attn, "q_norm", None),
             k_norm=getattr(attn, "k_norm", None),
-            o=Linear(attn.o_proj.weight, attn.o_proj.bias),
+            o=self.linear(attn.o_proj),
             post_attention_norm=layer.post_attention_layernorm if gemma_style else None,
             pre_mlp_norm=layer.pre_feedforward_layernorm if gemma_style else layer.post_attention_layernorm,
             post_mlp_norm=layer.post_feedforward_layernorm if gemma_style else None,
-            gate_up=Linear.fused(mlp.gate_proj, mlp.up_proj),
-            down=Linear(mlp.down_proj.weight, mlp.down_proj.bias),
+            gate_up=self.linear(mlp.gate_proj, mlp.up_proj),
+            down=self.linear(mlp.down_proj),
             act=mlp.act_fn,
             window=getattr(attn, "sliding_window", None),
             scaling=attn.scaling,
             rope_layer_type=rope_type,
         )
+
+    def linear(self, *modules: torch.nn.Linear) -> "Linear | BlockLinear":
+        """The fast form of one nn.Linear, or of several fused (outputs concatenated): on the
+        block kernel where every part has an exact block form, else prepacked float32."""
+        dense = Linear.fused(*modules) if len(modules) > 1 else Linear(modules[0].weight, modules[0].bias)
+        blocks = BlockWeights.concat([self._blocks.get(module) for module in modules])
+        if blocks is None:
+            return dense
+        return BlockLinear(blocks, dense, self._kernel, BLOCK_KERNEL_MAX_ROWS)
+
+    @property
+    def block_linears(self) -> int:
+        """How many of the layers' linears run on the block kernel."""
+        return sum(isinstance(linear, BlockLinear) for layer in self.layers
+                   for linear in (layer.qkv, layer.o, layer.gate_up, layer.down))
 
     def new_cache(self, capacity: int = 256, layers: int | None = None) -> StaticKV:
         count = len(self.layers) if layers is None else layers

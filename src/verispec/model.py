@@ -41,7 +41,8 @@ import torch
 
 from .cache import StaticKV, cache_length, crop_to, new_cache
 from .errors import ModelLoadError
-from .fastpath import FastDecoder, Linear
+from . import blockmm
+from .fastpath import BlockLinear, FastDecoder
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DTYPE_CHOICES = ("auto", *DTYPES)
@@ -149,12 +150,15 @@ def load(
     *,
     fast: bool = True,
     cache_dir: Path | None = None,
+    block_kernel: bool = True,
 ) -> "Target":
     """Load a causal LM as a `Target`.
 
     model: None (the embedded Gemma 3 270M), a transformers directory, a `.gguf` file, or a hub
     id whose files are already in the local Hugging Face cache (nothing is downloaded).
     fast: use the fast forward path where the architecture supports it (see `Target`).
+    block_kernel: for a GGUF model in float32 on the fast path, run the linears whose quantized
+    blocks rebuild the float32 weights exactly on the int8 block kernel (`blockmm`).
     """
     torch_dtype = resolve_dtype(dtype)
     source, extra, name = _resolve_source(model, cache_dir or cache_root())
@@ -181,7 +185,32 @@ def load(
         tokenizer = AutoTokenizer.from_pretrained(source, **extra)
     except Exception as error:  # a missing or broken tokenizer surfaces as many types
         raise ModelLoadError(f"cannot load the tokenizer of {name}: {error}") from error
-    return Target(loaded, tokenizer, name=name, fast=fast)
+    blocks = None
+    gguf_path = embedded_default_path() if model is None else Path(model).expanduser()
+    if fast and block_kernel and gguf_path.suffix == ".gguf" and loaded.dtype == torch.float32:
+        blocks = _gguf_blocks(gguf_path, Path(source), loaded)
+    return Target(loaded, tokenizer, name=name, fast=fast, blocks=blocks)
+
+
+def _gguf_blocks(gguf_path: Path, converted: Path, model) -> dict | None:
+    """The exact int8 block forms of a GGUF model's linears ({nn.Linear: BlockWeights}), or None
+    (with the reason on stderr) when the block kernel cannot run here."""
+    from .blockmm import kernel
+    from .gguf_blocks import cached_gguf_blocks
+
+    if FastDecoder.supports(model) is not None:
+        return None
+    _, why = kernel()
+    if why is not None:
+        _log(f"block kernel not used: {why}; the fast path runs float32 weights")
+        return None
+    cache_file = converted / "blocks.safetensors"
+    if not cache_file.exists():
+        _log(f"first use: reading the quantized blocks of {gguf_path.name} (once; ~1 min)")
+    blocks, covered, tried = cached_gguf_blocks(gguf_path, cache_file, model)
+    if covered < tried:
+        _log(f"block kernel: {tried - covered} of {tried} matrices do not rebuild exactly; they stay float32")
+    return blocks
 
 
 def _require_causal_lm(config, name: str) -> None:
@@ -226,10 +255,12 @@ class Target:
 
     fast=True runs the fast path (`fastpath.FastDecoder`: static KV cache, prepacked linears)
     when the architecture supports it, and otherwise says why on stderr and uses transformers'
-    eager forward with a DynamicCache; fast=False always uses the eager forward.
+    eager forward with a DynamicCache; fast=False always uses the eager forward. blocks
+    ({nn.Linear: gguf_blocks.BlockWeights}, exact block forms) puts those linears, the LM head
+    included, on the int8 block kernel on the fast path.
     """
 
-    def __init__(self, model, tokenizer, name: str = "", fast: bool = True):
+    def __init__(self, model, tokenizer, name: str = "", fast: bool = True, blocks: dict | None = None):
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.name = name or getattr(model.config, "_name_or_path", "") or type(model).__name__
@@ -240,10 +271,12 @@ class Target:
         self._capture_layer = 0
         self._captures: list[tuple[int, torch.Tensor]] = []
         self.attachments: dict = {}  # things built once per target (e.g. prepared exit heads)
+        self._blocks = blocks or {}
+        self._kernel = blockmm.kernel()[0] if self._blocks else None
         if fast:
             reason = FastDecoder.supports(model)
             if reason is None:
-                self._fast = FastDecoder(model)
+                self._fast = FastDecoder(model, self._blocks, self._kernel)
             else:
                 _log(f"fast path not available for {self.name}: {reason}; using the eager forward")
         self._head = self._head_if_exact()
@@ -364,7 +397,7 @@ class Target:
                 _log(f"fast path not available for {self.name}: its LM head is not a plain linear map")
                 self._fast = None
             return None
-        ours = Linear(head.weight, None) if self._fast is not None else _ChunkedHead.of(head.weight)
+        ours = self._fast.linear(head) if self._fast is not None else _ChunkedHead.of(head.weight)
         probe = torch.arange(3, 3 + min(4, self.vocab_size - 3), dtype=torch.long).unsqueeze(0)
         try:
             reference = self.model(input_ids=probe, use_cache=False).logits[0].float()  # [4, vocab]
@@ -389,3 +422,12 @@ class Target:
     @property
     def uses_own_head(self) -> bool:
         return self._head is not None
+
+    @property
+    def block_kernel_summary(self) -> str:
+        """Which of the fast path's linears run on the int8 block kernel, for display."""
+        if self._fast is None or self._kernel is None or not self._blocks:
+            return "off"
+        head = "the LM head and " if isinstance(self._head, BlockLinear) else ""
+        total = 4 * len(self._fast.layers)
+        return f"{head}{self._fast.block_linears} of {total} layer linears (exact int8 blocks)"

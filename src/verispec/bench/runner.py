@@ -72,6 +72,7 @@ class BenchSettings:
     early_exit_layer: int | None  # None when hf-early-exit does not run
     exit_head: str | None = None  # eesd's head directory (None: the shipped one)
     fast: bool = True  # the fast forward path
+    block_kernel: bool = True  # exact int8 block weights on the fast path (GGUF models)
     top_k: int = 0
 
     def __post_init__(self) -> None:

@@ -1,0 +1,208 @@
+"""The exact block form of a GGUF model's quantized weights.
+
+Owns: reading the per-block scales (and offsets) of a GGUF file's Q8_0, Q5_0, Q4_K and Q6_K
+tensors, turning a float32 weight that was dequantized from such a tensor back into int8 codes
+(`BlockWeights`), and proving the result exact: a block form is kept only if
+`fl(scale * code) - offset` rebuilds the model's float32 weight bit for bit, which is also how the
+kernel (`blockmm`) rebuilds it. So the block form is not an approximation of the model: it is the
+model's own weights, stored in 1 byte plus a shared scale per block instead of 4 bytes each.
+
+A weight whose check fails (a different dtype, a transformed tensor, an unknown type) simply keeps
+its float32 form; `read_gguf_blocks` reports how many matrices it covered.
+
+GGUF layouts (ggml's, as in gguf-py's dequantizers), per block of the tensor's rows:
+  Q8_0 (34 bytes / 32 weights): d fp16, 32 int8              w = d * q
+  Q5_0 (22 bytes / 32):         d fp16, 4 + 16 bytes of bits w = d * (q - 16)
+  Q4_K (144 bytes / 256):       d, dmin fp16, 12 bytes of 6-bit (sc, m) x 8, 128 bytes of bits
+                                w = (d * sc_j) * q - dmin * m_j  over 8 sub-blocks of 32
+  Q6_K (210 bytes / 256):       128 + 64 bytes of bits, 16 int8 sc, d fp16
+                                w = (d * sc_j) * (q - 32)        over 16 sub-blocks of 16
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+SUPPORTED_TYPES = ("Q8_0", "Q5_0", "Q4_K", "Q6_K")
+
+
+@dataclass(frozen=True)
+class BlockWeights:
+    """W [out, in] = scales (x) codes - offsets, per block of `block` consecutive inputs."""
+
+    codes: torch.Tensor  # [out, in] int8
+    scales: torch.Tensor  # [out, in // block] float32
+    offsets: torch.Tensor | None  # [out, in // block] float32, or None (symmetric formats)
+    block: int
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 weight [out, in], rebuilt as the kernel rebuilds it: fl(s * q) - o."""
+        out, inputs = self.codes.shape
+        weight = self.codes.view(out, -1, self.block).float().mul_(self.scales.unsqueeze(-1))  # [out, nb, block]
+        if self.offsets is not None:
+            weight.sub_(self.offsets.unsqueeze(-1))
+        return weight.view(out, inputs)
+
+    @property
+    def nbytes(self) -> int:
+        extra = 0 if self.offsets is None else self.offsets.numel() * 4
+        return self.codes.numel() + self.scales.numel() * 4 + extra
+
+    @staticmethod
+    def concat(parts: list["BlockWeights | None"]) -> "BlockWeights | None":
+        """Several matrices stacked along the outputs (a fused q/k/v), or None if any is missing.
+        Mixed block sizes are brought to the smallest; offsets become zeros where absent."""
+        if not parts or any(part is None for part in parts):
+            return None
+        block = min(part.block for part in parts)
+        if any(part.block % block for part in parts):
+            return None
+        with_offsets = any(part.offsets is not None for part in parts)
+        codes, scales, offsets = [], [], []
+        for part in parts:
+            repeat = part.block // block
+            codes.append(part.codes)
+            scales.append(part.scales.repeat_interleave(repeat, dim=1))
+            if with_offsets:
+                own = part.offsets if part.offsets is not None else torch.zeros_like(part.scales)
+                offsets.append(own.repeat_interleave(repeat, dim=1))
+        return BlockWeights(
+            torch.cat(codes).contiguous(), torch.cat(scales).contiguous(),
+            torch.cat(offsets).contiguous() if with_offsets else None, block,
+        )
+
+
+def block_scales(raw: np.ndarray, type_name: str, columns: int) -> tuple[int, np.ndarray, np.ndarray | None]:
+    """(block, scales [rows, columns // block], offsets or None) of a GGUF tensor's raw bytes
+    [rows, bytes per row] of type `type_name`, as float32 exactly as ggml computes them."""
+    rows = raw.shape[0]
+    if type_name in ("Q8_0", "Q5_0"):
+        size = 34 if type_name == "Q8_0" else 22
+        blocks = raw.reshape(rows, columns // 32, size)
+        d = np.ascontiguousarray(blocks[:, :, :2]).view(np.float16)[..., 0].astype(np.float32)
+        return 32, d, None
+    if type_name == "Q4_K":
+        blocks = raw.reshape(rows, columns // 256, 144)
+        d = np.ascontiguousarray(blocks[:, :, 0:2]).view(np.float16).astype(np.float32)  # [rows, nb, 1]
+        dmin = np.ascontiguousarray(blocks[:, :, 2:4]).view(np.float16).astype(np.float32)
+        packed = blocks[:, :, 4:16].reshape(rows, -1, 3, 4)
+        low, high, mixed = packed[:, :, 0], packed[:, :, 1], packed[:, :, 2]
+        sc = np.concatenate([low & 0x3F, (mixed & 0x0F) | ((low >> 2) & 0x30)], axis=-1)  # [rows, nb, 8]
+        m = np.concatenate([high & 0x3F, (mixed >> 4) | ((high >> 2) & 0x30)], axis=-1)
+        scales = (d * sc.astype(np.float32)).reshape(rows, -1)
+        offsets = (dmin * m.astype(np.float32)).reshape(rows, -1)
+        return 32, scales, offsets
+    if type_name == "Q6_K":
+        blocks = raw.reshape(rows, columns // 256, 210)
+        sc = np.ascontiguousarray(blocks[:, :, 192:208]).view(np.int8).astype(np.float32)  # [rows, nb, 16]
+        d = np.ascontiguousarray(blocks[:, :, 208:210]).view(np.float16).astype(np.float32)  # [rows, nb, 1]
+        return 16, (d * sc).reshape(rows, -1), None
+    raise ValueError(f"unsupported GGUF type {type_name}")
+
+
+def exact_blocks(weight: torch.Tensor, block: int, scales: torch.Tensor, offsets: torch.Tensor | None) -> BlockWeights | None:
+    """The block form of a float32 `weight` [out, in] with the given per-block scales/offsets,
+    or None unless it rebuilds `weight` bit for bit with int8 codes."""
+    if weight.dtype != torch.float32 or weight.shape[1] % block or scales.shape != (weight.shape[0], weight.shape[1] // block):
+        return None
+    out = weight.shape[0]
+    shifted = weight.view(out, -1, block)  # [out, nb, block]
+    if offsets is not None:
+        shifted = shifted + offsets.unsqueeze(-1)
+    codes = (shifted / torch.where(scales != 0, scales, 1.0).unsqueeze(-1)).round_()
+    codes.masked_fill_((scales == 0).unsqueeze(-1), 0.0)
+    if not bool((codes.abs() <= 127).all()) and not bool(((codes >= -128) & (codes <= 127)).all()):
+        return None
+    codes = codes.view(out, -1)
+    candidate = BlockWeights(codes.to(torch.int8).contiguous(), scales.contiguous(),
+                             None if offsets is None else offsets.contiguous(), block)
+    return candidate if torch.equal(candidate.dequantize(), weight) else None
+
+
+_LAYER_NAMES = {  # GGUF tensor name in block i -> attribute path in decoder layer i
+    "attn_q": ("self_attn", "q_proj"), "attn_k": ("self_attn", "k_proj"), "attn_v": ("self_attn", "v_proj"),
+    "attn_output": ("self_attn", "o_proj"), "ffn_gate": ("mlp", "gate_proj"), "ffn_up": ("mlp", "up_proj"),
+    "ffn_down": ("mlp", "down_proj"),
+}
+
+
+def _module_for(model, tensor_name: str):
+    """The nn.Linear of `model` that a GGUF tensor name holds the weight of, or None."""
+    if not tensor_name.endswith(".weight"):
+        return None
+    stem = tensor_name[: -len(".weight")]
+    if stem == "output" or (stem == "token_embd" and getattr(model.config, "tie_word_embeddings", False)):
+        return model.get_output_embeddings()
+    parts = stem.split(".")
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _LAYER_NAMES:
+        layers = model.get_decoder().layers
+        index = int(parts[1])
+        if index < len(layers):
+            owner, name = _LAYER_NAMES[parts[2]]
+            return getattr(getattr(layers[index], owner, None), name, None)
+    return None
+
+
+def cached_gguf_blocks(path: str | Path, cache_file: Path, model) -> tuple[dict, int, int]:
+    """`read_gguf_blocks`, saved to `cache_file` the first time (gguf-py's reader spends ~45 s
+    here parsing the 262,144-token vocabulary); every later load re-proves each cached block form
+    exact against the model's weights (a stale or foreign cache entry is dropped, not trusted)."""
+    from safetensors.torch import load_file, save_file
+
+    names = {module: name for name, module in model.named_modules()}
+    if cache_file.exists():
+        tensors = load_file(str(cache_file))
+        found: dict = {}
+        for name, module in model.named_modules():
+            if f"{name}.codes" not in tensors or not isinstance(module, torch.nn.Linear):
+                continue
+            codes = tensors[f"{name}.codes"]
+            scales = tensors[f"{name}.scales"]
+            blocks = BlockWeights(codes, scales, tensors.get(f"{name}.offsets"), codes.shape[1] // scales.shape[1])
+            if module.weight.dtype == torch.float32 and torch.equal(blocks.dequantize(), module.weight.detach()):
+                found[module] = blocks
+        return found, len(found), sum(1 for key in tensors if key.endswith(".codes"))
+    found, covered, tried = read_gguf_blocks(path, model)
+    tensors = {}
+    for module, blocks in found.items():
+        tensors[f"{names[module]}.codes"] = blocks.codes
+        tensors[f"{names[module]}.scales"] = blocks.scales
+        if blocks.offsets is not None:
+            tensors[f"{names[module]}.offsets"] = blocks.offsets
+    if tensors:
+        staging = cache_file.with_name(f".{cache_file.name}.{os.getpid()}")
+        save_file(tensors, str(staging))
+        os.replace(staging, cache_file)  # atomic: a concurrent writer either wins or finds it done
+    return found, covered, tried
+
+
+def read_gguf_blocks(path: str | Path, model) -> tuple[dict, int, int]:
+    """Block forms of the linear weights of `model` (loaded from the GGUF file `path`).
+
+    Returns ({nn.Linear: BlockWeights}, matrices covered, matrices tried); a matrix is covered
+    only if its block form rebuilds the model's float32 weight exactly."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(path))
+    found: dict = {}
+    tried = 0
+    for tensor in reader.tensors:
+        module = _module_for(model, tensor.name)
+        if not isinstance(module, torch.nn.Linear) or tensor.tensor_type.name not in SUPPORTED_TYPES:
+            continue
+        tried += 1
+        weight = module.weight.detach()
+        raw = np.asarray(tensor.data).reshape(weight.shape[0], -1)
+        block, scales, offsets = block_scales(raw, tensor.tensor_type.name, weight.shape[1])
+        blocks = exact_blocks(
+            weight, block, torch.from_numpy(np.ascontiguousarray(scales)),
+            None if offsets is None else torch.from_numpy(np.ascontiguousarray(offsets)),
+        )
+        if blocks is not None:
+            found[module] = blocks
+    return found, len(found), tried

@@ -1,0 +1,151 @@
+"""The int8 block form of GGUF weights (`gguf_blocks`) and its kernel (`blockmm`).
+
+The block form must rebuild the float32 weights bit for bit (checked against gguf-py's own
+dequantizers on random blocks of every supported type), the kernel must equal a float64
+reference up to float32 rounding for every shape the engine sends it, and the fast path on the
+kernel must stay greedy-exact (the equivalence suite runs the "-blocks" paths of every fast
+architecture; here we check that those paths really use the kernel).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import helpers
+from verispec import blockmm
+from verispec.gguf_blocks import BlockWeights, _module_for, block_scales, exact_blocks
+from verispec.methods import build
+from verispec.model import Target
+
+BYTES_PER_BLOCK = {"Q8_0": (34, 32), "Q5_0": (22, 32), "Q4_K": (144, 256), "Q6_K": (210, 256)}
+FP16_FIELDS = {"Q8_0": [(0, 2)], "Q5_0": [(0, 2)], "Q4_K": [(0, 2), (2, 4)], "Q6_K": [(208, 210)]}
+
+
+def random_gguf_rows(type_name: str, rows: int, columns: int, seed: int) -> np.ndarray:
+    """Random raw bytes [rows, bytes per row] of a GGUF tensor, with finite fp16 scales."""
+    size, per_block = BYTES_PER_BLOCK[type_name]
+    generator = np.random.default_rng(seed)
+    raw = generator.integers(0, 256, (rows, columns // per_block, size), dtype=np.uint8)
+    for low, high in FP16_FIELDS[type_name]:
+        scales = generator.uniform(1e-4, 0.05, (rows, columns // per_block)).astype(np.float16)
+        raw[:, :, low:high] = scales.view(np.uint8).reshape(rows, columns // per_block, 2)
+    return raw.reshape(rows, -1)
+
+
+@pytest.mark.parametrize("type_name", ["Q8_0", "Q5_0", "Q4_K", "Q6_K"])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_block_form_rebuilds_gguf_dequantization_exactly(type_name, seed):
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    rows, columns = 12, 512
+    raw = random_gguf_rows(type_name, rows, columns, seed)
+    weight = torch.from_numpy(dequantize(raw, GGMLQuantizationType[type_name]).astype(np.float32)).reshape(rows, columns)
+    block, scales, offsets = block_scales(raw, type_name, columns)
+    form = exact_blocks(weight, block, torch.from_numpy(scales),
+                        None if offsets is None else torch.from_numpy(offsets))
+    assert form is not None
+    assert form.block == (16 if type_name == "Q6_K" else 32)
+    assert (form.offsets is not None) == (type_name == "Q4_K")
+    assert torch.equal(form.dequantize(), weight)
+
+
+def test_weights_without_an_exact_block_form_are_refused():
+    torch.manual_seed(0)
+    weight = torch.randn(8, 64)
+    form = helpers.block_quantize(weight, 32, affine=False)
+    assert exact_blocks(weight, 32, form.scales, None) is None  # random floats are not on the grid
+    exact = form.dequantize()
+    assert exact_blocks(exact, 32, form.scales, None) is not None
+    assert exact_blocks(exact.double(), 32, form.scales, None) is None  # not float32
+    assert exact_blocks(exact, 32, form.scales / 4, None) is None  # codes would leave int8
+    assert exact_blocks(exact, 16, form.scales, None) is None  # wrong block shape
+    nudged = exact.clone()
+    nudged[3, 5] = torch.nextafter(nudged[3, 5], torch.tensor(1.0))
+    assert exact_blocks(nudged, 32, form.scales, None) is None  # one ulp off is refused
+
+
+def test_concat_mixes_block_sizes_and_offsets():
+    torch.manual_seed(1)
+    parts = [
+        helpers.block_quantize(torch.randn(6, 64), 32, affine=False),
+        helpers.block_quantize(torch.randn(4, 64), 16, affine=False),
+        helpers.block_quantize(torch.randn(5, 64), 32, affine=True),
+    ]
+    fused = BlockWeights.concat(parts)
+    assert fused.block == 16 and fused.offsets is not None
+    assert torch.equal(fused.dequantize(), torch.cat([part.dequantize() for part in parts]))
+    assert BlockWeights.concat([parts[0], None]) is None
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    found, why = blockmm.kernel()
+    assert found is not None, why  # this machine and CI have a C compiler: the kernel must build
+    return found
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 17])
+@pytest.mark.parametrize("block,affine", [(32, False), (16, False), (32, True)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_kernel_equals_float64_reference(kernel, rows, block, affine, threads):
+    torch.manual_seed(rows * 10 + block)
+    form = helpers.block_quantize(torch.randn(67, 192), block, affine)  # 67 outputs: uneven split
+    x = torch.randn(rows, 192)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        y = kernel.matmul(x, form.codes, form.scales, form.offsets, form.block)
+    finally:
+        torch.set_num_threads(previous)
+    reference = x.double() @ form.dequantize().double().T
+    assert y.shape == (rows, 67) and y.dtype == torch.float32
+    assert float((y.double() - reference).abs().max()) <= 1e-5 * float(reference.abs().max())
+
+
+def test_kernel_accepts_non_contiguous_input(kernel):
+    form = helpers.block_quantize(torch.randn(9, 64), 32, affine=False)
+    x = torch.randn(64, 3).T  # [3, 64], not contiguous
+    expected = x.contiguous() @ form.dequantize().T
+    torch.testing.assert_close(kernel.matmul(x, form.codes, form.scales, None, 32), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_kernel_refuses_unsupported_blocks(kernel):
+    form = helpers.block_quantize(torch.randn(4, 64), 32, affine=False)
+    with pytest.raises(RuntimeError, match="refused"):
+        kernel.matmul(torch.randn(1, 64), form.codes, form.scales, None, 8)
+
+
+@pytest.mark.parametrize("arch", helpers.FAST_ARCHITECTURES)
+def test_blocks_paths_run_every_linear_on_the_kernel(tiny_targets, arch):
+    target = tiny_targets[f"{arch}-blocks"]
+    total = 4 * target.config.num_hidden_layers
+    assert target.block_kernel_summary == f"the LM head and {total} of {total} layer linears (exact int8 blocks)"
+    assert tiny_targets[arch].block_kernel_summary == "off"
+
+
+def test_without_the_kernel_the_blocks_are_ignored_and_output_is_unchanged(monkeypatch, tiny_targets):
+    monkeypatch.setitem(blockmm._state, "kernel", (None, "disabled for this test"))
+    model = helpers.make_model(helpers.make_config("llama"), seed=4)
+    blocks = helpers.blockify(model)
+    target = Target(model, None, fast=True, blocks=blocks)
+    assert target.fast and target.block_kernel_summary == "off"
+    prompt = [5, 9, 2, 7]
+    ids = helpers.run(target, build("ar", target), prompt, 12)[0]
+    assert ids == helpers.hf_greedy(model, prompt, 12)
+
+
+def test_gguf_tensor_names_map_to_the_model_linears():
+    model = helpers.make_model(helpers.make_config("gemma3", tie_word_embeddings=True))
+    layers = model.get_decoder().layers
+    assert _module_for(model, "blk.1.attn_q.weight") is layers[1].self_attn.q_proj
+    assert _module_for(model, "blk.0.attn_output.weight") is layers[0].self_attn.o_proj
+    assert _module_for(model, "blk.2.ffn_down.weight") is layers[2].mlp.down_proj
+    assert _module_for(model, "token_embd.weight") is model.get_output_embeddings()
+    assert _module_for(model, "blk.9.attn_q.weight") is None  # no such layer
+    assert _module_for(model, "blk.0.attn_norm.weight") is None  # not a linear
+    untied = helpers.make_model(helpers.make_config("gemma3"))
+    assert _module_for(untied, "token_embd.weight") is None
+    assert _module_for(untied, "output.weight") is untied.get_output_embeddings()
