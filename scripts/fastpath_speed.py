@@ -1,11 +1,15 @@
-"""Fast path against eager path, side by side in one run, on the default model.
+"""Forward paths side by side in one run, on the default model: transformers' eager forward,
+the fast path on float32 weights, and the fast path on the exact int8 block forms of the GGUF
+weights (the block kernel).
 
-1. Step times: a 1-token decode step and a 16-token verify step after a 256-token context, on
-   both paths (same weights, same process), against the bandwidth floor.
-2. Generation: `ar` and `anpd` on both paths, transformers' `generate()` (greedy) and, when
-   llama-cpp-python is installed, llama.cpp's autoregressive decoding on the same GGUF file, on
+1. Step times: a 1-token decode step and 4/8/16-token verify steps after a 256-token context,
+   on every path (same weights, same process), against each path's bandwidth floor (the bytes of
+   the weights it reads per step / the measured read bandwidth).
+2. Generation: `ar` and `anpd` on every path, transformers' `generate()` (greedy) and, with
+   --llamacpp, llama.cpp's autoregressive and prompt-lookup decoding on the same GGUF file, on
    the first N questions of each chosen Spec-Bench category, in rotating order per prompt.
-   Prints tokens/s (ratio of totals) and the exact-match rate against `ar` on the fast path.
+   Prints tokens/s (ratio of totals) and the exact-match rate against `ar` on the fast path
+   (float32 weights).
 
     python scripts/fastpath_speed.py --per-category 2 --max-new-tokens 128
 """
@@ -24,7 +28,7 @@ from verispec.bench.datasets import encode_question, load_dataset
 from verispec.bench.peers import PeerSettings, get_peer
 from verispec.model import Target
 
-from profile_step import read_bandwidth  # scripts/ is on sys.path when run as a script
+from profile_step import read_bandwidth, weight_bytes  # scripts/ is on sys.path when run as a script
 
 
 def step_time(target: Target, context: list[int], width: int, repeats: int = 7) -> float:
@@ -46,28 +50,37 @@ def main() -> None:
     parser.add_argument("--per-category", type=int, default=2)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--llamacpp", action="store_true", help="include llama.cpp (needs llama-cpp-python)")
+    parser.add_argument("--no-eager", action="store_true", help="skip ar/anpd on the eager path in part 2")
     args = parser.parse_args()
 
-    fast = verispec.load(None, args.dtype)
-    eager = Target(fast.model, fast.tokenizer, fast.name, fast=False)
+    blocks = verispec.load(None, args.dtype)
+    print(f"block kernel: {blocks.block_kernel_summary}")
+    fast = Target(blocks.model, blocks.tokenizer, blocks.name, fast=True)
+    eager = Target(blocks.model, blocks.tokenizer, blocks.name, fast=False)
     context = torch.randint(1000, 20000, (256,), generator=torch.Generator().manual_seed(0)).tolist()
-    weight_bytes = sum(p.numel() * p.element_size() for p in fast.model.parameters())
-    floor = weight_bytes / read_bandwidth()
-    print(f"dtype {fast.dtype}, threads {torch.get_num_threads()}, bandwidth floor {floor * 1e3:.1f} ms")
-    for name, target in (("eager", eager), ("fast", fast)):
-        one, sixteen = step_time(target, context, 1), step_time(target, context, 16)
-        print(f"{name:6} 1-token step {one * 1e3:6.1f} ms ({one / floor:.2f}x floor), 16-token verify "
-              f"{sixteen * 1e3:6.1f} ms ({sixteen / one:.2f}x its 1-token step)")
+    bandwidth = read_bandwidth()
+    print(f"dtype {fast.dtype}, threads {torch.get_num_threads()}, read bandwidth {bandwidth / 1e9:.1f} GB/s")
+    for name, target in (("eager", eager), ("fast", fast), ("blocks", blocks)):
+        size = weight_bytes(target)
+        floor = size / bandwidth
+        times = {width: step_time(target, context, width) for width in (1, 4, 8, 16)}
+        verify = ", ".join(f"{w}-token {t * 1e3:.1f} ms ({t / times[1]:.2f}x)" for w, t in times.items() if w > 1)
+        print(f"{name:6} weights {size / 1e9:.3f} GB, floor {floor * 1e3:5.1f} ms | 1-token step "
+              f"{times[1] * 1e3:6.1f} ms ({times[1] / floor:.2f}x floor) | verify {verify}", flush=True)
 
     categories = [c for c in args.categories.split(",") if c] or None
     _, questions = load_dataset("spec-bench", categories, args.per_category)
     runs = {
+        "ar (blocks)": lambda ids: _ours(blocks, ids, "ar", args.max_new_tokens),
+        "anpd (blocks)": lambda ids: _ours(blocks, ids, "anpd", args.max_new_tokens),
         "ar (fast)": lambda ids: _ours(fast, ids, "ar", args.max_new_tokens),
         "anpd (fast)": lambda ids: _ours(fast, ids, "anpd", args.max_new_tokens),
         "ar (eager)": lambda ids: _ours(eager, ids, "ar", args.max_new_tokens),
         "anpd (eager)": lambda ids: _ours(eager, ids, "anpd", args.max_new_tokens),
     }
     peers = ["hf-ar"] + (["llamacpp-ar", "llamacpp-pld"] if args.llamacpp else [])
+    if args.no_eager:
+        del runs["ar (eager)"], runs["anpd (eager)"]
     for peer in peers:
         prepared = get_peer(peer).prepare(fast, PeerSettings())
         runs[peer] = lambda ids, run=prepared: _peer(run, ids, args.max_new_tokens)

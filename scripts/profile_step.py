@@ -18,7 +18,7 @@ import time
 from collections import defaultdict
 
 import torch
-from torch.profiler import ProfilerActivity, profile
+from torch.profiler import ProfilerActivity, profile, record_function
 
 import verispec
 from verispec.model import Target
@@ -36,6 +36,10 @@ def read_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
 
 
 def classify(name: str, shapes, vocab: int, hidden: int) -> str:
+    if name == "block kernel: LM head":
+        return "LM head"
+    if name == "block kernel: linear":
+        return "linear layers (q/k/v/o, MLP)"
     if "linear" in name or name in ("aten::mm", "aten::addmm", "aten::matmul", "aten::bmm"):
         flat = str(shapes)
         if str(vocab) in flat:
@@ -56,6 +60,30 @@ def classify(name: str, shapes, vocab: int, hidden: int) -> str:
     if name.startswith("aten::embedding"):
         return "embedding"
     return "other elementwise"
+
+
+def weight_bytes(target: Target) -> int:
+    """Bytes of weights one step of `target` reads: every parameter once (the tied embedding as
+    the LM head), with the block forms' bytes in place of the float32 weights they replace."""
+    total = sum(p.numel() * p.element_size() for p in target.model.parameters())
+    if target.block_kernel_summary != "off":
+        total += sum(form.nbytes - module.weight.numel() * module.weight.element_size()
+                     for module, form in target._blocks.items())
+    return total
+
+
+def label_block_kernel(vocab: int) -> None:
+    """Make the block kernel's calls (ctypes, invisible to the profiler) show up as events."""
+    from verispec.fastpath import BlockLinear
+
+    unlabelled = BlockLinear.__call__
+
+    def labelled(self, x):
+        part = "LM head" if self.blocks.codes.shape[0] == vocab else "linear"
+        with record_function(f"block kernel: {part}"):
+            return unlabelled(self, x)
+
+    BlockLinear.__call__ = labelled
 
 
 def profile_path(target: Target, context: list[int], width: int, repeats: int) -> tuple[float, dict]:
@@ -85,18 +113,22 @@ def profile_path(target: Target, context: list[int], width: int, repeats: int) -
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--paths", nargs="+", default=["fast", "eager"])
+    parser.add_argument("--paths", nargs="+", default=["blocks", "fast", "eager"],
+                        help="blocks: fast path on the int8 block kernel; fast: fast path on float32 weights")
     parser.add_argument("--widths", nargs="+", type=int, default=[1, 8, 16])
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
 
-    fast = verispec.load(None, args.dtype)
-    targets = {"fast": fast, "eager": Target(fast.model, fast.tokenizer, "eager", fast=False)}
+    blocks = verispec.load(None, args.dtype)
+    fast = Target(blocks.model, blocks.tokenizer, "fast", fast=True)
+    targets = {"fast": fast, "blocks": blocks, "eager": Target(fast.model, fast.tokenizer, "eager", fast=False)}
+    label_block_kernel(fast.vocab_size)
     context = torch.randint(1000, 20000, (256,), generator=torch.Generator().manual_seed(0)).tolist()
-    weight_bytes = sum(p.numel() * p.element_size() for p in fast.model.parameters())
     bandwidth = read_bandwidth()
-    print(f"threads {torch.get_num_threads()}, dtype {fast.dtype}, weights {weight_bytes / 1e9:.3f} GB, "
-          f"read bandwidth {bandwidth / 1e9:.1f} GB/s, bandwidth floor {weight_bytes / bandwidth * 1e3:.1f} ms/step")
+    print(f"threads {torch.get_num_threads()}, dtype {fast.dtype}, read bandwidth {bandwidth / 1e9:.1f} GB/s")
+    for name in args.paths:
+        size = weight_bytes(targets[name])
+        print(f"{name} path: weights read per step {size / 1e9:.3f} GB, bandwidth floor {size / bandwidth * 1e3:.1f} ms/step")
     for width in args.widths:
         for name in args.paths:
             wall, parts = profile_path(targets[name], context, width, args.repeats)

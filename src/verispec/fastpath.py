@@ -35,7 +35,7 @@ from .gguf_blocks import BlockWeights
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "gemma3_text")
 _PACK_HINT = 16  # oneDNN packs for this batch size; measured fastest across widths 1..16
-BLOCK_KERNEL_MAX_ROWS = 4  # widest input sent to the block kernel (measured: docs/profile.md)
+BLOCK_KERNEL_MAX_ROWS = 64  # widest input sent to the block kernel (measured: docs/profile.md)
 
 
 def _mkldnn_packing_available(dtype: torch.dtype) -> bool:

@@ -42,7 +42,8 @@ import torch
 from .cache import StaticKV, cache_length, crop_to, new_cache
 from .errors import ModelLoadError
 from . import blockmm
-from .fastpath import BlockLinear, FastDecoder
+from .fastpath import BLOCK_KERNEL_MAX_ROWS, BlockLinear, FastDecoder, Linear
+from .gguf_blocks import BlockWeights
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DTYPE_CHOICES = ("auto", *DTYPES)
@@ -422,6 +423,19 @@ class Target:
     @property
     def uses_own_head(self) -> bool:
         return self._head is not None
+
+    def output_rows_linear(self, rows: torch.Tensor):
+        """hidden [n, d] -> hidden @ W[rows]^T [n, len(rows)] for some rows of the output
+        embedding (an exit head's draft vocabulary), on the block kernel where the LM head has a
+        block form, else prepacked float32."""
+        head = self.model.get_output_embeddings()
+        dense = Linear(head.weight.detach()[rows].to(self.dtype).contiguous(), None)
+        form = self._blocks.get(head)
+        if form is None or self._kernel is None or self._fast is None:
+            return dense
+        rows_form = BlockWeights(form.codes[rows].contiguous(), form.scales[rows].contiguous(),
+                                 None if form.offsets is None else form.offsets[rows].contiguous(), form.block)
+        return BlockLinear(rows_form, dense, self._kernel, BLOCK_KERNEL_MAX_ROWS)
 
     @property
     def block_kernel_summary(self) -> str:

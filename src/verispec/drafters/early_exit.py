@@ -178,13 +178,11 @@ class PreparedHead:
     def __init__(self, target, head: ExitHead, spec: ExitHeadSpec | None = None):
         if not target.fast:
             raise ConfigError("eesd needs the fast forward path (Llama, Qwen2 or Gemma 3 models, not --no-fast)")
-        from ..fastpath import Linear
-
         self.head, self.spec = head, spec
         self.exit_layer = head.exit_layer
         self.layer = target._fast.wrap_layer(head.layer)
         self.norm = head.norm
-        self.project = Linear(head.output_rows().to(target.dtype).contiguous(), None)  # [V_d, d]
+        self.project = target.output_rows_linear(head.vocab)  # hidden [n, d] -> [n, V_d]
         self.vocab = head.vocab  # [V_d]
 
 

@@ -10,7 +10,6 @@
  * NULL), y [M, N] float32. B divides K and is a multiple of 16. Rows n are split over `threads`
  * OpenMP threads. */
 #include <stdint.h>
-#include <stdlib.h>
 #ifdef __AVX2__
 #include <immintrin.h>
 #endif
@@ -29,115 +28,87 @@ static inline float hsum8(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-/* One row's weights, rebuilt in float32 into w [K]. */
-static inline void dequantize_row(const int8_t *codes, const float *scales, const float *offsets,
-                                  int64_t K, int64_t B, float *w) {
-    for (int64_t b = 0; b < K / B; b++) {
-        __m256 s = _mm256_set1_ps(scales[b]);
-        for (int64_t i = b * B; i < (b + 1) * B; i += 8) {
-            __m256 v = _mm256_mul_ps(s, widen8(codes + i));
-            if (offsets != NULL) v = _mm256_sub_ps(v, _mm256_set1_ps(offsets[b]));
-            _mm256_storeu_ps(w + i, v);
+/* Rows first..last-1 of y for M = MM rows of x (MM a compile-time constant after inlining, so
+ * the accumulators live in registers). Each group of 8 weights is rebuilt once, in registers,
+ * and multiplied with every row of x; with MM <= 4 two accumulators per row alternate between
+ * groups to hide the FMA latency. */
+static inline __attribute__((always_inline)) void rows_fixed(
+        const float *x, const int MM, int64_t K, const int8_t *codes, const float *scales,
+        const float *offsets, int64_t N, int64_t B, float *y, int64_t first, int64_t last) {
+    const int64_t nb = K / B;
+    for (int64_t n = first; n < last; n++) {
+        const int8_t *c = codes + n * K;
+        const float *s = scales + n * nb, *o = offsets ? offsets + n * nb : NULL;
+        __m256 even[8], odd[8];
+        for (int m = 0; m < MM; m++) even[m] = odd[m] = _mm256_setzero_ps();
+        for (int64_t b = 0; b < nb; b++) {
+            const __m256 sb = _mm256_set1_ps(s[b]);
+            const __m256 ob = _mm256_set1_ps(o ? o[b] : 0.0f);
+            for (int64_t i = b * B; i < (b + 1) * B; i += 16) {
+                __m256 w0 = _mm256_mul_ps(sb, widen8(c + i)), w1 = _mm256_mul_ps(sb, widen8(c + i + 8));
+                if (o) { w0 = _mm256_sub_ps(w0, ob); w1 = _mm256_sub_ps(w1, ob); }
+                for (int m = 0; m < MM; m++) {
+                    const float *xm = x + m * K + i;
+                    if (MM <= 4) {
+                        even[m] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xm), even[m]);
+                        odd[m] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xm + 8), odd[m]);
+                    } else {
+                        even[m] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xm), even[m]);
+                        even[m] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xm + 8), even[m]);
+                    }
+                }
+            }
         }
+        for (int m = 0; m < MM; m++) y[m * N + n] = hsum8(MM <= 4 ? _mm256_add_ps(even[m], odd[m]) : even[m]);
     }
 }
 
+/* y rows for up to 8 rows of x at a time. */
 static void rows(const float *x, int64_t M, int64_t K, const int8_t *codes, const float *scales,
-                 const float *offsets, int64_t N, int64_t B, float *y, float *w,
-                 int64_t first, int64_t last) {
-    const int64_t nb = K / B;
-    if (M == 1) {  /* one token: rebuild and multiply in registers, no scratch row */
-        for (int64_t n = first; n < last; n++) {
-            const int8_t *c = codes + n * K;
-            const float *s = scales + n * nb, *o = offsets ? offsets + n * nb : NULL;
-            __m256 a0 = _mm256_setzero_ps(), a1 = a0;
-            for (int64_t b = 0; b < nb; b++) {
-                __m256 sb = _mm256_set1_ps(s[b]);
-                __m256 ob = _mm256_set1_ps(o ? o[b] : 0.0f);
-                for (int64_t i = b * B; i < (b + 1) * B; i += 16) {
-                    __m256 w0 = _mm256_mul_ps(sb, widen8(c + i)), w1 = _mm256_mul_ps(sb, widen8(c + i + 8));
-                    if (o) { w0 = _mm256_sub_ps(w0, ob); w1 = _mm256_sub_ps(w1, ob); }
-                    a0 = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + i), a0);
-                    a1 = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + i + 8), a1);
-                }
-            }
-            y[n] = hsum8(_mm256_add_ps(a0, a1));
-        }
-        return;
-    }
-    for (int64_t n = first; n < last; n++) {
-        dequantize_row(codes + n * K, scales + n * nb, offsets ? offsets + n * nb : NULL, K, B, w);
-        int64_t m = 0;
-        for (; m + 4 <= M; m += 4) {
-            const float *x0 = x + m * K, *x1 = x0 + K, *x2 = x1 + K, *x3 = x2 + K;
-            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-            for (int64_t k = 0; k < K; k += 8) {
-                __m256 wk = _mm256_loadu_ps(w + k);
-                a0 = _mm256_fmadd_ps(wk, _mm256_loadu_ps(x0 + k), a0);
-                a1 = _mm256_fmadd_ps(wk, _mm256_loadu_ps(x1 + k), a1);
-                a2 = _mm256_fmadd_ps(wk, _mm256_loadu_ps(x2 + k), a2);
-                a3 = _mm256_fmadd_ps(wk, _mm256_loadu_ps(x3 + k), a3);
-            }
-            y[m * N + n] = hsum8(a0);
-            y[(m + 1) * N + n] = hsum8(a1);
-            y[(m + 2) * N + n] = hsum8(a2);
-            y[(m + 3) * N + n] = hsum8(a3);
-        }
-        for (; m < M; m++) {
-            const float *xm = x + m * K;
-            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-            int64_t k = 0;
-            for (; k + 32 <= K; k += 32) {
-                a0 = _mm256_fmadd_ps(_mm256_loadu_ps(w + k), _mm256_loadu_ps(xm + k), a0);
-                a1 = _mm256_fmadd_ps(_mm256_loadu_ps(w + k + 8), _mm256_loadu_ps(xm + k + 8), a1);
-                a2 = _mm256_fmadd_ps(_mm256_loadu_ps(w + k + 16), _mm256_loadu_ps(xm + k + 16), a2);
-                a3 = _mm256_fmadd_ps(_mm256_loadu_ps(w + k + 24), _mm256_loadu_ps(xm + k + 24), a3);
-            }
-            for (; k < K; k += 8) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(w + k), _mm256_loadu_ps(xm + k), a0);
-            y[m * N + n] = hsum8(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+                 const float *offsets, int64_t N, int64_t B, float *y, int64_t first, int64_t last) {
+    for (int64_t m0 = 0; m0 < M; m0 += 8) {
+        const float *xm = x + m0 * K;
+        float *ym = y + m0 * N;
+        switch (M - m0 < 8 ? M - m0 : 8) {
+            case 1: rows_fixed(xm, 1, K, codes, scales, offsets, N, B, ym, first, last); break;
+            case 2: rows_fixed(xm, 2, K, codes, scales, offsets, N, B, ym, first, last); break;
+            case 3: rows_fixed(xm, 3, K, codes, scales, offsets, N, B, ym, first, last); break;
+            case 4: rows_fixed(xm, 4, K, codes, scales, offsets, N, B, ym, first, last); break;
+            case 5: rows_fixed(xm, 5, K, codes, scales, offsets, N, B, ym, first, last); break;
+            case 6: rows_fixed(xm, 6, K, codes, scales, offsets, N, B, ym, first, last); break;
+            case 7: rows_fixed(xm, 7, K, codes, scales, offsets, N, B, ym, first, last); break;
+            default: rows_fixed(xm, 8, K, codes, scales, offsets, N, B, ym, first, last); break;
         }
     }
 }
 #else
 static void rows(const float *x, int64_t M, int64_t K, const int8_t *codes, const float *scales,
-                 const float *offsets, int64_t N, int64_t B, float *y, float *w,
-                 int64_t first, int64_t last) {
+                 const float *offsets, int64_t N, int64_t B, float *y, int64_t first, int64_t last) {
     const int64_t nb = K / B;
     for (int64_t n = first; n < last; n++) {
-        for (int64_t k = 0; k < K; k++) {
-            float v = scales[n * nb + k / B] * (float)codes[n * K + k];
-            w[k] = offsets != NULL ? v - offsets[n * nb + k / B] : v;
-        }
         for (int64_t m = 0; m < M; m++) {
             float total = 0.0f;
-            for (int64_t k = 0; k < K; k++) total += w[k] * x[m * K + k];
+            for (int64_t k = 0; k < K; k++) {
+                float w = scales[n * nb + k / B] * (float)codes[n * K + k];
+                if (offsets != NULL) w -= offsets[n * nb + k / B];
+                total += w * x[m * K + k];
+            }
             y[m * N + n] = total;
         }
     }
 }
 #endif
 
-/* Returns 0 on success, -1 for unsupported shapes, -2 if scratch memory is unavailable. */
+/* Returns 0 on success, -1 for unsupported shapes. */
 int blockmm(const float *x, int64_t M, int64_t K, const int8_t *codes, const float *scales,
             const float *offsets, int64_t N, int64_t B, float *y, int threads) {
     if (M < 1 || B < 16 || B % 16 != 0 || K % B != 0) return -1;
     const int64_t tasks = (N + ROWS_PER_TASK - 1) / ROWS_PER_TASK;
-    int failed = 0;
-#pragma omp parallel num_threads(threads)
-    {
-        float *w = (float *)aligned_alloc(64, (size_t)((K * sizeof(float) + 63) / 64 * 64));
-        if (w == NULL) {
-#pragma omp atomic write
-            failed = 1;
-        }
-#pragma omp for schedule(static)
-        for (int64_t t = 0; t < tasks; t++) {
-            if (w == NULL) continue;
-            int64_t first = t * ROWS_PER_TASK;
-            int64_t last = first + ROWS_PER_TASK < N ? first + ROWS_PER_TASK : N;
-            rows(x, M, K, codes, scales, offsets, N, B, y, w, first, last);
-        }
-        free(w);
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t t = 0; t < tasks; t++) {
+        int64_t first = t * ROWS_PER_TASK;
+        int64_t last = first + ROWS_PER_TASK < N ? first + ROWS_PER_TASK : N;
+        rows(x, M, K, codes, scales, offsets, N, B, y, first, last);
     }
-    return failed ? -2 : 0;
+    return 0;
 }
