@@ -88,12 +88,14 @@ def kernel():
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 17])
-@pytest.mark.parametrize("block,affine", [(32, False), (16, False), (32, True)])
+@pytest.mark.parametrize("block,affine,inputs", [
+    (32, False, 192), (16, False, 192), (16, False, 208), (32, True, 192), (16, True, 208),  # 208: 13 blocks of 16
+])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_kernel_equals_float64_reference(kernel, rows, block, affine, threads):
+def test_kernel_equals_float64_reference(kernel, rows, block, affine, inputs, threads):
     torch.manual_seed(rows * 10 + block)
-    form = helpers.block_quantize(torch.randn(67, 192), block, affine)  # 67 outputs: uneven split
-    x = torch.randn(rows, 192)
+    form = helpers.block_quantize(torch.randn(67, inputs), block, affine)  # 67 outputs: uneven split
+    x = torch.randn(rows, inputs)
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:

@@ -173,6 +173,9 @@ def test_info_on_a_tiny_model(tiny_model_dir):
     result = runner.invoke(app, ["info", "--model", str(tiny_model_dir), "--dtype", "float32"])
     assert result.exit_code == 0, result.output
     assert "LlamaForCausalLM" in result.stdout and "anpd" in result.stdout
+    assert "block kernel" in result.stdout  # off: a transformers directory has no GGUF blocks
+    result = runner.invoke(app, ["info", "--model", str(tiny_model_dir), "--no-block-kernel"])
+    assert result.exit_code == 0, result.output
 
 
 def _subprocess(*args: str) -> subprocess.CompletedProcess:

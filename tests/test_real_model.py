@@ -76,6 +76,7 @@ def test_block_kernel_covers_every_linear_and_keeps_the_output(real_target):
     assert real_target.block_kernel_summary == "the LM head and 72 of 72 layer linears (exact int8 blocks)"
     dense = Target(real_target.model, real_target.tokenizer, name="dense", fast=True)
     assert dense.fast and dense.block_kernel_summary == "off"
+    assert verispec.load(None, dtype="float32", block_kernel=False).block_kernel_summary == "off"
     for method in ("ar", "anpd"):
         blocks_ids = verispec.generate(real_target, PROMPT, method=method, max_new_tokens=32).token_ids
         assert blocks_ids == verispec.generate(dense, PROMPT, method=method, max_new_tokens=32).token_ids, method
