@@ -111,12 +111,12 @@ def exact_blocks(weight: torch.Tensor, block: int, scales: torch.Tensor, offsets
     if weight.dtype != torch.float32 or weight.shape[1] % block or scales.shape != (weight.shape[0], weight.shape[1] // block):
         return None
     out = weight.shape[0]
-    shifted = weight.view(out, -1, block)  # [out, nb, block]
+    shifted = weight.reshape(out, -1, block)  # [out, nb, block]
     if offsets is not None:
         shifted = shifted + offsets.unsqueeze(-1)
     codes = (shifted / torch.where(scales != 0, scales, 1.0).unsqueeze(-1)).round_()
     codes.masked_fill_((scales == 0).unsqueeze(-1), 0.0)
-    if not bool((codes.abs() <= 127).all()) and not bool(((codes >= -128) & (codes <= 127)).all()):
+    if not bool(((codes >= -128) & (codes <= 127)).all()):
         return None
     codes = codes.view(out, -1)
     candidate = BlockWeights(codes.to(torch.int8).contiguous(), scales.contiguous(),
