@@ -68,7 +68,7 @@ def weight_bytes(target: Target) -> int:
     total = sum(p.numel() * p.element_size() for p in target.model.parameters())
     if target.block_kernel_summary != "off":
         total += sum(form.nbytes - module.weight.numel() * module.weight.element_size()
-                     for module, form in target._blocks.items())
+                     for module, form in target._fast.blocks.items())
     return total
 
 

@@ -78,6 +78,8 @@ def test_concat_mixes_block_sizes_and_offsets():
     assert fused.block == 16 and fused.offsets is not None
     assert torch.equal(fused.dequantize(), torch.cat([part.dequantize() for part in parts]))
     assert BlockWeights.concat([parts[0], None]) is None
+    picked = torch.tensor([4, 0, 9, 9])
+    assert torch.equal(fused.rows(picked).dequantize(), fused.dequantize()[picked])
 
 
 @pytest.fixture(scope="module")

@@ -7,9 +7,9 @@ the kernel exactly as `gguf_blocks.BlockWeights.dequantize` rebuilds them, so th
 `x @ W^T` up to the order of float32 sums; it reads 1 byte per weight instead of 4, which is what
 a memory-bound one-token step pays for (measured in docs/profile.md).
 
-No library was found that does this exactly: llama.cpp/ggml quantize the activations too (a
-different function), and PyTorch's int8 weight kernels take one scale per output row, not per
-block. Without a C compiler, `kernel()` returns None with the reason and callers keep their
+No library was found that does this exactly: ggml's CPU dot products convert the activations to
+8-bit blocks too (its `vec_dot_type`; a different function), and PyTorch's int8 weight kernels
+take one scale per output row, not per block. Without a C compiler, `kernel()` returns None with the reason and callers keep their
 float32 path.
 """
 
@@ -32,8 +32,9 @@ _state: dict = {}
 
 
 def _cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "verispec" / "kernels"
+    from .model import cache_root  # model imports this module
+
+    return cache_root() / "kernels"
 
 
 def _build(source: str, compiler: str) -> Path:

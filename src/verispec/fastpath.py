@@ -92,9 +92,11 @@ class FusedNorm:
         if not isinstance(weight, torch.Tensor) or weight.dim() != 1 or not isinstance(eps, float):
             return module
         probe = torch.randn(3, 5, weight.shape[0], generator=torch.Generator().manual_seed(0)).to(weight.dtype)
+        expected = module(probe)
         for candidate in (weight.detach(), 1.0 + weight.detach()):  # Llama/Qwen2 scale by w, Gemma by 1 + w
             fused = FusedNorm(candidate.contiguous(), eps)
-            if fused(probe).dtype == module(probe).dtype and torch.equal(fused(probe), module(probe)):
+            got = fused(probe)
+            if got.dtype == expected.dtype and torch.equal(got, expected):
                 return fused
         return module
 
@@ -109,7 +111,7 @@ class BlockLinear:
         self.blocks, self.dense, self.kernel, self.max_rows = blocks, dense, kernel, max_rows
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] > self.max_rows or x.dtype != torch.float32:
+        if x.shape[0] > self.max_rows:
             return self.dense(x)
         b = self.blocks
         y = self.kernel.matmul(x, b.codes, b.scales, b.offsets, b.block)  # [n, out]
@@ -167,7 +169,7 @@ class FastDecoder:
         reason = self.supports(model)
         assert reason is None, reason
         self.config = model.config
-        self._blocks = blocks if kernel is not None else {}
+        self.blocks = blocks if (blocks and kernel is not None) else {}  # the forms actually in use
         self._kernel = kernel
         body = model.get_decoder()
         self.embed_tokens = body.embed_tokens
@@ -209,10 +211,11 @@ class FastDecoder:
         """The fast form of one nn.Linear, or of several fused (outputs concatenated): on the
         block kernel where every part has an exact block form, else prepacked float32."""
         dense = Linear.fused(*modules) if len(modules) > 1 else Linear(modules[0].weight, modules[0].bias)
-        blocks = BlockWeights.concat([self._blocks.get(module) for module in modules])
-        if blocks is None:
-            return dense
-        return BlockLinear(blocks, dense, self._kernel, BLOCK_KERNEL_MAX_ROWS)
+        return self.on_blocks(dense, BlockWeights.concat([self.blocks.get(module) for module in modules]))
+
+    def on_blocks(self, dense: Linear, blocks: "BlockWeights | None") -> "Linear | BlockLinear":
+        """`dense` on the block kernel where `blocks` (its weight's exact block form) is given."""
+        return dense if blocks is None else BlockLinear(blocks, dense, self._kernel, BLOCK_KERNEL_MAX_ROWS)
 
     @property
     def block_linears(self) -> int:

@@ -48,6 +48,11 @@ class BlockWeights:
             weight.sub_(self.offsets.unsqueeze(-1))
         return weight.view(out, inputs)
 
+    def rows(self, index: torch.Tensor) -> "BlockWeights":
+        """The block form of W[index] (some output rows, e.g. an exit head's draft vocabulary)."""
+        pick = lambda t: None if t is None else t[index].contiguous()  # noqa: E731
+        return BlockWeights(pick(self.codes), pick(self.scales), pick(self.offsets), self.block)
+
     @property
     def nbytes(self) -> int:
         extra = 0 if self.offsets is None else self.offsets.numel() * 4

@@ -42,8 +42,7 @@ import torch
 from .cache import StaticKV, cache_length, crop_to, new_cache
 from .errors import ModelLoadError
 from . import blockmm
-from .fastpath import BLOCK_KERNEL_MAX_ROWS, BlockLinear, FastDecoder, Linear
-from .gguf_blocks import BlockWeights
+from .fastpath import BlockLinear, FastDecoder, Linear
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DTYPE_CHOICES = ("auto", *DTYPES)
@@ -126,23 +125,24 @@ def embedded_default_path() -> Path:
     return Path(assemble())
 
 
-def _resolve_source(model: str | None, root: Path) -> tuple[str, dict, str]:
-    """-> (path or id for from_pretrained, extra kwargs, display name)."""
+def _resolve_source(model: str | None, root: Path) -> tuple[str, dict, str, Path | None]:
+    """-> (path or id for from_pretrained, extra kwargs, display name, the GGUF file or None)."""
     if model is None:
-        return str(_converted_gguf_dir(embedded_default_path(), root)), {}, DEFAULT_MODEL_NAME
+        gguf_path = embedded_default_path()
+        return str(_converted_gguf_dir(gguf_path, root)), {}, DEFAULT_MODEL_NAME, gguf_path
     path = Path(model).expanduser()
     if path.suffix == ".gguf":
         if not path.is_file():
             raise ModelLoadError(f"GGUF file not found: {path}")
-        return str(_converted_gguf_dir(path, root)), {}, str(path)
+        return str(_converted_gguf_dir(path, root)), {}, str(path), path
     if path.exists():
         if not path.is_dir() or not (path / "config.json").exists():
             raise ModelLoadError(f"{path} is not a transformers model directory (no config.json)")
-        return str(path), {}, str(path)
+        return str(path), {}, str(path), None
     # A hub id is "name" or "org/name"; anything else that does not exist is a missing path.
     if model.startswith((".", "/", "~")) or model.count("/") > 1 or not model.strip():
         raise ModelLoadError(f"model path not found: {model}")
-    return model, {"local_files_only": True}, model
+    return model, {"local_files_only": True}, model, None
 
 
 def load(
@@ -162,7 +162,7 @@ def load(
     blocks rebuild the float32 weights exactly on the int8 block kernel (`blockmm`).
     """
     torch_dtype = resolve_dtype(dtype)
-    source, extra, name = _resolve_source(model, cache_dir or cache_root())
+    source, extra, name, gguf_path = _resolve_source(model, cache_dir or cache_root())
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     try:
@@ -187,8 +187,7 @@ def load(
     except Exception as error:  # a missing or broken tokenizer surfaces as many types
         raise ModelLoadError(f"cannot load the tokenizer of {name}: {error}") from error
     blocks = None
-    gguf_path = embedded_default_path() if model is None else Path(model).expanduser()
-    if fast and block_kernel and gguf_path.suffix == ".gguf" and loaded.dtype == torch.float32:
+    if fast and block_kernel and gguf_path is not None and loaded.dtype == torch.float32:
         blocks = _gguf_blocks(gguf_path, Path(source), loaded)
     return Target(loaded, tokenizer, name=name, fast=fast, blocks=blocks)
 
@@ -272,12 +271,10 @@ class Target:
         self._capture_layer = 0
         self._captures: list[tuple[int, torch.Tensor]] = []
         self.attachments: dict = {}  # things built once per target (e.g. prepared exit heads)
-        self._blocks = blocks or {}
-        self._kernel = blockmm.kernel()[0] if self._blocks else None
         if fast:
             reason = FastDecoder.supports(model)
             if reason is None:
-                self._fast = FastDecoder(model, self._blocks, self._kernel)
+                self._fast = FastDecoder(model, blocks, blockmm.kernel()[0] if blocks else None)
             else:
                 _log(f"fast path not available for {self.name}: {reason}; using the eager forward")
         self._head = self._head_if_exact()
@@ -430,17 +427,15 @@ class Target:
         block form, else prepacked float32."""
         head = self.model.get_output_embeddings()
         dense = Linear(head.weight.detach()[rows].to(self.dtype).contiguous(), None)
-        form = self._blocks.get(head)
-        if form is None or self._kernel is None or self._fast is None:
+        if self._fast is None:
             return dense
-        rows_form = BlockWeights(form.codes[rows].contiguous(), form.scales[rows].contiguous(),
-                                 None if form.offsets is None else form.offsets[rows].contiguous(), form.block)
-        return BlockLinear(rows_form, dense, self._kernel, BLOCK_KERNEL_MAX_ROWS)
+        form = self._fast.blocks.get(head)
+        return self._fast.on_blocks(dense, None if form is None else form.rows(rows))
 
     @property
     def block_kernel_summary(self) -> str:
         """Which of the fast path's linears run on the int8 block kernel, for display."""
-        if self._fast is None or self._kernel is None or not self._blocks:
+        if self._fast is None or not self._fast.blocks:
             return "off"
         head = "the LM head and " if isinstance(self._head, BlockLinear) else ""
         total = 4 * len(self._fast.layers)
