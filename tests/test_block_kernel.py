@@ -125,8 +125,9 @@ def test_kernel_refuses_unsupported_blocks(kernel):
 @pytest.mark.parametrize("arch", helpers.FAST_ARCHITECTURES)
 def test_blocks_paths_run_every_linear_on_the_kernel(tiny_targets, arch):
     target = tiny_targets[f"{arch}-blocks"]
-    total = 4 * target.config.num_hidden_layers
-    assert target.block_kernel_summary == f"the LM head and {total} of {total} layer linears (exact int8 blocks)"
+    layers = target.config.num_hidden_layers
+    assert target.block_kernel_summary == (f"the LM head and {4 * layers} of {4 * layers} layer linears (exact int8 "
+                                           f"blocks); {layers} of {layers} layers as one C call each")
     assert tiny_targets[arch].block_kernel_summary == "off"
 
 

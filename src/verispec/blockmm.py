@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+SOURCES = ("blockmm.c", "decoder_layer.c")  # compiled into one library
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
 _state: dict = {}
 
@@ -37,19 +38,22 @@ def _cache_dir() -> Path:
     return cache_root() / "kernels"
 
 
-def _build(source: str, compiler: str) -> Path:
+def _build(sources: dict[str, str], compiler: str) -> Path:
+    """The shared library compiled from `sources` {file name: C text}, cached per machine."""
     cpu = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else platform.processor()
     flags_line = next((line for line in cpu.splitlines() if line.startswith("flags")), cpu[:200])
-    key = hashlib.sha256("|".join([source, compiler, *FLAGS, flags_line]).encode()).hexdigest()[:16]
+    key = hashlib.sha256("|".join([*sources.values(), compiler, *FLAGS, flags_line]).encode()).hexdigest()[:16]
     target = _cache_dir() / f"blockmm-{key}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as staging:
-        source_path = Path(staging) / "blockmm.c"
-        source_path.write_text(source)
+        paths = []
+        for name, text in sources.items():
+            paths.append(Path(staging) / name)
+            paths[-1].write_text(text)
         built = Path(staging) / target.name
-        result = subprocess.run([compiler, *FLAGS, str(source_path), "-o", str(built)], capture_output=True, text=True)
+        result = subprocess.run([compiler, *FLAGS, *map(str, paths), "-o", str(built), "-lm"], capture_output=True, text=True)
         if result.returncode != 0:
             raise RuntimeError(f"{compiler} failed: {result.stderr.strip()[:500]}")
         os.replace(built, target)  # atomic: a concurrent build either wins or finds it done
@@ -60,6 +64,7 @@ class Kernel:
     """The loaded C kernel; `matmul` is the only entry point."""
 
     def __init__(self, library: ctypes.CDLL):
+        self.library = library  # also holds `decoder_layer` (native_layer.py)
         self._fn = library.blockmm
         self._fn.restype = ctypes.c_int
         pointer, size = ctypes.c_void_p, ctypes.c_int64
@@ -93,9 +98,10 @@ def kernel() -> tuple[Kernel | None, str | None]:
         elif compiler is None:
             _state["kernel"] = (None, "no C compiler (cc) found")
         else:
-            source = resources.files("verispec.kernels").joinpath("blockmm.c").read_text()
+            folder = resources.files("verispec.kernels")
+            sources = {name: folder.joinpath(name).read_text() for name in SOURCES}
             try:
-                _state["kernel"] = (Kernel(ctypes.CDLL(str(_build(source, compiler)))), None)
+                _state["kernel"] = (Kernel(ctypes.CDLL(str(_build(sources, compiler)))), None)
             except (OSError, RuntimeError) as error:
                 _state["kernel"] = (None, f"could not build the block kernel: {error}")
     return _state["kernel"]

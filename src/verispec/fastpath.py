@@ -35,6 +35,7 @@ import torch.nn.functional as F
 
 from .cache import StaticKV
 from .gguf_blocks import BlockWeights
+from .native_layer import NativeLayer
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "gemma3_text")
 _PACK_HINT = 16  # oneDNN packs for this batch size; measured fastest across widths 1..16
@@ -136,6 +137,7 @@ class _Layer:
     window: int | None
     scaling: float
     rope_layer_type: str | None
+    native: "NativeLayer | None" = None  # the whole layer as one C call (native_layer.py)
 
 
 class FastDecoder:
@@ -176,13 +178,14 @@ class FastDecoder:
         self.norm = FusedNorm.of(body.norm)
         self.rotary = body.rotary_emb
         self._rotary_takes_type = "layer_type" in inspect.signature(self.rotary.forward).parameters
-        self.layers = [self._wrap(layer) for layer in body.layers]
-        first = body.layers[0].self_attn
-        self.apply_rotary = sys.modules[type(first).__module__].apply_rotary_pos_emb
         self.heads = self.config.num_attention_heads
         self.kv_heads = self.config.num_key_value_heads
         self.head_dim = getattr(self.config, "head_dim", None) or self.config.hidden_size // self.heads
         self.dtype = next(model.parameters()).dtype
+        self.use_native = True  # layers with a C form run it (set False to compare with the PyTorch path)
+        self.layers = [self._wrap(layer) for layer in body.layers]
+        first = body.layers[0].self_attn
+        self.apply_rotary = sys.modules[type(first).__module__].apply_rotary_pos_emb
 
     def _wrap(self, layer) -> _Layer:
         attn, mlp = layer.self_attn, layer.mlp
@@ -190,7 +193,7 @@ class FastDecoder:
         layer_types = getattr(self.config, "layer_types", None)
         rope_type = layer_types[attn.layer_idx] if (layer_types and self._rotary_takes_type) else None
         norm = FusedNorm.of
-        return _Layer(
+        wrapped = _Layer(
             input_norm=norm(layer.input_layernorm),
             qkv=self.linear(attn.q_proj, attn.k_proj, attn.v_proj),
             q_norm=norm(attn.q_norm) if hasattr(attn, "q_norm") else None,
@@ -206,6 +209,9 @@ class FastDecoder:
             scaling=attn.scaling,
             rope_layer_type=rope_type,
         )
+        if self.blocks and self.dtype == torch.float32:
+            wrapped.native = NativeLayer.of(wrapped, self.heads, self.kv_heads, self.head_dim, self._kernel)
+        return wrapped
 
     def linear(self, *modules: torch.nn.Linear) -> "Linear | BlockLinear":
         """The fast form of one nn.Linear, or of several fused (outputs concatenated): on the
@@ -216,6 +222,11 @@ class FastDecoder:
     def on_blocks(self, dense: Linear, blocks: "BlockWeights | None") -> "Linear | BlockLinear":
         """`dense` on the block kernel where `blocks` (its weight's exact block form) is given."""
         return dense if blocks is None else BlockLinear(blocks, dense, self._kernel, BLOCK_KERNEL_MAX_ROWS)
+
+    @property
+    def native_layers(self) -> int:
+        """How many layers run as one C call (`native_layer`) for contiguous chunks."""
+        return sum(layer.native is not None for layer in self.layers)
 
     @property
     def block_linears(self) -> int:
@@ -290,6 +301,10 @@ class FastDecoder:
 
     def _layer(self, layer: _Layer, index: int, x: torch.Tensor, placement: "Tree", cache: StaticKV, rope) -> torch.Tensor:
         n = x.shape[0]
+        if layer.native is not None and self.use_native and placement.slots is None and n <= BLOCK_KERNEL_MAX_ROWS:
+            start = int(placement.positions[0])
+            cos, sin = rope
+            return layer.native(x, start, cos, sin, cache.keys[index], cache.values[index])
         h = layer.input_norm(x)
         q, k, v = layer.qkv(h).split(
             [self.heads * self.head_dim, self.kv_heads * self.head_dim, self.kv_heads * self.head_dim], dim=-1

@@ -1,0 +1,234 @@
+/* One decoder layer of the Llama family (Llama, Qwen2, Gemma 3 text) for a contiguous chunk of
+ * n tokens, in one call, on weights in int8 block form (blockmm.c).
+ *
+ * The same math as fastpath.FastDecoder._layer, written out in C so that a step does not pay
+ * ~35 small PyTorch operators per layer (about a third of a one-token step, docs/profile.md):
+ *
+ *   h = norm_in(x); q, k, v = split(h Wqkv^T + b); q, k = norm_q(q), norm_k(k) per head;
+ *   q, k = rotary(q, k; cos, sin); cache[start..start+n) = k, v;
+ *   a = softmax(scale q K^T, causal and window mask) V per head (query head h reads key/value
+ *   head h / (heads / kv_heads)); a = a Wo^T + b; a = norm_post_attn(a) (Gemma);
+ *   x = x + a; h = norm_pre_mlp(x); g, u = split(h Wgu^T); m = (act(g) * u) Wdown^T;
+ *   m = norm_post_mlp(m) (Gemma); x = x + m.
+ *
+ * Norms are y = (x * 1/sqrt(mean(x^2) + eps)) * w (the caller passes w, or 1 + w for Gemma, as
+ * fastpath.FusedNorm verified against the model's module); the cos/sin tables come from the
+ * model's own rotary module. Sums of squares and softmax denominators are accumulated in double;
+ * everything else is float32, so results differ from PyTorch's only in the rounding of sums and of
+ * the transcendental functions. Built with -ffp-contract=off like blockmm.c. */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
+
+int blockmm(const float *x, int64_t M, int64_t K, const int8_t *codes, const float *scales,
+            const float *offsets, int64_t N, int64_t B, float *y, int threads);
+
+enum { QKV = 0, O = 1, GATE_UP = 2, DOWN = 3 };
+enum { ACT_GELU_TANH = 0, ACT_SILU = 1 };
+
+typedef struct {
+    const int8_t *codes;
+    const float *scales, *offsets, *bias; /* offsets and bias may be NULL */
+    int64_t out, in, block;
+} BlockLinear;
+
+typedef struct {
+    const float *weight; /* NULL: no such norm */
+    float eps;
+} Norm;
+
+typedef struct {
+    BlockLinear linear[4];
+    Norm input, q, k, post_attention, pre_mlp, post_mlp;
+    int64_t hidden, heads, kv_heads, head_dim, intermediate;
+    int64_t window; /* 0: full attention */
+    float scaling;
+    int act;
+} Layer;
+
+static int linear(const BlockLinear *l, const float *x, int64_t n, float *y, int threads) {
+    if (blockmm(x, n, l->in, l->codes, l->scales, l->offsets, l->out, l->block, y, threads) != 0) return -1;
+    if (l->bias)
+        for (int64_t r = 0; r < n; r++)
+            for (int64_t j = 0; j < l->out; j++) y[r * l->out + j] += l->bias[j];
+    return 0;
+}
+
+/* rows [rows, size] with row stride `stride`, normalised in place (or into out). */
+static void rms_norm(const Norm *norm, const float *x, float *out, int64_t rows, int64_t size, int64_t stride) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * stride;
+        float *yr = out + r * stride;
+        double squares = 0.0;
+        for (int64_t i = 0; i < size; i++) squares += (double)xr[i] * xr[i];
+        const float mean = (float)(squares / (double)size);
+        const float inverse = 1.0f / sqrtf(mean + norm->eps);
+        for (int64_t i = 0; i < size; i++) yr[i] = (xr[i] * inverse) * norm->weight[i];
+    }
+}
+
+static float dot(const float *a, const float *b, int64_t size) {
+    int64_t i = 0;
+    float total = 0.0f;
+#ifdef __AVX2__
+    __m256 s0 = _mm256_setzero_ps(), s1 = s0;
+    for (; i + 16 <= size; i += 16) {
+        s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
+        s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), s1);
+    }
+    float lanes[8];
+    _mm256_storeu_ps(lanes, _mm256_add_ps(s0, s1));
+    for (int j = 0; j < 8; j++) total += lanes[j];
+#endif
+    for (; i < size; i++) total += a[i] * b[i];
+    return total;
+}
+
+/* Rotary embedding of one head vector v [d] with cos/sin [d]: v * cos + rotate_half(v) * sin,
+ * rotate_half(v) = (-v[d/2:], v[:d/2]) -- transformers' apply_rotary_pos_emb. */
+static void rotate(float *v, const float *cos_row, const float *sin_row, int64_t d) {
+    const int64_t half = d / 2;
+    for (int64_t i = 0; i < half; i++) {
+        const float a = v[i], b = v[i + half];
+        v[i] = a * cos_row[i] + (-b) * sin_row[i];
+        v[i + half] = b * cos_row[i + half] + a * sin_row[i + half];
+    }
+}
+
+#ifdef __AVX2__
+/* e^x for 8 floats: Cephes' expf (range reduction by ln 2 in two parts, degree-6 polynomial,
+ * scaling by 2^n through the exponent bits); relative error about 1e-7, like expf. */
+static inline __m256 exp8(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
+    __m256 n = _mm256_floor_ps(_mm256_add_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)), _mm256_set1_ps(0.5f)));
+    x = _mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(0.693359375f)));
+    x = _mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(-2.12194440e-4f)));
+    const __m256 z = _mm256_mul_ps(x, x);
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_add_ps(_mm256_mul_ps(y, x), _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_add_ps(_mm256_mul_ps(y, x), _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_add_ps(_mm256_mul_ps(y, x), _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_add_ps(_mm256_mul_ps(y, x), _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_add_ps(_mm256_mul_ps(y, x), _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(y, z), x), _mm256_set1_ps(1.0f));
+    const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(bits));
+}
+#endif
+
+/* p[i] = act(g[i]) * u[i] for i < size. Both activations are g * sigmoid(z): SiLU with z = g;
+ * gelu-tanh, 0.5 g (1 + tanh(c)) with c = sqrt(2/pi) (g + 0.044715 g^3), with z = 2c (the same
+ * function: 1 + tanh(c) = 2 / (1 + e^(-2c)), written without the cancellation near tanh = -1). */
+static void activation_product(int act, const float *g, const float *u, float *p, int64_t size) {
+    int64_t i = 0;
+#ifdef __AVX2__
+    const __m256 one = _mm256_set1_ps(1.0f), c0 = _mm256_set1_ps(2.0f * 0.7978845608028654f);
+    const __m256 c1 = _mm256_set1_ps(0.044715f), minus = _mm256_set1_ps(-0.0f);
+    for (; i + 8 <= size; i += 8) {
+        const __m256 x = _mm256_loadu_ps(g + i);
+        __m256 z = x;
+        if (act == ACT_GELU_TANH)
+            z = _mm256_mul_ps(c0, _mm256_add_ps(x, _mm256_mul_ps(c1, _mm256_mul_ps(_mm256_mul_ps(x, x), x))));
+        const __m256 e = exp8(_mm256_xor_ps(z, minus)); /* e^(-z) */
+        const __m256 a = _mm256_div_ps(x, _mm256_add_ps(one, e));
+        _mm256_storeu_ps(p + i, _mm256_mul_ps(a, _mm256_loadu_ps(u + i)));
+    }
+#endif
+    for (; i < size; i++) {
+        const float x = g[i];
+        const float z = act == ACT_GELU_TANH ? 2.0f * 0.7978845608028654f * (x + 0.044715f * (x * x * x)) : x;
+        p[i] = x / (1.0f + expf(-z)) * u[i];
+    }
+}
+
+/* row[j] = e^(row[j] - best) for j < size; returns their sum (accumulated in double). */
+static double exp_shifted(float *row, int64_t size, float best) {
+    int64_t j = 0;
+    double total = 0.0;
+#ifdef __AVX2__
+    const __m256 shift = _mm256_set1_ps(best);
+    float lanes[8];
+    for (; j + 8 <= size; j += 8) {
+        const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(row + j), shift));
+        _mm256_storeu_ps(row + j, e);
+        _mm256_storeu_ps(lanes, e);
+        for (int k = 0; k < 8; k++) total += lanes[k];
+    }
+#endif
+    for (; j < size; j++) {
+        row[j] = expf(row[j] - best);
+        total += row[j];
+    }
+    return total;
+}
+
+/* x [n, hidden] in place: the layer's output. Keys/values of the n tokens are written to
+ * kcache/vcache [kv_heads, capacity, head_dim] at positions start..start+n-1; cos/sin are
+ * [n, head_dim]. Returns 0, or -1 if an argument is unusable (nothing useful was computed). */
+int decoder_layer(const Layer *L, float *x, int64_t n, int64_t start, const float *cos_table,
+                  const float *sin_table, float *kcache, float *vcache, int64_t capacity, int threads) {
+    const int64_t H = L->hidden, d = L->head_dim, heads = L->heads, kvh = L->kv_heads;
+    const int64_t qkv_width = (heads + 2 * kvh) * d, I = L->intermediate;
+    if (n < 1 || start + n > capacity || heads % kvh != 0 || d % 2 != 0) return -1;
+    const int64_t group = heads / kvh, length = start + n;
+    const int64_t scratch_floats = n * H + n * qkv_width + n * heads * d + n * H + n * 2 * I + n * heads * length;
+    float *scratch = malloc(sizeof(float) * scratch_floats);
+    if (!scratch) return -1;
+    float *h = scratch, *qkv = h + n * H, *attended = qkv + n * qkv_width, *projected = attended + n * heads * d;
+    float *gate_up = projected + n * H, *scores = gate_up + n * 2 * I; /* [n * heads, length] */
+    int status = 0;
+
+    /* attention block */
+    rms_norm(&L->input, x, h, n, H, H);
+    status |= linear(&L->linear[QKV], h, n, qkv, threads);
+    for (int64_t r = 0; r < n; r++) {
+        float *q = qkv + r * qkv_width, *k = q + heads * d, *v = k + kvh * d;
+        if (L->q.weight) rms_norm(&L->q, q, q, heads, d, d);
+        if (L->k.weight) rms_norm(&L->k, k, k, kvh, d, d);
+        for (int64_t head = 0; head < heads; head++) rotate(q + head * d, cos_table + r * d, sin_table + r * d, d);
+        for (int64_t head = 0; head < kvh; head++) {
+            rotate(k + head * d, cos_table + r * d, sin_table + r * d, d);
+            memcpy(kcache + (head * capacity + start + r) * d, k + head * d, sizeof(float) * d);
+            memcpy(vcache + (head * capacity + start + r) * d, v + head * d, sizeof(float) * d);
+        }
+    }
+#pragma omp parallel for num_threads(threads) schedule(static) if (n * heads > 1)
+    for (int64_t task = 0; task < n * heads; task++) {
+        const int64_t r = task / heads, head = task % heads, kv = head / group, position = start + r;
+        const int64_t low = L->window > 0 && position - L->window + 1 > 0 ? position - L->window + 1 : 0;
+        const float *q = qkv + r * qkv_width + head * d;
+        const float *keys = kcache + kv * capacity * d, *values = vcache + kv * capacity * d;
+        float *out = attended + (r * heads + head) * d, *row = scores + task * length;
+        float best = -INFINITY;
+        for (int64_t j = low; j <= position; j++) {
+            const float s = dot(q, keys + j * d, d) * L->scaling;
+            row[j - low] = s;
+            if (s > best) best = s;
+        }
+        const float denominator = (float)exp_shifted(row, position + 1 - low, best);
+        memset(out, 0, sizeof(float) * d);
+        for (int64_t j = low; j <= position; j++) {
+            const float p = row[j - low] / denominator;
+            const float *value = values + j * d;
+            for (int64_t i = 0; i < d; i++) out[i] += p * value[i];
+        }
+    }
+    status |= linear(&L->linear[O], attended, n, projected, threads);
+    if (L->post_attention.weight) rms_norm(&L->post_attention, projected, projected, n, H, H);
+    for (int64_t i = 0; i < n * H; i++) x[i] = x[i] + projected[i];
+
+    /* MLP block */
+    rms_norm(&L->pre_mlp, x, h, n, H, H);
+    status |= linear(&L->linear[GATE_UP], h, n, gate_up, threads);
+    float *product = gate_up; /* act(gate) * up, written over the gate half row by row */
+    for (int64_t r = 0; r < n; r++) activation_product(L->act, gate_up + r * 2 * I, gate_up + r * 2 * I + I, product + r * I, I);
+    status |= linear(&L->linear[DOWN], product, n, projected, threads);
+    if (L->post_mlp.weight) rms_norm(&L->post_mlp, projected, projected, n, H, H);
+    for (int64_t i = 0; i < n * H; i++) x[i] = x[i] + projected[i];
+    free(scratch);
+    return status ? -1 : 0;
+}

@@ -1,0 +1,143 @@
+"""A whole decoder layer in one C call (`kernels/decoder_layer.c`) for layers on the block kernel.
+
+Owns one thing: deciding whether a fast-path layer (`fastpath._Layer`) can run as the C function
+`decoder_layer`, describing it to C once (a ctypes struct of pointers to its block-form weights
+and norm weights), and calling it for a contiguous chunk of tokens. A one-token step otherwise
+runs about 35 small PyTorch operators per layer, which cost about a third of the step
+(docs/profile.md); the C layer computes the same math as `FastDecoder._layer`, with the model's
+own rotary tables, its norm weights as `FusedNorm` verified them, and its activation recognised
+by value (gelu-tanh or SiLU, checked on a probe against PyTorch's). Anything else -- a linear
+without an exact block form, a norm that is not a plain RMSNorm, another activation, a tree
+placement, more than `BLOCK_KERNEL_MAX_ROWS` tokens -- keeps the PyTorch path (`of` returns
+None and says why in `NativeLayer.refusal`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+import torch.nn.functional as F
+
+ACTIVATIONS = {"gelu_tanh": 0, "silu": 1}  # the C enum
+
+
+class _CLinear(ctypes.Structure):
+    _fields_ = [("codes", ctypes.c_void_p), ("scales", ctypes.c_void_p), ("offsets", ctypes.c_void_p),
+                ("bias", ctypes.c_void_p), ("out", ctypes.c_int64), ("inputs", ctypes.c_int64), ("block", ctypes.c_int64)]
+
+
+class _CNorm(ctypes.Structure):
+    _fields_ = [("weight", ctypes.c_void_p), ("eps", ctypes.c_float)]
+
+
+class _CLayer(ctypes.Structure):
+    _fields_ = [("linear", _CLinear * 4), ("input", _CNorm), ("q", _CNorm), ("k", _CNorm),
+                ("post_attention", _CNorm), ("pre_mlp", _CNorm), ("post_mlp", _CNorm),
+                ("hidden", ctypes.c_int64), ("heads", ctypes.c_int64), ("kv_heads", ctypes.c_int64),
+                ("head_dim", ctypes.c_int64), ("intermediate", ctypes.c_int64), ("window", ctypes.c_int64),
+                ("scaling", ctypes.c_float), ("act", ctypes.c_int)]
+
+
+@torch.inference_mode()
+def recognise_activation(act) -> str | None:
+    """'gelu_tanh' or 'silu' if the module computes that function (to float32 rounding, on a probe
+    spanning [-8, 8]), else None."""
+    probe = torch.linspace(-8, 8, 4001)
+    try:
+        got = act(probe)
+    except Exception:  # noqa: BLE001 - an activation we cannot call on a plain tensor is not ours
+        return None
+    candidates = {"gelu_tanh": F.gelu(probe, approximate="tanh"), "silu": F.silu(probe)}
+    for name, expected in candidates.items():
+        if got.shape == expected.shape and torch.allclose(got, expected, rtol=1e-6, atol=1e-6):
+            return name
+    return None
+
+
+class NativeLayer:
+    """One fast-path layer as a C call. Build with `of`; call with the residual stream."""
+
+    refusal: str | None = None  # why the last `of` returned None
+
+    def __init__(self, struct: _CLayer, keep: list, function):
+        self._struct, self._keep, self._function = struct, keep, function
+
+    @staticmethod
+    def of(layer, heads: int, kv_heads: int, head_dim: int, kernel) -> "NativeLayer | None":
+        """The C form of fast-path `layer` (`fastpath._Layer`), or None (reason in `refusal`)."""
+        from .fastpath import BlockLinear, FusedNorm
+
+        def refuse(reason: str):
+            NativeLayer.refusal = reason
+            return None
+
+        function = getattr(getattr(kernel, "library", None), "decoder_layer", None)
+        if function is None:
+            return refuse("the kernel library has no decoder_layer")
+        linears = [layer.qkv, layer.o, layer.gate_up, layer.down]
+        if not all(isinstance(linear, BlockLinear) for linear in linears):
+            return refuse("a linear without an exact block form")
+        norms = [layer.input_norm, layer.q_norm, layer.k_norm, layer.post_attention_norm, layer.pre_mlp_norm,
+                 layer.post_mlp_norm]
+        if layer.input_norm is None or layer.pre_mlp_norm is None:
+            return refuse("a layer without input or pre-MLP norm")
+        if not all(norm is None or isinstance(norm, FusedNorm) for norm in norms):
+            return refuse("a norm that is not a plain RMSNorm")
+        act = recognise_activation(layer.act)
+        if act is None:
+            return refuse(f"activation {type(layer.act).__name__} (supported: gelu-tanh, SiLU)")
+        keep: list = []
+
+        def pointer(tensor: torch.Tensor | None) -> int | None:
+            if tensor is None:
+                return None
+            tensor = tensor.detach().contiguous()
+            keep.append(tensor)
+            return tensor.data_ptr()
+
+        hidden = layer.input_norm.weight.shape[0]
+        intermediate = layer.gate_up.blocks.codes.shape[0] // 2
+        tensors = [linear.blocks.codes for linear in linears] + [linear.blocks.scales for linear in linears]
+        if any(t.dtype not in (torch.int8, torch.float32) for t in tensors):
+            return refuse("block forms of an unexpected dtype")
+        expected_shapes = [((heads + 2 * kv_heads) * head_dim, hidden), (hidden, heads * head_dim),
+                           (2 * intermediate, hidden), (hidden, intermediate)]
+        if [tuple(linear.blocks.codes.shape) for linear in linears] != expected_shapes:
+            return refuse("linear shapes that do not match the attention/MLP layout")
+        struct = _CLayer()
+        for i, linear in enumerate(linears):
+            b = linear.blocks
+            bias = linear.dense.bias
+            struct.linear[i] = _CLinear(pointer(b.codes), pointer(b.scales), pointer(b.offsets),
+                                        pointer(None if bias is None else bias.float()),
+                                        b.codes.shape[0], b.codes.shape[1], b.block)
+        fields = ["input", "q", "k", "post_attention", "pre_mlp", "post_mlp"]
+        for field, norm in zip(fields, norms):
+            if norm is not None:
+                setattr(struct, field, _CNorm(pointer(norm.weight.float()), norm.eps))
+        struct.hidden, struct.heads, struct.kv_heads, struct.head_dim = hidden, heads, kv_heads, head_dim
+        struct.intermediate, struct.window = intermediate, layer.window or 0
+        struct.scaling, struct.act = layer.scaling, ACTIVATIONS[act]
+        function.restype = ctypes.c_int
+        function.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                             ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
+        NativeLayer.refusal = None
+        return NativeLayer(struct, keep, function)
+
+    def __call__(self, x: torch.Tensor, start: int, cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor,
+                 values: torch.Tensor) -> torch.Tensor:
+        """The layer's output for x [n, hidden] float32 at positions start..start+n-1; cos/sin
+        [.., n, head_dim]; writes the chunk's keys/values into keys/values [kv, capacity, d]
+        (one layer of a `StaticKV`). x itself is left unchanged."""
+        n = x.shape[0]
+        out = x.to(torch.float32, copy=True).contiguous()  # [n, hidden], updated in place by C
+        cos = cos.reshape(n, -1).contiguous()  # [n, head_dim]
+        sin = sin.reshape(n, -1).contiguous()
+        assert keys.is_contiguous() and values.is_contiguous() and keys.dtype == torch.float32
+        status = self._function(ctypes.addressof(self._struct), out.data_ptr(), n, start, cos.data_ptr(),
+                                sin.data_ptr(), keys.data_ptr(), values.data_ptr(), keys.shape[1],
+                                torch.get_num_threads())
+        if status != 0:
+            raise RuntimeError(f"decoder_layer refused its arguments (n={n}, start={start}, capacity={keys.shape[1]})")
+        return out

@@ -1,0 +1,101 @@
+"""The C decoder layer (`native_layer`, `kernels/decoder_layer.c`) against the PyTorch layer
+(`FastDecoder._layer`) on the same block-form weights: logits and cache contents for one-token
+steps and multi-token chunks, before and past the sliding window, for every fast architecture;
+which layers it takes and which it refuses."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers import FAST_ARCHITECTURES, SLIDING_WINDOW, make_target_for_path
+from verispec import blockmm
+from verispec.fastpath import BLOCK_KERNEL_MAX_ROWS, FastDecoder, Linear
+from verispec.native_layer import NativeLayer, recognise_activation
+
+pytestmark = pytest.mark.skipif(blockmm.kernel()[0] is None, reason="no C compiler: the block kernel is unavailable")
+
+
+def _run(target, chunks: list[list[int]], native: bool) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Logits of each chunk fed in turn, and the keys of every layer afterwards."""
+    target._fast.use_native = native
+    target.reset()
+    logits = [target.forward(chunk) for chunk in chunks]
+    length = target.cache.length
+    keys = [k[:, :length].clone() for k in target.cache.keys] + [v[:, :length].clone() for v in target.cache.values]
+    return logits, keys
+
+
+@pytest.mark.parametrize("arch", FAST_ARCHITECTURES)
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_native_layer_matches_the_pytorch_layer(arch, seed):
+    target = make_target_for_path(f"{arch}-blocks", seed=seed)
+    assert target._fast.native_layers == len(target._fast.layers), NativeLayer.refusal
+    generator = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, target.vocab_size, (3 * SLIDING_WINDOW + 7,), generator=generator).tolist()
+    # a prompt, one-token steps (past the window), a 5-token chunk, one step more, a wide chunk
+    cut = [0, 6, 7, 8, 9, 2 * SLIDING_WINDOW, 2 * SLIDING_WINDOW + 5, 2 * SLIDING_WINDOW + 6, len(tokens)]
+    chunks = [tokens[a:b] for a, b in zip(cut, cut[1:])]
+    ours, our_cache = _run(target, chunks, native=True)
+    theirs, their_cache = _run(target, chunks, native=False)
+    for mine, reference in zip(ours + our_cache, theirs + their_cache):
+        assert mine.shape == reference.shape
+        scale = reference.abs().max().item()
+        assert (mine - reference).abs().max().item() <= 1e-5 * max(scale, 1.0)
+    for mine, reference in zip(ours, theirs):
+        assert torch.equal(mine.argmax(-1), reference.argmax(-1))
+
+
+def test_native_layer_leaves_its_input_alone():
+    target = make_target_for_path("gemma3-blocks")
+    fast = target._fast
+    cache = fast.new_cache(16)
+    x = torch.randn(3, target.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    before = x.clone()
+    out = fast.run(x, 0, cache)
+    assert torch.equal(x, before) and not torch.equal(out, before)
+
+
+def test_recognise_activation():
+    assert recognise_activation(torch.nn.SiLU()) == "silu"
+    assert recognise_activation(lambda t: torch.nn.functional.gelu(t, approximate="tanh")) == "gelu_tanh"
+    assert recognise_activation(torch.nn.GELU()) is None  # exact (erf) GELU differs by up to ~1e-3
+    assert recognise_activation(torch.nn.ReLU()) is None
+    assert recognise_activation(lambda t: 1 / 0) is None
+
+
+def test_layers_without_block_forms_keep_the_pytorch_path():
+    target = make_target_for_path("llama")  # float32 fast path, no block forms
+    assert target._fast.native_layers == 0
+    blocks = make_target_for_path("llama-blocks")._fast
+    layer = blocks.layers[0]
+    dense = type(layer)(**{**layer.__dict__, "down": Linear(torch.zeros(64, 128), None), "native": None})
+    assert NativeLayer.of(dense, blocks.heads, blocks.kv_heads, blocks.head_dim, blockmm.kernel()[0]) is None
+    assert "block form" in NativeLayer.refusal
+    relu = type(layer)(**{**layer.__dict__, "act": torch.nn.ReLU(), "native": None})
+    assert NativeLayer.of(relu, blocks.heads, blocks.kv_heads, blocks.head_dim, blockmm.kernel()[0]) is None
+    assert "activation" in NativeLayer.refusal
+
+
+def test_wide_chunks_and_trees_use_the_pytorch_layer(monkeypatch):
+    target = make_target_for_path("qwen2-blocks")
+    calls = []
+    for layer in target._fast.layers:
+        original = layer.native
+        layer.native = lambda *args, original=original: calls.append(args[0].shape[0]) or original(*args)
+    target.reset()
+    target.forward(list(range(5)) * ((BLOCK_KERNEL_MAX_ROWS + 10) // 5))  # wider than the kernel takes
+    assert calls == []
+    target.forward([1, 2, 3])
+    assert calls == [3] * len(target._fast.layers)
+
+
+def test_bad_arguments_are_refused_not_computed():
+    target = make_target_for_path("llama-blocks")
+    fast: FastDecoder = target._fast
+    layer = fast.layers[0].native
+    cache = fast.new_cache(4)
+    x = torch.zeros(2, target.config.hidden_size)
+    cos = sin = torch.zeros(2, fast.head_dim)
+    with pytest.raises(RuntimeError, match="refused"):
+        layer(x, 3, cos, sin, cache.keys[0], cache.values[0])  # positions 3, 4 past a capacity of 4
