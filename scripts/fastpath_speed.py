@@ -1,6 +1,7 @@
 """Forward paths side by side in one run, on the default model: transformers' eager forward,
 the fast path on float32 weights, and the fast path on the exact int8 block forms of the GGUF
-weights (the block kernel).
+weights (the block kernel), with its layers as PyTorch operators (`blocks-torch`) and as one C
+call each (`blocks`, the default; `native_layer.py`).
 
 1. Step times: a 1-token decode step and 4/8/16-token verify steps after a 256-token context,
    on every path (same weights, same process), against each path's bandwidth floor (the bytes of
@@ -19,6 +20,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from contextlib import contextmanager
 
 import torch
 
@@ -60,12 +62,14 @@ def main() -> None:
     context = torch.randint(1000, 20000, (256,), generator=torch.Generator().manual_seed(0)).tolist()
     bandwidth = read_bandwidth()
     print(f"dtype {fast.dtype}, threads {torch.get_num_threads()}, read bandwidth {bandwidth / 1e9:.1f} GB/s")
-    for name, target in (("eager", eager), ("fast", fast), ("blocks", blocks)):
+    for name, target, native in (("eager", eager, True), ("fast", fast, True), ("blocks-torch", blocks, False),
+                                 ("blocks", blocks, True)):
         size = weight_bytes(target)
         floor = size / bandwidth
-        times = {width: step_time(target, context, width) for width in (1, 4, 8, 16)}
+        with native_layers(target, native):
+            times = {width: step_time(target, context, width) for width in (1, 4, 8, 16)}
         verify = ", ".join(f"{w}-token {t * 1e3:.1f} ms ({t / times[1]:.2f}x)" for w, t in times.items() if w > 1)
-        print(f"{name:6} weights {size / 1e9:.3f} GB, floor {floor * 1e3:5.1f} ms | 1-token step "
+        print(f"{name:12} weights {size / 1e9:.3f} GB, floor {floor * 1e3:5.1f} ms | 1-token step "
               f"{times[1] * 1e3:6.1f} ms ({times[1] / floor:.2f}x floor) | verify {verify}", flush=True)
 
     categories = [c for c in args.categories.split(",") if c] or None
@@ -73,6 +77,8 @@ def main() -> None:
     runs = {
         "ar (blocks)": lambda ids: _ours(blocks, ids, "ar", args.max_new_tokens),
         "anpd (blocks)": lambda ids: _ours(blocks, ids, "anpd", args.max_new_tokens),
+        "ar (blocks-torch)": lambda ids: _ours(blocks, ids, "ar", args.max_new_tokens, native=False),
+        "anpd (blocks-torch)": lambda ids: _ours(blocks, ids, "anpd", args.max_new_tokens, native=False),
         "ar (fast)": lambda ids: _ours(fast, ids, "ar", args.max_new_tokens),
         "anpd (fast)": lambda ids: _ours(fast, ids, "anpd", args.max_new_tokens),
         "ar (eager)": lambda ids: _ours(eager, ids, "ar", args.max_new_tokens),
@@ -100,18 +106,33 @@ def main() -> None:
             totals[name][2] += outputs[name] == outputs["ar (fast)"]
         print(f"question {question.question_id} ({question.category}) done", flush=True)
     base = totals["ar (fast)"][0] / totals["ar (fast)"][1]
-    print(f"\n{'run':16} {'tokens/s':>9} {'vs ar (fast)':>13} {'exact vs ar (fast)':>19}")
+    print(f"\n{'run':20} {'tokens/s':>9} {'vs ar (fast)':>13} {'exact vs ar (fast)':>19}")
     for name, (tokens, seconds, same) in totals.items():
         rate = tokens / seconds
-        print(f"{name:16} {rate:9.2f} {rate / base:13.2f} {same:>12}/{len(questions)}")
+        print(f"{name:20} {rate:9.2f} {rate / base:13.2f} {same:>12}/{len(questions)}")
 
 
-def _ours(target: Target, ids: list[int], method: str, budget: int) -> tuple[list[int], float]:
-    started = time.perf_counter()
-    text_stream = stream(target, ids, method, max_new_tokens=budget)
-    for _ in text_stream:
-        pass
-    return text_stream.result.token_ids, time.perf_counter() - started
+@contextmanager
+def native_layers(target: Target, on: bool):
+    """Run `target`'s block-kernel layers as one C call each (on) or as PyTorch operators (off)."""
+    fast = target._fast
+    before = fast.use_native if fast is not None else None
+    if fast is not None:
+        fast.use_native = on
+    try:
+        yield
+    finally:
+        if fast is not None:
+            fast.use_native = before
+
+
+def _ours(target: Target, ids: list[int], method: str, budget: int, native: bool = True) -> tuple[list[int], float]:
+    with native_layers(target, native):
+        started = time.perf_counter()
+        text_stream = stream(target, ids, method, max_new_tokens=budget)
+        for _ in text_stream:
+            pass
+        return text_stream.result.token_ids, time.perf_counter() - started
 
 
 def _peer(run, ids: list[int], budget: int) -> tuple[list[int], float]:

@@ -88,6 +88,55 @@ static float dot(const float *a, const float *b, int64_t size) {
     return total;
 }
 
+/* s[j] = q . keys[j * d ..] for j < count; eight keys at a time (eight FMA chains, q loaded once
+ * per eight keys, one horizontal reduction per eight scores). */
+static void scores_of(const float *q, const float *keys, int64_t count, int64_t d, float *s) {
+    int64_t j = 0;
+#ifdef __AVX2__
+    if (d % 8 == 0) {
+        for (; j + 8 <= count; j += 8) {
+            const float *k = keys + j * d;
+            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+            for (int64_t i = 0; i < d; i += 8) {
+                const __m256 qv = _mm256_loadu_ps(q + i);
+                a0 = _mm256_fmadd_ps(_mm256_loadu_ps(k + i), qv, a0);
+                a1 = _mm256_fmadd_ps(_mm256_loadu_ps(k + d + i), qv, a1);
+                a2 = _mm256_fmadd_ps(_mm256_loadu_ps(k + 2 * d + i), qv, a2);
+                a3 = _mm256_fmadd_ps(_mm256_loadu_ps(k + 3 * d + i), qv, a3);
+                a4 = _mm256_fmadd_ps(_mm256_loadu_ps(k + 4 * d + i), qv, a4);
+                a5 = _mm256_fmadd_ps(_mm256_loadu_ps(k + 5 * d + i), qv, a5);
+                a6 = _mm256_fmadd_ps(_mm256_loadu_ps(k + 6 * d + i), qv, a6);
+                a7 = _mm256_fmadd_ps(_mm256_loadu_ps(k + 7 * d + i), qv, a7);
+            }
+            const __m256 h0 = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3)); /* per 128-bit half */
+            const __m256 h1 = _mm256_hadd_ps(_mm256_hadd_ps(a4, a5), _mm256_hadd_ps(a6, a7));
+            _mm256_storeu_ps(s + j, _mm256_add_ps(_mm256_permute2f128_ps(h0, h1, 0x20), _mm256_permute2f128_ps(h0, h1, 0x31)));
+        }
+    }
+#endif
+    for (; j < count; j++) s[j] = dot(q, keys + j * d, d);
+}
+
+/* out[i] = sum_j p[j] * values[j * d + i] for i < d; 64 outputs at a time held in registers. */
+static void weighted_sum(const float *p, const float *values, int64_t count, int64_t d, float *out) {
+    int64_t c = 0;
+#ifdef __AVX2__
+    for (; c + 64 <= d; c += 64) {
+        __m256 a[8];
+        for (int t = 0; t < 8; t++) a[t] = _mm256_setzero_ps();
+        for (int64_t j = 0; j < count; j++) {
+            const __m256 pj = _mm256_set1_ps(p[j]);
+            const float *v = values + j * d + c;
+            for (int t = 0; t < 8; t++) a[t] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(v + 8 * t), a[t]);
+        }
+        for (int t = 0; t < 8; t++) _mm256_storeu_ps(out + c + 8 * t, a[t]);
+    }
+#endif
+    for (int64_t i = c; i < d; i++) out[i] = 0.0f;
+    for (int64_t j = 0; j < count; j++)
+        for (int64_t i = c; i < d; i++) out[i] += p[j] * values[j * d + i];
+}
+
 /* Rotary embedding of one head vector v [d] with cos/sin [d]: v * cos + rotate_half(v) * sin,
  * rotate_half(v) = (-v[d/2:], v[:d/2]) -- transformers' apply_rotary_pos_emb. */
 static void rotate(float *v, const float *cos_row, const float *sin_row, int64_t d) {
@@ -203,19 +252,16 @@ int decoder_layer(const Layer *L, float *x, int64_t n, int64_t start, const floa
         const float *q = qkv + r * qkv_width + head * d;
         const float *keys = kcache + kv * capacity * d, *values = vcache + kv * capacity * d;
         float *out = attended + (r * heads + head) * d, *row = scores + task * length;
+        const int64_t count = position + 1 - low;
+        scores_of(q, keys + low * d, count, d, row);
         float best = -INFINITY;
-        for (int64_t j = low; j <= position; j++) {
-            const float s = dot(q, keys + j * d, d) * L->scaling;
-            row[j - low] = s;
-            if (s > best) best = s;
+        for (int64_t j = 0; j < count; j++) {
+            row[j] *= L->scaling;
+            if (row[j] > best) best = row[j];
         }
-        const float denominator = (float)exp_shifted(row, position + 1 - low, best);
-        memset(out, 0, sizeof(float) * d);
-        for (int64_t j = low; j <= position; j++) {
-            const float p = row[j - low] / denominator;
-            const float *value = values + j * d;
-            for (int64_t i = 0; i < d; i++) out[i] += p * value[i];
-        }
+        const float denominator = (float)exp_shifted(row, count, best);
+        for (int64_t j = 0; j < count; j++) row[j] /= denominator;
+        weighted_sum(row, values + low * d, count, d, out);
     }
     status |= linear(&L->linear[O], attended, n, projected, threads);
     if (L->post_attention.weight) rms_norm(&L->post_attention, projected, projected, n, H, H);
