@@ -3,7 +3,9 @@
 Runs the default model after a 256-token context on the chosen forward path(s) under the PyTorch
 profiler and groups the operators into parts: LM head, attention projections, attention itself,
 MLP, norms, rotary embedding, cache writes/reads, masks, and the rest; "Python and framework
-overhead" is the step's wall time minus the time inside operators. Also measures the memory
+overhead" is the step's wall time minus the time inside operators. On the `blocks` path each
+decoder layer is one C call (`native_layer`), shown as one part; `blocks-torch` runs the same
+layers as PyTorch operators. Also measures the memory
 read bandwidth (2 threads, summing a 1 GiB tensor) and prints the bandwidth floor of one step:
 the bytes of the weights divided by that bandwidth.
 
@@ -36,6 +38,8 @@ def read_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
 
 
 def classify(name: str, shapes, vocab: int, hidden: int) -> str:
+    if name == NATIVE_LABEL:
+        return "decoder layers, one C call each"
     if name == "block kernel: LM head":
         return "LM head"
     if name == "block kernel: linear":
@@ -72,9 +76,22 @@ def weight_bytes(target: Target) -> int:
     return total
 
 
+NATIVE_LABEL = "native decoder layer"
+
+
 def label_block_kernel(vocab: int) -> None:
-    """Make the block kernel's calls (ctypes, invisible to the profiler) show up as events."""
+    """Make the block kernel's calls and the C decoder layer's (ctypes, invisible to the
+    profiler) show up as events."""
     from verispec.fastpath import BlockLinear
+    from verispec.native_layer import NativeLayer
+
+    unlabelled_layer = NativeLayer.__call__
+
+    def labelled_layer(self, *args):
+        with record_function(NATIVE_LABEL):
+            return unlabelled_layer(self, *args)
+
+    NativeLayer.__call__ = labelled_layer
 
     unlabelled = BlockLinear.__call__
 
@@ -113,15 +130,17 @@ def profile_path(target: Target, context: list[int], width: int, repeats: int) -
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--paths", nargs="+", default=["blocks", "fast", "eager"],
-                        help="blocks: fast path on the int8 block kernel; fast: fast path on float32 weights")
+    parser.add_argument("--paths", nargs="+", default=["blocks", "blocks-torch", "fast", "eager"],
+                        help="blocks: fast path on the int8 block kernel, one C call per layer; blocks-torch: the "
+                             "same with the layers as PyTorch operators; fast: fast path on float32 weights")
     parser.add_argument("--widths", nargs="+", type=int, default=[1, 8, 16])
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
 
     blocks = verispec.load(None, args.dtype)
     fast = Target(blocks.model, blocks.tokenizer, "fast", fast=True)
-    targets = {"fast": fast, "blocks": blocks, "eager": Target(fast.model, fast.tokenizer, "eager", fast=False)}
+    targets = {"fast": fast, "blocks": blocks, "blocks-torch": blocks,
+               "eager": Target(fast.model, fast.tokenizer, "eager", fast=False)}
     label_block_kernel(fast.vocab_size)
     context = torch.randint(1000, 20000, (256,), generator=torch.Generator().manual_seed(0)).tolist()
     bandwidth = read_bandwidth()
@@ -131,6 +150,8 @@ def main() -> None:
         print(f"{name} path: weights read per step {size / 1e9:.3f} GB, bandwidth floor {size / bandwidth * 1e3:.1f} ms/step")
     for width in args.widths:
         for name in args.paths:
+            if blocks._fast is not None:
+                blocks._fast.use_native = name != "blocks-torch"
             wall, parts = profile_path(targets[name], context, width, args.repeats)
             print(f"\n{name} path, width {width}: {wall * 1e3:.1f} ms per step (median of {args.repeats}; "
                   f"profiled, so a little slower than unprofiled)")

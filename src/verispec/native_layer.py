@@ -132,8 +132,8 @@ class NativeLayer:
         (one layer of a `StaticKV`). x itself is left unchanged."""
         n = x.shape[0]
         out = x.to(torch.float32, copy=True).contiguous()  # [n, hidden], updated in place by C
-        cos = cos.reshape(n, -1).contiguous()  # [n, head_dim]
-        sin = sin.reshape(n, -1).contiguous()
+        cos = cos.reshape(n, -1).to(torch.float32).contiguous()  # [n, head_dim]
+        sin = sin.reshape(n, -1).to(torch.float32).contiguous()
         assert keys.is_contiguous() and values.is_contiguous() and keys.dtype == torch.float32
         status = self._function(ctypes.addressof(self._struct), out.data_ptr(), n, start, cos.data_ptr(),
                                 sin.data_ptr(), keys.data_ptr(), values.data_ptr(), keys.shape[1],
