@@ -11,7 +11,7 @@ import torch
 from helpers import FAST_ARCHITECTURES, SLIDING_WINDOW, make_target_for_path
 from verispec import blockmm
 from verispec.fastpath import BLOCK_KERNEL_MAX_ROWS, FastDecoder, Linear
-from verispec.native_layer import NativeLayer, recognise_activation
+from verispec.native_layer import NativeLayer, recognise_activation, why_not
 
 pytestmark = pytest.mark.skipif(blockmm.kernel()[0] is None, reason="no C compiler: the block kernel is unavailable")
 
@@ -30,7 +30,7 @@ def _run(target, chunks: list[list[int]], native: bool) -> tuple[list[torch.Tens
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_native_layer_matches_the_pytorch_layer(arch, seed):
     target = make_target_for_path(f"{arch}-blocks", seed=seed)
-    assert target._fast.native_layers == len(target._fast.layers), NativeLayer.refusal
+    assert target._fast.native_layers == len(target._fast.layers), why_not(target._fast.layers[0], blockmm.kernel()[0], target._fast.heads, target._fast.kv_heads, target._fast.head_dim)
     generator = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, target.vocab_size, (3 * SLIDING_WINDOW + 7,), generator=generator).tolist()
     # a prompt, one-token steps (past the window), a 5-token chunk, one step more, a wide chunk
@@ -70,11 +70,16 @@ def test_layers_without_block_forms_keep_the_pytorch_path():
     blocks = make_target_for_path("llama-blocks")._fast
     layer = blocks.layers[0]
     dense = type(layer)(**{**layer.__dict__, "down": Linear(torch.zeros(64, 128), None), "native": None})
-    assert NativeLayer.of(dense, blocks.heads, blocks.kv_heads, blocks.head_dim, blockmm.kernel()[0]) is None
-    assert "block form" in NativeLayer.refusal
+    kernel = blockmm.kernel()[0]
+    shape = (blocks.heads, blocks.kv_heads, blocks.head_dim)
+    assert why_not(layer, kernel, *shape) is None
+    assert NativeLayer.of(dense, blocks.heads, blocks.kv_heads, blocks.head_dim, kernel) is None
+    assert "block form" in why_not(dense, kernel, *shape)
     relu = type(layer)(**{**layer.__dict__, "act": torch.nn.ReLU(), "native": None})
-    assert NativeLayer.of(relu, blocks.heads, blocks.kv_heads, blocks.head_dim, blockmm.kernel()[0]) is None
-    assert "activation" in NativeLayer.refusal
+    assert NativeLayer.of(relu, blocks.heads, blocks.kv_heads, blocks.head_dim, kernel) is None
+    assert "activation" in why_not(relu, kernel, *shape)
+    assert "decoder_layer" in why_not(layer, object(), *shape)  # a kernel library without the C layer
+    assert "shapes" in why_not(layer, kernel, blocks.heads * 2, blocks.kv_heads, blocks.head_dim)
 
 
 def test_wide_chunks_and_trees_use_the_pytorch_layer(monkeypatch):
@@ -99,3 +104,21 @@ def test_bad_arguments_are_refused_not_computed():
     cos = sin = torch.zeros(2, fast.head_dim)
     with pytest.raises(RuntimeError, match="refused"):
         layer(x, 3, cos, sin, cache.keys[0], cache.values[0])  # positions 3, 4 past a capacity of 4
+
+
+@pytest.mark.parametrize("threads", [1, 3, 5])
+def test_attention_split_over_threads_matches(threads):
+    """One-token steps split each key range over the threads (some parts empty at the first
+    positions); the merged result must not depend on how many parts there were."""
+    target = make_target_for_path("gemma3-blocks", seed=3)
+    tokens = torch.randint(0, target.vocab_size, (2 * SLIDING_WINDOW + 3,), generator=torch.Generator().manual_seed(3))
+    chunks = [[t] for t in tokens.tolist()]  # a one-token prompt, then one token at a time
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        ours, our_cache = _run(target, chunks, native=True)
+    finally:
+        torch.set_num_threads(before)
+    theirs, their_cache = _run(target, chunks, native=False)
+    for mine, reference in zip(ours + our_cache, theirs + their_cache):
+        assert (mine - reference).abs().max().item() <= 1e-5 * max(reference.abs().max().item(), 1.0)

@@ -9,7 +9,7 @@ own rotary tables, its norm weights as `FusedNorm` verified them, and its activa
 by value (gelu-tanh or SiLU, checked on a probe against PyTorch's). Anything else -- a linear
 without an exact block form, a norm that is not a plain RMSNorm, another activation, a tree
 placement, more than `BLOCK_KERNEL_MAX_ROWS` tokens -- keeps the PyTorch path (`of` returns
-None and says why in `NativeLayer.refusal`).
+None; `why_not` says why).
 """
 
 from __future__ import annotations
@@ -55,38 +55,49 @@ def recognise_activation(act) -> str | None:
     return None
 
 
+def why_not(layer, kernel, heads: int, kv_heads: int, head_dim: int) -> str | None:
+    """None if fast-path `layer` (`fastpath._Layer`) can run as the C layer, else the reason."""
+    from .fastpath import BlockLinear, FusedNorm
+
+    if getattr(getattr(kernel, "library", None), "decoder_layer", None) is None:
+        return "the kernel library has no decoder_layer"
+    linears = [layer.qkv, layer.o, layer.gate_up, layer.down]
+    if not all(isinstance(linear, BlockLinear) for linear in linears):
+        return "a linear without an exact block form"
+    if any(linear.blocks.codes.dtype != torch.int8 or linear.blocks.scales.dtype != torch.float32 for linear in linears):
+        return "block forms of an unexpected dtype"
+    hidden, intermediate = layer.qkv.blocks.codes.shape[1], layer.gate_up.blocks.codes.shape[0] // 2
+    expected = [((heads + 2 * kv_heads) * head_dim, hidden), (hidden, heads * head_dim), (2 * intermediate, hidden),
+                (hidden, intermediate)]
+    if [tuple(linear.blocks.codes.shape) for linear in linears] != expected:
+        return "linear shapes that do not match the attention/MLP layout"
+    if layer.input_norm is None or layer.pre_mlp_norm is None:
+        return "a layer without input or pre-MLP norm"
+    norms = [layer.input_norm, layer.q_norm, layer.k_norm, layer.post_attention_norm, layer.pre_mlp_norm,
+             layer.post_mlp_norm]
+    if not all(norm is None or isinstance(norm, FusedNorm) for norm in norms):
+        return "a norm that is not a plain RMSNorm"
+    if recognise_activation(layer.act) is None:
+        return f"activation {type(layer.act).__name__} (supported: gelu-tanh, SiLU)"
+    return None
+
+
 class NativeLayer:
     """One fast-path layer as a C call. Build with `of`; call with the residual stream."""
-
-    refusal: str | None = None  # why the last `of` returned None
 
     def __init__(self, struct: _CLayer, keep: list, function):
         self._struct, self._keep, self._function = struct, keep, function
 
     @staticmethod
     def of(layer, heads: int, kv_heads: int, head_dim: int, kernel) -> "NativeLayer | None":
-        """The C form of fast-path `layer` (`fastpath._Layer`), or None (reason in `refusal`)."""
-        from .fastpath import BlockLinear, FusedNorm
-
-        def refuse(reason: str):
-            NativeLayer.refusal = reason
+        """The C form of fast-path `layer` (`fastpath._Layer`), or None (`why_not` says why)."""
+        if why_not(layer, kernel, heads, kv_heads, head_dim) is not None:
             return None
-
-        function = getattr(getattr(kernel, "library", None), "decoder_layer", None)
-        if function is None:
-            return refuse("the kernel library has no decoder_layer")
         linears = [layer.qkv, layer.o, layer.gate_up, layer.down]
-        if not all(isinstance(linear, BlockLinear) for linear in linears):
-            return refuse("a linear without an exact block form")
         norms = [layer.input_norm, layer.q_norm, layer.k_norm, layer.post_attention_norm, layer.pre_mlp_norm,
                  layer.post_mlp_norm]
-        if layer.input_norm is None or layer.pre_mlp_norm is None:
-            return refuse("a layer without input or pre-MLP norm")
-        if not all(norm is None or isinstance(norm, FusedNorm) for norm in norms):
-            return refuse("a norm that is not a plain RMSNorm")
         act = recognise_activation(layer.act)
-        if act is None:
-            return refuse(f"activation {type(layer.act).__name__} (supported: gelu-tanh, SiLU)")
+        function = kernel.library.decoder_layer
         keep: list = []
 
         def pointer(tensor: torch.Tensor | None) -> int | None:
@@ -96,15 +107,7 @@ class NativeLayer:
             keep.append(tensor)
             return tensor.data_ptr()
 
-        hidden = layer.input_norm.weight.shape[0]
-        intermediate = layer.gate_up.blocks.codes.shape[0] // 2
-        tensors = [linear.blocks.codes for linear in linears] + [linear.blocks.scales for linear in linears]
-        if any(t.dtype not in (torch.int8, torch.float32) for t in tensors):
-            return refuse("block forms of an unexpected dtype")
-        expected_shapes = [((heads + 2 * kv_heads) * head_dim, hidden), (hidden, heads * head_dim),
-                           (2 * intermediate, hidden), (hidden, intermediate)]
-        if [tuple(linear.blocks.codes.shape) for linear in linears] != expected_shapes:
-            return refuse("linear shapes that do not match the attention/MLP layout")
+        hidden, intermediate = layer.qkv.blocks.codes.shape[1], layer.gate_up.blocks.codes.shape[0] // 2
         struct = _CLayer()
         for i, linear in enumerate(linears):
             b = linear.blocks
@@ -122,7 +125,6 @@ class NativeLayer:
         function.restype = ctypes.c_int
         function.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
                              ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
-        NativeLayer.refusal = None
         return NativeLayer(struct, keep, function)
 
     def __call__(self, x: torch.Tensor, start: int, cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor,

@@ -215,6 +215,69 @@ static double exp_shifted(float *row, int64_t size, float best) {
     return total;
 }
 
+/* Attention of the chunk's n queries over the cache, into attended [n, heads * d]. The work is
+ * split into tasks of (query row, key/value head, part of its key range): a task scores its keys
+ * for the `group` query heads that share the key/value head and keeps, per head, the maximum
+ * score, the sum of exponentials and the unnormalised sum of values; the parts are merged
+ * afterwards (the split flash-decoding uses). A one-token step thus runs on every thread while
+ * each thread reads only its share of the keys and values. */
+static int attention(const Layer *L, const float *qkv, int64_t qkv_width, int64_t n, int64_t start,
+                     const float *kcache, const float *vcache, int64_t capacity, float *attended, int threads) {
+    const int64_t d = L->head_dim, heads = L->heads, kvh = L->kv_heads, group = heads / kvh;
+    const int64_t parts = n * kvh >= threads ? 1 : (threads < 64 ? threads : 64), tasks = n * kvh * parts;
+    const int64_t per_part = (start + n + parts - 1) / parts, per_head = 2 + d + per_part;
+    float *work = malloc(sizeof(float) * tasks * group * per_head); /* per task and head: max, sum, out[d], scores */
+    if (!work) return -1;
+#pragma omp parallel for num_threads(threads) schedule(static) if (tasks > 1)
+    for (int64_t task = 0; task < tasks; task++) {
+        const int64_t part = task % parts, r = task / parts / kvh, kv = task / parts % kvh, position = start + r;
+        const int64_t low = L->window > 0 && position - L->window + 1 > 0 ? position - L->window + 1 : 0;
+        const int64_t count = position + 1 - low;
+        const int64_t first = low + part * count / parts, size = low + (part + 1) * count / parts - first;
+        for (int64_t g = 0; g < group; g++) {
+            float *state = work + (task * group + g) * per_head, *out = state + 2, *row = out + d;
+            state[0] = -INFINITY;
+            state[1] = 0.0f;
+            if (size == 0) continue;
+            scores_of(qkv + r * qkv_width + (kv * group + g) * d, kcache + (kv * capacity + first) * d, size, d, row);
+            float best = -INFINITY;
+            for (int64_t j = 0; j < size; j++) {
+                row[j] *= L->scaling;
+                if (row[j] > best) best = row[j];
+            }
+            state[0] = best;
+            state[1] = (float)exp_shifted(row, size, best);
+            weighted_sum(row, vcache + (kv * capacity + first) * d, size, d, out);
+        }
+    }
+    for (int64_t r = 0; r < n; r++)
+        for (int64_t head = 0; head < heads; head++) {
+            const int64_t kv = head / group, g = head % group;
+            const float *states[64];
+            float best = -INFINITY;
+            for (int64_t part = 0; part < parts; part++) {
+                states[part] = work + (((r * kvh + kv) * parts + part) * group + g) * per_head;
+                if (states[part][1] > 0.0f && states[part][0] > best) best = states[part][0];
+            }
+            float weights[64];
+            double total = 0.0;
+            for (int64_t part = 0; part < parts; part++) {
+                weights[part] = states[part][1] > 0.0f ? expf(states[part][0] - best) : 0.0f;
+                total += (double)weights[part] * states[part][1];
+            }
+            float *dst = attended + (r * heads + head) * d;
+            const float denominator = (float)total;
+            for (int64_t i = 0; i < d; i++) {
+                float sum = 0.0f;
+                for (int64_t part = 0; part < parts; part++)
+                    if (weights[part] > 0.0f) sum += weights[part] * states[part][2 + i];
+                dst[i] = sum / denominator;
+            }
+        }
+    free(work);
+    return 0;
+}
+
 /* x [n, hidden] in place: the layer's output. Keys/values of the n tokens are written to
  * kcache/vcache [kv_heads, capacity, head_dim] at positions start..start+n-1; cos/sin are
  * [n, head_dim]. Returns 0, or -1 if an argument is unusable (nothing useful was computed). */
@@ -222,13 +285,12 @@ int decoder_layer(const Layer *L, float *x, int64_t n, int64_t start, const floa
                   const float *sin_table, float *kcache, float *vcache, int64_t capacity, int threads) {
     const int64_t H = L->hidden, d = L->head_dim, heads = L->heads, kvh = L->kv_heads;
     const int64_t qkv_width = (heads + 2 * kvh) * d, I = L->intermediate;
-    if (n < 1 || start + n > capacity || heads % kvh != 0 || d % 2 != 0) return -1;
-    const int64_t group = heads / kvh, length = start + n;
-    const int64_t scratch_floats = n * H + n * qkv_width + n * heads * d + n * H + n * 2 * I + n * heads * length;
+    if (n < 1 || start + n > capacity || heads % kvh != 0 || d % 2 != 0 || threads < 1) return -1;
+    const int64_t scratch_floats = n * H + n * qkv_width + n * heads * d + n * H + n * 2 * I;
     float *scratch = malloc(sizeof(float) * scratch_floats);
     if (!scratch) return -1;
     float *h = scratch, *qkv = h + n * H, *attended = qkv + n * qkv_width, *projected = attended + n * heads * d;
-    float *gate_up = projected + n * H, *scores = gate_up + n * 2 * I; /* [n * heads, length] */
+    float *gate_up = projected + n * H;
     int status = 0;
 
     /* attention block */
@@ -245,24 +307,7 @@ int decoder_layer(const Layer *L, float *x, int64_t n, int64_t start, const floa
             memcpy(vcache + (head * capacity + start + r) * d, v + head * d, sizeof(float) * d);
         }
     }
-#pragma omp parallel for num_threads(threads) schedule(static) if (n * heads > 1)
-    for (int64_t task = 0; task < n * heads; task++) {
-        const int64_t r = task / heads, head = task % heads, kv = head / group, position = start + r;
-        const int64_t low = L->window > 0 && position - L->window + 1 > 0 ? position - L->window + 1 : 0;
-        const float *q = qkv + r * qkv_width + head * d;
-        const float *keys = kcache + kv * capacity * d, *values = vcache + kv * capacity * d;
-        float *out = attended + (r * heads + head) * d, *row = scores + task * length;
-        const int64_t count = position + 1 - low;
-        scores_of(q, keys + low * d, count, d, row);
-        float best = -INFINITY;
-        for (int64_t j = 0; j < count; j++) {
-            row[j] *= L->scaling;
-            if (row[j] > best) best = row[j];
-        }
-        const float denominator = (float)exp_shifted(row, count, best);
-        for (int64_t j = 0; j < count; j++) row[j] /= denominator;
-        weighted_sum(row, values + low * d, count, d, out);
-    }
+    status |= attention(L, qkv, qkv_width, n, start, kcache, vcache, capacity, attended, threads);
     status |= linear(&L->linear[O], attended, n, projected, threads);
     if (L->post_attention.weight) rms_norm(&L->post_attention, projected, projected, n, H, H);
     for (int64_t i = 0; i < n * H; i++) x[i] = x[i] + projected[i];
