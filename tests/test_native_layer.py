@@ -1,7 +1,7 @@
 """The C decoder layer (`native_layer`, `kernels/decoder_layer.c`) against the PyTorch layer
 (`FastDecoder._layer`) on the same block-form weights: logits and cache contents for one-token
-steps and multi-token chunks, before and past the sliding window, for every fast architecture;
-which layers it takes and which it refuses."""
+steps, multi-token chunks and trees of drafts, before and past the sliding window, for every
+fast architecture; which layers it takes and which it refuses."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 
 from helpers import FAST_ARCHITECTURES, SLIDING_WINDOW, make_target_for_path
 from verispec import blockmm
-from verispec.fastpath import BLOCK_KERNEL_MAX_ROWS, FastDecoder, Linear
+from verispec.fastpath import BLOCK_KERNEL_MAX_ROWS, FastDecoder, Linear, Tree
 from verispec.native_layer import NativeLayer, recognise_activation, why_not
 
 pytestmark = pytest.mark.skipif(blockmm.kernel()[0] is None, reason="no C compiler: the block kernel is unavailable")
@@ -82,7 +82,7 @@ def test_layers_without_block_forms_keep_the_pytorch_path():
     assert "shapes" in why_not(layer, kernel, blocks.heads * 2, blocks.kv_heads, blocks.head_dim)
 
 
-def test_wide_chunks_and_trees_use_the_pytorch_layer(monkeypatch):
+def test_wide_chunks_use_the_pytorch_layer():
     target = make_target_for_path("qwen2-blocks")
     calls = []
     for layer in target._fast.layers:
@@ -95,6 +95,48 @@ def test_wide_chunks_and_trees_use_the_pytorch_layer(monkeypatch):
     assert calls == [3] * len(target._fast.layers)
 
 
+def _beam_tree(context: int, beams: int, depth: int) -> Tree:
+    """`beams` continuations of `depth` tokens each, side by side in the slots after a context."""
+    n = beams * depth
+    positions = torch.tensor([context + step for _ in range(beams) for step in range(depth)])
+    slots = torch.arange(context, context + n)
+    visible = torch.zeros(n, context + n, dtype=torch.bool)
+    visible[:, :context] = True
+    for beam in range(beams):
+        for step in range(depth):
+            row = beam * depth + step
+            visible[row, context + beam * depth : context + beam * depth + step + 1] = True
+    slot_positions = torch.cat([torch.arange(context), positions])
+    return Tree(positions, slots, visible, slot_positions)
+
+
+@pytest.mark.parametrize("arch", FAST_ARCHITECTURES)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_native_layer_on_a_tree_of_drafts_matches(arch, threads):
+    """Beam drafts placed side by side in scratch slots (a tree), past the sliding window."""
+    target = make_target_for_path(f"{arch}-blocks", seed=4)
+    fast = target._fast
+    context = 2 * SLIDING_WINDOW + 1
+    ids = torch.randint(0, target.vocab_size, (context,), generator=torch.Generator().manual_seed(4))
+    drafts = torch.randint(0, target.vocab_size, (3 * 4,), generator=torch.Generator().manual_seed(5))
+    tree = _beam_tree(context, beams=3, depth=4)
+    results = []
+    before = torch.get_num_threads()
+    for native in (True, False):
+        fast.use_native = native
+        cache = fast.new_cache(64)
+        fast.hidden_states(ids, cache)
+        try:
+            torch.set_num_threads(threads)
+            out = fast.run(fast.embed(drafts), context, cache, tree=tree)
+        finally:
+            torch.set_num_threads(before)
+        results.append([out] + [k[:, : tree.end].clone() for k in cache.keys + cache.values])
+    fast.use_native = True
+    for mine, reference in zip(*results):
+        assert (mine - reference).abs().max().item() <= 1e-5 * max(reference.abs().max().item(), 1.0)
+
+
 def test_bad_arguments_are_refused_not_computed():
     target = make_target_for_path("llama-blocks")
     fast: FastDecoder = target._fast
@@ -104,6 +146,8 @@ def test_bad_arguments_are_refused_not_computed():
     cos = sin = torch.zeros(2, fast.head_dim)
     with pytest.raises(RuntimeError, match="refused"):
         layer(x, 3, cos, sin, cache.keys[0], cache.values[0])  # positions 3, 4 past a capacity of 4
+    with pytest.raises(RuntimeError, match="refused"):  # a slot past the capacity
+        layer(x, 0, cos, sin, cache.keys[0], cache.values[0], torch.tensor([0, 4]), torch.ones(2, 2, dtype=torch.bool))
 
 
 @pytest.mark.parametrize("threads", [1, 3, 5])

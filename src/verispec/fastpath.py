@@ -301,10 +301,12 @@ class FastDecoder:
 
     def _layer(self, layer: _Layer, index: int, x: torch.Tensor, placement: "Tree", cache: StaticKV, rope) -> torch.Tensor:
         n = x.shape[0]
-        if layer.native is not None and self.use_native and placement.slots is None and n <= BLOCK_KERNEL_MAX_ROWS:
-            start = int(placement.positions[0])
+        if layer.native is not None and self.use_native and n <= BLOCK_KERNEL_MAX_ROWS:
             cos, sin = rope
-            return layer.native(x, start, cos, sin, cache.keys[index], cache.values[index])
+            if placement.slots is None:
+                return layer.native(x, int(placement.positions[0]), cos, sin, cache.keys[index], cache.values[index])
+            return layer.native(x, 0, cos, sin, cache.keys[index], cache.values[index], placement.slots,
+                                placement.slot_mask(layer.window))
         h = layer.input_norm(x)
         q, k, v = layer.qkv(h).split(
             [self.heads * self.head_dim, self.kv_heads * self.head_dim, self.kv_heads * self.head_dim], dim=-1
@@ -383,7 +385,11 @@ class Tree:
             return all_keys, all_values, mask
         cache.write_slots(layer, self.slots, keys, values)
         all_keys, all_values = cache.read(layer, 0, self.visible.shape[1])
-        mask = self.visible
-        if window is not None:
-            mask = mask & (self.slot_positions.unsqueeze(0) > self.positions.unsqueeze(1) - window)
-        return all_keys, all_values, mask
+        return all_keys, all_values, self.slot_mask(window)
+
+    def slot_mask(self, window: int | None) -> torch.Tensor:
+        """Which slots each token attends to, [n, S] bool (placed chunks): `visible`, and for a
+        sliding-window layer only slots within the window of the token's position."""
+        if window is None:
+            return self.visible
+        return self.visible & (self.slot_positions.unsqueeze(0) > self.positions.unsqueeze(1) - window)

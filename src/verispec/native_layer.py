@@ -6,9 +6,10 @@ and norm weights), and calling it for a contiguous chunk of tokens. A one-token 
 runs about 35 small PyTorch operators per layer, which cost about a third of the step
 (docs/profile.md); the C layer computes the same math as `FastDecoder._layer`, with the model's
 own rotary tables, its norm weights as `FusedNorm` verified them, and its activation recognised
-by value (gelu-tanh or SiLU, checked on a probe against PyTorch's). Anything else -- a linear
-without an exact block form, a norm that is not a plain RMSNorm, another activation, a tree
-placement, more than `BLOCK_KERNEL_MAX_ROWS` tokens -- keeps the PyTorch path (`of` returns
+by value (gelu-tanh or SiLU, checked on a probe against PyTorch's). Contiguous chunks and trees
+of drafts (slots and a visibility mask) both run in C. Anything else -- a linear without an
+exact block form, a norm that is not a plain RMSNorm, another activation, more than
+`BLOCK_KERNEL_MAX_ROWS` tokens -- keeps the PyTorch path (`of` returns
 None; `why_not` says why).
 """
 
@@ -123,23 +124,33 @@ class NativeLayer:
         struct.intermediate, struct.window = intermediate, layer.window or 0
         struct.scaling, struct.act = layer.scaling, ACTIVATIONS[act]
         function.restype = ctypes.c_int
-        function.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
-                             ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
+        pointer_type, size = ctypes.c_void_p, ctypes.c_int64
+        function.argtypes = [pointer_type, pointer_type, size, size, pointer_type, pointer_type, size, pointer_type,
+                             pointer_type, pointer_type, pointer_type, size, ctypes.c_int]
         return NativeLayer(struct, keep, function)
 
     def __call__(self, x: torch.Tensor, start: int, cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor,
-                 values: torch.Tensor) -> torch.Tensor:
-        """The layer's output for x [n, hidden] float32 at positions start..start+n-1; cos/sin
-        [.., n, head_dim]; writes the chunk's keys/values into keys/values [kv, capacity, d]
-        (one layer of a `StaticKV`). x itself is left unchanged."""
+                 values: torch.Tensor, slots: torch.Tensor | None = None, visible: torch.Tensor | None = None
+                 ) -> torch.Tensor:
+        """The layer's output for x [n, hidden] float32 at positions start..start+n-1 (attending
+        causally, within the window) or, for a tree of drafts, written to `slots` [n] and
+        attending where `visible` [n, S] (window included) says; cos/sin [.., n, head_dim]; writes
+        the chunk's keys/values into keys/values [kv, capacity, d] (one layer of a `StaticKV`).
+        x itself is left unchanged."""
         n = x.shape[0]
         out = x.to(torch.float32, copy=True).contiguous()  # [n, hidden], updated in place by C
         cos = cos.reshape(n, -1).to(torch.float32).contiguous()  # [n, head_dim]
         sin = sin.reshape(n, -1).to(torch.float32).contiguous()
         assert keys.is_contiguous() and values.is_contiguous() and keys.dtype == torch.float32
-        status = self._function(ctypes.addressof(self._struct), out.data_ptr(), n, start, cos.data_ptr(),
-                                sin.data_ptr(), keys.data_ptr(), values.data_ptr(), keys.shape[1],
-                                torch.get_num_threads())
+        slot_pointer = mask_pointer = None
+        slot_count = 0
+        if slots is not None:
+            slots = slots.to(torch.int64).contiguous()  # [n]
+            visible = visible.to(torch.uint8).contiguous()  # [n, S]
+            slot_pointer, mask_pointer, slot_count = slots.data_ptr(), visible.data_ptr(), visible.shape[1]
+        status = self._function(ctypes.addressof(self._struct), out.data_ptr(), n, start, slot_pointer, mask_pointer,
+                                slot_count, cos.data_ptr(), sin.data_ptr(), keys.data_ptr(), values.data_ptr(),
+                                keys.shape[1], torch.get_num_threads())
         if status != 0:
             raise RuntimeError(f"decoder_layer refused its arguments (n={n}, start={start}, capacity={keys.shape[1]})")
         return out

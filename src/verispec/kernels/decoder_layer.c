@@ -222,17 +222,22 @@ static double exp_shifted(float *row, int64_t size, float best) {
  * afterwards (the split flash-decoding uses). A one-token step thus runs on every thread while
  * each thread reads only its share of the keys and values. */
 static int attention(const Layer *L, const float *qkv, int64_t qkv_width, int64_t n, int64_t start,
-                     const float *kcache, const float *vcache, int64_t capacity, float *attended, int threads) {
+                     const uint8_t *visible, int64_t slot_count, const float *kcache, const float *vcache,
+                     int64_t capacity, float *attended, int threads) {
     const int64_t d = L->head_dim, heads = L->heads, kvh = L->kv_heads, group = heads / kvh;
     const int64_t parts = n * kvh >= threads ? 1 : (threads < 64 ? threads : 64), tasks = n * kvh * parts;
-    const int64_t per_part = (start + n + parts - 1) / parts, per_head = 2 + d + per_part;
+    const int64_t span = visible ? slot_count : start + n; /* the most keys a query can see */
+    const int64_t per_part = (span + parts - 1) / parts, per_head = 2 + d + per_part;
     float *work = malloc(sizeof(float) * tasks * group * per_head); /* per task and head: max, sum, out[d], scores */
     if (!work) return -1;
 #pragma omp parallel for num_threads(threads) schedule(static) if (tasks > 1)
     for (int64_t task = 0; task < tasks; task++) {
         const int64_t part = task % parts, r = task / parts / kvh, kv = task / parts % kvh, position = start + r;
-        const int64_t low = L->window > 0 && position - L->window + 1 > 0 ? position - L->window + 1 : 0;
-        const int64_t count = position + 1 - low;
+        /* contiguous: keys low..position (causal, within the window); tree: slots 0..slot_count-1
+         * where visible[r] says so (the caller's mask includes the window) */
+        const int64_t low = visible ? 0 : L->window > 0 && position - L->window + 1 > 0 ? position - L->window + 1 : 0;
+        const int64_t count = visible ? slot_count : position + 1 - low;
+        const uint8_t *seen = visible ? visible + r * slot_count : NULL;
         const int64_t first = low + part * count / parts, size = low + (part + 1) * count / parts - first;
         for (int64_t g = 0; g < group; g++) {
             float *state = work + (task * group + g) * per_head, *out = state + 2, *row = out + d;
@@ -243,10 +248,19 @@ static int attention(const Layer *L, const float *qkv, int64_t qkv_width, int64_
             float best = -INFINITY;
             for (int64_t j = 0; j < size; j++) {
                 row[j] *= L->scaling;
-                if (row[j] > best) best = row[j];
+                if ((!seen || seen[first + j]) && row[j] > best) best = row[j];
+            }
+            if (best == -INFINITY) continue; /* no visible key in this part */
+            double total = exp_shifted(row, size, best);
+            if (seen) { /* hidden keys weigh exactly nothing */
+                total = 0.0;
+                for (int64_t j = 0; j < size; j++) {
+                    if (!seen[first + j]) row[j] = 0.0f;
+                    total += row[j];
+                }
             }
             state[0] = best;
-            state[1] = (float)exp_shifted(row, size, best);
+            state[1] = (float)total;
             weighted_sum(row, vcache + (kv * capacity + first) * d, size, d, out);
         }
     }
@@ -279,13 +293,19 @@ static int attention(const Layer *L, const float *qkv, int64_t qkv_width, int64_
 }
 
 /* x [n, hidden] in place: the layer's output. Keys/values of the n tokens are written to
- * kcache/vcache [kv_heads, capacity, head_dim] at positions start..start+n-1; cos/sin are
+ * kcache/vcache [kv_heads, capacity, head_dim] at positions start..start+n-1, attending causally
+ * (within the window), or, for a tree of drafts (slots not NULL), at slots[0..n-1], token r
+ * attending to the slots s < slot_count with visible[r * slot_count + s]; cos/sin are
  * [n, head_dim]. Returns 0, or -1 if an argument is unusable (nothing useful was computed). */
-int decoder_layer(const Layer *L, float *x, int64_t n, int64_t start, const float *cos_table,
-                  const float *sin_table, float *kcache, float *vcache, int64_t capacity, int threads) {
+int decoder_layer(const Layer *L, float *x, int64_t n, int64_t start, const int64_t *slots, const uint8_t *visible,
+                  int64_t slot_count, const float *cos_table, const float *sin_table, float *kcache, float *vcache,
+                  int64_t capacity, int threads) {
     const int64_t H = L->hidden, d = L->head_dim, heads = L->heads, kvh = L->kv_heads;
     const int64_t qkv_width = (heads + 2 * kvh) * d, I = L->intermediate;
-    if (n < 1 || start + n > capacity || heads % kvh != 0 || d % 2 != 0 || threads < 1) return -1;
+    if (n < 1 || heads % kvh != 0 || d % 2 != 0 || threads < 1) return -1;
+    if (slots ? (!visible || slot_count < 1 || slot_count > capacity) : start + n > capacity) return -1;
+    for (int64_t r = 0; slots && r < n; r++)
+        if (slots[r] < 0 || slots[r] >= capacity) return -1;
     const int64_t scratch_floats = n * H + n * qkv_width + n * heads * d + n * H + n * 2 * I;
     float *scratch = malloc(sizeof(float) * scratch_floats);
     if (!scratch) return -1;
@@ -303,11 +323,12 @@ int decoder_layer(const Layer *L, float *x, int64_t n, int64_t start, const floa
         for (int64_t head = 0; head < heads; head++) rotate(q + head * d, cos_table + r * d, sin_table + r * d, d);
         for (int64_t head = 0; head < kvh; head++) {
             rotate(k + head * d, cos_table + r * d, sin_table + r * d, d);
-            memcpy(kcache + (head * capacity + start + r) * d, k + head * d, sizeof(float) * d);
-            memcpy(vcache + (head * capacity + start + r) * d, v + head * d, sizeof(float) * d);
+            const int64_t slot = slots ? slots[r] : start + r;
+            memcpy(kcache + (head * capacity + slot) * d, k + head * d, sizeof(float) * d);
+            memcpy(vcache + (head * capacity + slot) * d, v + head * d, sizeof(float) * d);
         }
     }
-    status |= attention(L, qkv, qkv_width, n, start, kcache, vcache, capacity, attended, threads);
+    status |= attention(L, qkv, qkv_width, n, start, visible, slot_count, kcache, vcache, capacity, attended, threads);
     status |= linear(&L->linear[O], attended, n, projected, threads);
     if (L->post_attention.weight) rms_norm(&L->post_attention, projected, projected, n, H, H);
     for (int64_t i = 0; i < n * H; i++) x[i] = x[i] + projected[i];
