@@ -13,7 +13,9 @@ eager forward on CPU, with the same weights and the same per-layer math:
   262,144 x 640 LM head took 47 ms for 1 token and 102 ms for 16, against 94 and 266 ms with
   `F.linear`; 2048 x 640 took 0.25 ms against 0.97 ms;
 - linears whose weights have an exact int8 block form (a GGUF model's, `gguf_blocks`) run on the
-  block kernel (`BlockLinear`, `blockmm`): the same weights in a quarter of the bytes;
+  block kernel (`BlockLinear`, `blockmm`): the same weights in a quarter of the bytes; a layer
+  whose linears all do runs as one C call (`native_layer`) for chunks of up to
+  `BLOCK_KERNEL_MAX_ROWS` tokens, the PyTorch layer below being its reference;
 - activations and rotary embeddings are transformers' own modules and functions, called on our
   tensors, so the math is the model's, not a re-derivation; RMSNorms become one `F.rms_norm`
   call each where that is bit-identical to the module (`FusedNorm.of` checks it at load).
