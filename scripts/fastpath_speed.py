@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from contextlib import contextmanager
 
 import torch
 
@@ -30,7 +29,7 @@ from verispec.bench.datasets import encode_question, load_dataset
 from verispec.bench.peers import PeerSettings, get_peer
 from verispec.model import Target
 
-from profile_step import read_bandwidth, weight_bytes  # scripts/ is on sys.path when run as a script
+from profile_step import native_layers, read_bandwidth, weight_bytes  # scripts/ is on sys.path when run as a script
 
 
 def step_time(target: Target, context: list[int], width: int, repeats: int = 7) -> float:
@@ -110,20 +109,6 @@ def main() -> None:
     for name, (tokens, seconds, same) in totals.items():
         rate = tokens / seconds
         print(f"{name:20} {rate:9.2f} {rate / base:13.2f} {same:>12}/{len(questions)}")
-
-
-@contextmanager
-def native_layers(target: Target, on: bool):
-    """Run `target`'s block-kernel layers as one C call each (on) or as PyTorch operators (off)."""
-    fast = target._fast
-    before = fast.use_native if fast is not None else None
-    if fast is not None:
-        fast.use_native = on
-    try:
-        yield
-    finally:
-        if fast is not None:
-            fast.use_native = before
 
 
 def _ours(target: Target, ids: list[int], method: str, budget: int, native: bool = True) -> tuple[list[int], float]:

@@ -18,6 +18,7 @@ import argparse
 import statistics
 import time
 from collections import defaultdict
+from contextlib import contextmanager
 
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
@@ -64,6 +65,20 @@ def classify(name: str, shapes, vocab: int, hidden: int) -> str:
     if name.startswith("aten::embedding"):
         return "embedding"
     return "other elementwise"
+
+
+@contextmanager
+def native_layers(target: Target, on: bool):
+    """Run `target`'s block-kernel layers as one C call each (on) or as PyTorch operators (off)."""
+    fast = target._fast
+    if fast is None:  # the eager path has no layers of its own
+        yield
+        return
+    before, fast.use_native = fast.use_native, on
+    try:
+        yield
+    finally:
+        fast.use_native = before
 
 
 def weight_bytes(target: Target) -> int:
@@ -150,9 +165,8 @@ def main() -> None:
         print(f"{name} path: weights read per step {size / 1e9:.3f} GB, bandwidth floor {size / bandwidth * 1e3:.1f} ms/step")
     for width in args.widths:
         for name in args.paths:
-            if blocks._fast is not None:
-                blocks._fast.use_native = name != "blocks-torch"
-            wall, parts = profile_path(targets[name], context, width, args.repeats)
+            with native_layers(targets[name], name != "blocks-torch"):
+                wall, parts = profile_path(targets[name], context, width, args.repeats)
             print(f"\n{name} path, width {width}: {wall * 1e3:.1f} ms per step (median of {args.repeats}; "
                   f"profiled, so a little slower than unprofiled)")
             print(f"  {'part':34} {'ms':>8} {'share':>6}")

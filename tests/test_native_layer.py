@@ -30,7 +30,9 @@ def _run(target, chunks: list[list[int]], native: bool) -> tuple[list[torch.Tens
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_native_layer_matches_the_pytorch_layer(arch, seed):
     target = make_target_for_path(f"{arch}-blocks", seed=seed)
-    assert target._fast.native_layers == len(target._fast.layers), why_not(target._fast.layers[0], blockmm.kernel()[0], target._fast.heads, target._fast.kv_heads, target._fast.head_dim)
+    fast = target._fast
+    assert fast.native_layers == len(fast.layers), why_not(fast.layers[0], blockmm.kernel()[0], fast.heads,
+                                                           fast.kv_heads, fast.head_dim)
     generator = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, target.vocab_size, (3 * SLIDING_WINDOW + 7,), generator=generator).tolist()
     # a prompt, one-token steps (past the window), a 5-token chunk, one step more, a wide chunk
@@ -49,6 +51,7 @@ def test_native_layer_matches_the_pytorch_layer(arch, seed):
 def test_native_layer_leaves_its_input_alone():
     target = make_target_for_path("gemma3-blocks")
     fast = target._fast
+    assert fast.use_native and fast.native_layers == len(fast.layers)  # so run() below goes through C
     cache = fast.new_cache(16)
     x = torch.randn(3, target.config.hidden_size, generator=torch.Generator().manual_seed(0))
     before = x.clone()
@@ -120,6 +123,9 @@ def test_native_layer_on_a_tree_of_drafts_matches(arch, threads):
     ids = torch.randint(0, target.vocab_size, (context,), generator=torch.Generator().manual_seed(4))
     drafts = torch.randint(0, target.vocab_size, (3 * 4,), generator=torch.Generator().manual_seed(5))
     tree = _beam_tree(context, beams=3, depth=4)
+    window_mask = tree.slot_mask(SLIDING_WINDOW)  # built once per window, shared by the layers
+    assert window_mask is tree.slot_mask(SLIDING_WINDOW) and tree.slot_mask(None) is tree.visible
+    assert torch.equal(window_mask, tree.visible & (tree.slot_positions > tree.positions.unsqueeze(1) - SLIDING_WINDOW))
     results = []
     before = torch.get_num_threads()
     for native in (True, False):

@@ -9,8 +9,9 @@ a memory-bound one-token step pays for (measured in docs/profile.md).
 
 No library was found that does this exactly: ggml's CPU dot products convert the activations to
 8-bit blocks too (its `vec_dot_type`; a different function), and PyTorch's int8 weight kernels
-take one scale per output row, not per block. Without a C compiler, `kernel()` returns None with the reason and callers keep their
-float32 path.
+take one scale per output row, not per block. Without a C compiler, `kernel()` returns None
+with the reason and callers keep their float32 path. The same library holds the C decoder
+layer (`kernels/decoder_layer.c`, called by `native_layer`).
 """
 
 from __future__ import annotations

@@ -31,6 +31,7 @@ from __future__ import annotations
 import inspect
 import sys
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 import torch.nn.functional as F
@@ -227,7 +228,8 @@ class FastDecoder:
 
     @property
     def native_layers(self) -> int:
-        """How many layers run as one C call (`native_layer`) for contiguous chunks."""
+        """How many layers run as one C call (`native_layer`) for chunks of up to
+        `BLOCK_KERNEL_MAX_ROWS` tokens, contiguous or placed as a tree."""
         return sum(layer.native is not None for layer in self.layers)
 
     @property
@@ -306,7 +308,7 @@ class FastDecoder:
         if layer.native is not None and self.use_native and n <= BLOCK_KERNEL_MAX_ROWS:
             cos, sin = rope
             if placement.slots is None:
-                return layer.native(x, int(placement.positions[0]), cos, sin, cache.keys[index], cache.values[index])
+                return layer.native(x, placement.start, cos, sin, cache.keys[index], cache.values[index])
             return layer.native(x, 0, cos, sin, cache.keys[index], cache.values[index], placement.slots,
                                 placement.slot_mask(layer.window))
         h = layer.input_norm(x)
@@ -373,7 +375,7 @@ class Tree:
         and the boolean attention mask [n, L] (None: every query sees every key)."""
         n = keys.shape[1]
         if self.slots is None:  # contiguous: read only the visible range, mask only if n > 1
-            start = int(self.positions[0])
+            start = self.start
             cache.write(layer, start, keys, values)
             low = 0 if window is None else max(0, start - window + 1)
             all_keys, all_values = cache.read(layer, low, start + n)
@@ -389,9 +391,21 @@ class Tree:
         all_keys, all_values = cache.read(layer, 0, self.visible.shape[1])
         return all_keys, all_values, self.slot_mask(window)
 
+    @cached_property
+    def start(self) -> int:
+        """The first token's position (read once per forward, not once per layer)."""
+        return int(self.positions[0])
+
+    @cached_property
+    def _masks(self) -> dict:
+        return {}
+
     def slot_mask(self, window: int | None) -> torch.Tensor:
         """Which slots each token attends to, [n, S] bool (placed chunks): `visible`, and for a
-        sliding-window layer only slots within the window of the token's position."""
+        sliding-window layer only slots within the window of the token's position. Built once
+        per window and forward (every layer of a kind shares it)."""
         if window is None:
             return self.visible
-        return self.visible & (self.slot_positions.unsqueeze(0) > self.positions.unsqueeze(1) - window)
+        if window not in self._masks:
+            self._masks[window] = self.visible & (self.slot_positions.unsqueeze(0) > self.positions.unsqueeze(1) - window)
+        return self._masks[window]

@@ -2,15 +2,14 @@
 
 Owns one thing: deciding whether a fast-path layer (`fastpath._Layer`) can run as the C function
 `decoder_layer`, describing it to C once (a ctypes struct of pointers to its block-form weights
-and norm weights), and calling it for a contiguous chunk of tokens. A one-token step otherwise
+and norm weights), and calling it for a chunk of tokens. A one-token step otherwise
 runs about 35 small PyTorch operators per layer, which cost about a third of the step
 (docs/profile.md); the C layer computes the same math as `FastDecoder._layer`, with the model's
 own rotary tables, its norm weights as `FusedNorm` verified them, and its activation recognised
 by value (gelu-tanh or SiLU, checked on a probe against PyTorch's). Contiguous chunks and trees
 of drafts (slots and a visibility mask) both run in C. Anything else -- a linear without an
 exact block form, a norm that is not a plain RMSNorm, another activation, more than
-`BLOCK_KERNEL_MAX_ROWS` tokens -- keeps the PyTorch path (`of` returns
-None; `why_not` says why).
+`BLOCK_KERNEL_MAX_ROWS` tokens -- keeps the PyTorch path (`of` returns None; `why_not` says why).
 """
 
 from __future__ import annotations
@@ -56,13 +55,37 @@ def recognise_activation(act) -> str | None:
     return None
 
 
+def _linears(layer) -> list:
+    """The layer's four linears in the C struct's order (QKV, O, GATE_UP, DOWN)."""
+    return [layer.qkv, layer.o, layer.gate_up, layer.down]
+
+
+def _norms(layer) -> list:
+    """The layer's norms in the C struct's order (None where the architecture has none)."""
+    return [layer.input_norm, layer.q_norm, layer.k_norm, layer.post_attention_norm, layer.pre_mlp_norm,
+            layer.post_mlp_norm]
+
+
+_NORM_FIELDS = ("input", "q", "k", "post_attention", "pre_mlp", "post_mlp")
+
+
+def _bind(library):
+    """The C function `decoder_layer` with its argument types."""
+    function = library.decoder_layer
+    function.restype = ctypes.c_int
+    pointer, size = ctypes.c_void_p, ctypes.c_int64
+    function.argtypes = [pointer, pointer, size, size, pointer, pointer, size, pointer, pointer, pointer, pointer,
+                         size, ctypes.c_int]
+    return function
+
+
 def why_not(layer, kernel, heads: int, kv_heads: int, head_dim: int) -> str | None:
     """None if fast-path `layer` (`fastpath._Layer`) can run as the C layer, else the reason."""
     from .fastpath import BlockLinear, FusedNorm
 
     if getattr(getattr(kernel, "library", None), "decoder_layer", None) is None:
         return "the kernel library has no decoder_layer"
-    linears = [layer.qkv, layer.o, layer.gate_up, layer.down]
+    linears = _linears(layer)
     if not all(isinstance(linear, BlockLinear) for linear in linears):
         return "a linear without an exact block form"
     if any(linear.blocks.codes.dtype != torch.int8 or linear.blocks.scales.dtype != torch.float32 for linear in linears):
@@ -74,9 +97,7 @@ def why_not(layer, kernel, heads: int, kv_heads: int, head_dim: int) -> str | No
         return "linear shapes that do not match the attention/MLP layout"
     if layer.input_norm is None or layer.pre_mlp_norm is None:
         return "a layer without input or pre-MLP norm"
-    norms = [layer.input_norm, layer.q_norm, layer.k_norm, layer.post_attention_norm, layer.pre_mlp_norm,
-             layer.post_mlp_norm]
-    if not all(norm is None or isinstance(norm, FusedNorm) for norm in norms):
+    if not all(norm is None or isinstance(norm, FusedNorm) for norm in _norms(layer)):
         return "a norm that is not a plain RMSNorm"
     if recognise_activation(layer.act) is None:
         return f"activation {type(layer.act).__name__} (supported: gelu-tanh, SiLU)"
@@ -94,11 +115,6 @@ class NativeLayer:
         """The C form of fast-path `layer` (`fastpath._Layer`), or None (`why_not` says why)."""
         if why_not(layer, kernel, heads, kv_heads, head_dim) is not None:
             return None
-        linears = [layer.qkv, layer.o, layer.gate_up, layer.down]
-        norms = [layer.input_norm, layer.q_norm, layer.k_norm, layer.post_attention_norm, layer.pre_mlp_norm,
-                 layer.post_mlp_norm]
-        act = recognise_activation(layer.act)
-        function = kernel.library.decoder_layer
         keep: list = []
 
         def pointer(tensor: torch.Tensor | None) -> int | None:
@@ -110,24 +126,19 @@ class NativeLayer:
 
         hidden, intermediate = layer.qkv.blocks.codes.shape[1], layer.gate_up.blocks.codes.shape[0] // 2
         struct = _CLayer()
-        for i, linear in enumerate(linears):
+        for i, linear in enumerate(_linears(layer)):
             b = linear.blocks
             bias = linear.dense.bias
             struct.linear[i] = _CLinear(pointer(b.codes), pointer(b.scales), pointer(b.offsets),
                                         pointer(None if bias is None else bias.float()),
                                         b.codes.shape[0], b.codes.shape[1], b.block)
-        fields = ["input", "q", "k", "post_attention", "pre_mlp", "post_mlp"]
-        for field, norm in zip(fields, norms):
+        for field, norm in zip(_NORM_FIELDS, _norms(layer)):
             if norm is not None:
                 setattr(struct, field, _CNorm(pointer(norm.weight.float()), norm.eps))
         struct.hidden, struct.heads, struct.kv_heads, struct.head_dim = hidden, heads, kv_heads, head_dim
         struct.intermediate, struct.window = intermediate, layer.window or 0
-        struct.scaling, struct.act = layer.scaling, ACTIVATIONS[act]
-        function.restype = ctypes.c_int
-        pointer_type, size = ctypes.c_void_p, ctypes.c_int64
-        function.argtypes = [pointer_type, pointer_type, size, size, pointer_type, pointer_type, size, pointer_type,
-                             pointer_type, pointer_type, pointer_type, size, ctypes.c_int]
-        return NativeLayer(struct, keep, function)
+        struct.scaling, struct.act = layer.scaling, ACTIVATIONS[recognise_activation(layer.act)]
+        return NativeLayer(struct, keep, _bind(kernel.library))
 
     def __call__(self, x: torch.Tensor, start: int, cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor,
                  values: torch.Tensor, slots: torch.Tensor | None = None, visible: torch.Tensor | None = None
@@ -145,8 +156,8 @@ class NativeLayer:
         slot_pointer = mask_pointer = None
         slot_count = 0
         if slots is not None:
-            slots = slots.to(torch.int64).contiguous()  # [n]
-            visible = visible.to(torch.uint8).contiguous()  # [n, S]
+            assert slots.dtype == torch.int64 and visible.dtype == torch.bool
+            slots, visible = slots.contiguous(), visible.contiguous()  # [n], [n, S] (bool: one byte, 0 or 1)
             slot_pointer, mask_pointer, slot_count = slots.data_ptr(), visible.data_ptr(), visible.shape[1]
         status = self._function(ctypes.addressof(self._struct), out.data_ptr(), n, start, slot_pointer, mask_pointer,
                                 slot_count, cos.data_ptr(), sin.data_ptr(), keys.data_ptr(), values.data_ptr(),

@@ -1,12 +1,13 @@
-/* One decoder layer of the Llama family (Llama, Qwen2, Gemma 3 text) for a contiguous chunk of
- * n tokens, in one call, on weights in int8 block form (blockmm.c).
+/* One decoder layer of the Llama family (Llama, Qwen2, Gemma 3 text) for a chunk of n tokens
+ * (a contiguous continuation, or a tree of drafts in scratch slots), in one call, on weights in
+ * int8 block form (blockmm.c).
  *
  * The same math as fastpath.FastDecoder._layer, written out in C so that a step does not pay
  * ~35 small PyTorch operators per layer (about a third of a one-token step, docs/profile.md):
  *
  *   h = norm_in(x); q, k, v = split(h Wqkv^T + b); q, k = norm_q(q), norm_k(k) per head;
- *   q, k = rotary(q, k; cos, sin); cache[start..start+n) = k, v;
- *   a = softmax(scale q K^T, causal and window mask) V per head (query head h reads key/value
+ *   q, k = rotary(q, k; cos, sin); cache[start..start+n) (or the given slots) = k, v;
+ *   a = softmax(scale q K^T, causal and window mask, or the given mask) V per head (query head h reads key/value
  *   head h / (heads / kv_heads)); a = a Wo^T + b; a = norm_post_attn(a) (Gemma);
  *   x = x + a; h = norm_pre_mlp(x); g, u = split(h Wgu^T); m = (act(g) * u) Wdown^T;
  *   m = norm_post_mlp(m) (Gemma); x = x + m.
