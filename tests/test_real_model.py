@@ -91,7 +91,10 @@ def test_block_kernel_covers_every_linear_and_keeps_the_output(real_target):
 
 def test_shipped_exit_head_is_used_by_eesd_and_stays_exact(real_target):
     """`--method eesd` needs no flag: the head for the default model ships in the package, its
-    drafts are accepted on an easy continuation, and greedy output equals `ar`."""
+    drafts are accepted on an easy continuation, and greedy output equals `ar`. Acceptance is
+    asserted with a constant draft length only: the default Thompson controller stops drafting
+    when the measured draft/verify timings of the machine say drafts do not pay, so whether it
+    drafts at all on 32 tokens depends on the machine (CI once drafted 4 tokens in 32 steps)."""
     from verispec.methods import DEFAULT_EXIT_HEAD
 
     assert (DEFAULT_EXIT_HEAD / "exit_head.safetensors").is_file()
@@ -102,7 +105,8 @@ def test_shipped_exit_head_is_used_by_eesd_and_stays_exact(real_target):
         eesd = verispec.generate(real_target, PROMPT, method="eesd", max_new_tokens=32,
                                  options=MethodOptions(controller=controller))
         assert eesd.token_ids == ar.token_ids, controller
-        assert eesd.stats.accepted > 0, (controller, eesd.stats)
+        if controller is not None:
+            assert eesd.stats.drafted > 0 and eesd.stats.accepted > 0, (controller, eesd.stats)
 
 
 def test_sps_and_mtad_run_on_the_shipped_head(real_target):
