@@ -212,6 +212,9 @@ def test_input_errors_come_before_loading_the_model(tmp_path, questions):
         (["--max-new-tokens", "0"], "max_new_tokens"),
         (["--top-p", "1.5"], "top_p"),
         (["--resume"], "--resume needs --out"),
+        (["--methods", "ar,eesd/head_int8=maybe"], "head_int8 must be true or false"),
+        (["--methods", "ar,mtad/tau=x"], "tau must be a number"),
+        (["--methods", "ar,mtad/width=2"], "unknown option 'width'"),
     ]
     for extra, fragment in cases:
         args = ["bench", "--model", str(missing_model), "--dataset", str(questions), *extra]
@@ -272,3 +275,12 @@ def test_llamacpp_peer_without_the_package_says_how_to_build_it(monkeypatch):
     for peer in ("llamacpp-ar", "llamacpp-pld"):
         with pytest.raises(ConfigError, match="make llamacpp"):
             get_peer(peer).prepare(gguf_target, PeerSettings())
+
+
+def test_method_variants_parse_to_options():
+    from verispec.methods import MethodOptions, parse_variant
+
+    assert parse_variant("eesd/head_int8=false") == ("eesd", None, {"head_int8": False})
+    assert parse_variant("eesd/constant:4/head_int8=Yes") == ("eesd", "constant:4", {"head_int8": True})
+    assert parse_variant("mtad/tau=0.1/beams=2") == ("mtad", None, {"tau": 0.1, "beams": 2})
+    assert MethodOptions().head_int8 is True

@@ -15,7 +15,7 @@ import torch
 
 import helpers
 from verispec import blockmm
-from verispec.gguf_blocks import BlockWeights, _module_for, block_scales, exact_blocks
+from verispec.gguf_blocks import BlockWeights, _module_for, block_scales, exact_blocks, quantize_blocks
 from verispec.methods import build
 from verispec.model import Target
 
@@ -92,6 +92,7 @@ def kernel():
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 17])
 @pytest.mark.parametrize("block,affine,inputs", [
     (32, False, 192), (16, False, 192), (16, False, 208), (32, True, 192), (16, True, 208),  # 208: 13 blocks of 16
+    (64, True, 256), (48, False, 144),  # other multiples of 16
 ])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_kernel_equals_float64_reference(kernel, rows, block, affine, inputs, threads):
@@ -154,3 +155,22 @@ def test_gguf_tensor_names_map_to_the_model_linears():
     untied = helpers.make_model(helpers.make_config("gemma3"))
     assert _module_for(untied, "token_embd.weight") is None
     assert _module_for(untied, "output.weight") is untied.get_output_embeddings()
+
+
+def test_quantize_blocks_approximates_within_half_a_step():
+    """Q8_0-style forms of a weight without a GGUF form: each weight within half a quantization
+    step (scale / 2) of its original, codes in -127..127 with each block's largest at +-127, an
+    all-zero block exact, and inputs not a multiple of the block refused."""
+    weight = torch.randn(6, 96, generator=torch.Generator().manual_seed(0))
+    weight[2, 32:64] = 0.0
+    form = quantize_blocks(weight)
+    assert form.block == 32 and form.offsets is None and form.codes.dtype == torch.int8
+    assert form.scales.shape == (6, 3)
+    step = form.scales.repeat_interleave(32, dim=1)  # [6, 96]
+    assert bool(((form.dequantize() - weight).abs() <= step / 2 + 1e-7).all())
+    assert int(form.codes.abs().max()) == 127 and int(form.codes.min()) >= -127
+    assert bool((form.codes.view(6, 3, 32).abs().amax(-1)[form.scales > 0] == 127).all())
+    assert torch.equal(form.dequantize()[2, 32:64], torch.zeros(32))
+    assert not torch.equal(form.dequantize(), weight)  # an approximation, not exact
+    with pytest.raises(ValueError, match="multiple"):
+        quantize_blocks(torch.randn(4, 40))

@@ -220,3 +220,65 @@ def test_skipped_draft_steps_are_caught_up(arch, tmp_path):
         ids, stats, steps = helpers.run(target, recipe, prompt, NEW_TOKENS)
         assert ids == reference
         assert stats.drafted > 0 and sum(1 for s in steps if len(s) == 1) > 0
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "qwen2"])
+def test_head_layer_on_int8_forms_runs_in_c_and_stays_lossless(arch):
+    """On a block-kernel target the head's layer gets Q8_0-style int8 forms and runs as one C
+    call; greedy eesd still equals ar with drafts partly accepted, the N = L identity head is
+    still fully accepted (zeroed projections quantize to zeros), and `head_int8=False` keeps the
+    float32 layer."""
+    from verispec.drafters.early_exit import PreparedHead
+    from verispec.fastpath import BlockLinear
+
+    target = helpers.make_target_for_path(f"{arch}-blocks", seed=1, init=0.3)
+    layers = len(target.model.get_decoder().layers)
+    prompt = helpers.repetitive_prompt(target.vocab_size, 0, period=5, repeats=4)
+    reference = helpers.run(target, build("ar", target), prompt, NEW_TOKENS)[0]
+    head = ExitHead(target.model, 1, list(range(target.vocab_size // 2)))
+    prepared = PreparedHead(target, head)
+    assert prepared.layer.native is not None
+    assert all(isinstance(linear, BlockLinear) for linear in (prepared.layer.qkv, prepared.layer.o,
+                                                              prepared.layer.gate_up, prepared.layer.down))
+    float_layer = PreparedHead(target, head, quantize=False).layer
+    assert float_layer.native is None and not isinstance(float_layer.qkv, BlockLinear)
+    accepted = rejected = 0
+    for controller in ("constant:4", "calibrated-ts:6"):
+        ids, stats, _ = helpers.run(target, eesd_recipe(target, prepared, controller), prompt, NEW_TOKENS)
+        assert ids == reference, controller
+        accepted, rejected = accepted + stats.accepted, rejected + stats.drafted - stats.accepted
+    assert accepted > 0 and rejected > 0
+    ids, stats, _ = helpers.run(target, eesd_recipe(target, PreparedHead(target, identity_head(target)), "constant:5"),
+                                prompt, NEW_TOKENS)
+    assert ids == reference and stats.drafted > 0 and stats.accepted == stats.drafted
+    assert layers > 1
+
+
+def test_int8_head_drafts_match_the_float_head_closely():
+    """The int8 head approximates the float32 head: same logits to a small relative error on a
+    real context, computed by the C layer and by the PyTorch layer on the same int8 forms alike."""
+    from verispec.drafters.early_exit import ExitHeadLM, PreparedHead
+    from verispec.fastpath import Tree
+
+    target = helpers.make_target_for_path("gemma3-blocks", seed=2)
+    head = ExitHead(target.model, 1, list(range(target.vocab_size)))
+    with torch.no_grad():  # a head layer unlike the target's, so that it matters
+        for parameter in head.layer.parameters():
+            parameter.add_(0.05 * torch.randn(parameter.shape, generator=torch.Generator().manual_seed(3)))
+    prompt = helpers.repetitive_prompt(target.vocab_size, 1, period=7, repeats=3)
+    logits = {}
+    for quantize, native in ((False, True), (True, True), (True, False)):
+        lm = ExitHeadLM(target, PreparedHead(target, head, quantize=quantize))
+        target.reset()
+        lm.begin(prompt)
+        target.forward(prompt[:-1])
+        lm.sync(prompt)
+        target._fast.use_native = native
+        try:
+            logits[quantize, native] = lm.extend(torch.tensor([prompt[0], prompt[1]]), Tree.contiguous(len(prompt), 2))
+        finally:
+            target._fast.use_native = True
+    reference = logits[False, True]
+    assert torch.allclose(logits[True, True], logits[True, False], rtol=1e-5, atol=1e-5)
+    error = (logits[True, True] - reference).abs().max() / reference.abs().max()
+    assert 0 < error < 2e-2, error  # quantized (not the float head), yet close to it

@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from .cache import StaticKV
-from .gguf_blocks import BlockWeights
+from .gguf_blocks import BlockWeights, quantize_blocks
 from .native_layer import NativeLayer
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "gemma3_text")
@@ -190,23 +190,26 @@ class FastDecoder:
         first = body.layers[0].self_attn
         self.apply_rotary = sys.modules[type(first).__module__].apply_rotary_pos_emb
 
-    def _wrap(self, layer) -> _Layer:
+    def _wrap(self, layer, blocks: dict | None = None) -> _Layer:
+        """`layer` as a fast-path layer; its linears' block forms come from `blocks`
+        ({nn.Linear: BlockWeights}), by default the model's own."""
         attn, mlp = layer.self_attn, layer.mlp
+        linear = lambda *modules: self.linear(*modules, blocks=blocks)  # noqa: E731
         gemma_style = hasattr(layer, "pre_feedforward_layernorm")
         layer_types = getattr(self.config, "layer_types", None)
         rope_type = layer_types[attn.layer_idx] if (layer_types and self._rotary_takes_type) else None
         norm = FusedNorm.of
         wrapped = _Layer(
             input_norm=norm(layer.input_layernorm),
-            qkv=self.linear(attn.q_proj, attn.k_proj, attn.v_proj),
+            qkv=linear(attn.q_proj, attn.k_proj, attn.v_proj),
             q_norm=norm(attn.q_norm) if hasattr(attn, "q_norm") else None,
             k_norm=norm(attn.k_norm) if hasattr(attn, "k_norm") else None,
-            o=self.linear(attn.o_proj),
+            o=linear(attn.o_proj),
             post_attention_norm=norm(layer.post_attention_layernorm) if gemma_style else None,
             pre_mlp_norm=norm(layer.pre_feedforward_layernorm if gemma_style else layer.post_attention_layernorm),
             post_mlp_norm=norm(layer.post_feedforward_layernorm) if gemma_style else None,
-            gate_up=self.linear(mlp.gate_proj, mlp.up_proj),
-            down=self.linear(mlp.down_proj),
+            gate_up=linear(mlp.gate_proj, mlp.up_proj),
+            down=linear(mlp.down_proj),
             act=mlp.act_fn,
             window=getattr(attn, "sliding_window", None),
             scaling=attn.scaling,
@@ -216,11 +219,13 @@ class FastDecoder:
             wrapped.native = NativeLayer.of(wrapped, self.heads, self.kv_heads, self.head_dim, self._kernel)
         return wrapped
 
-    def linear(self, *modules: torch.nn.Linear) -> "Linear | BlockLinear":
+    def linear(self, *modules: torch.nn.Linear, blocks: dict | None = None) -> "Linear | BlockLinear":
         """The fast form of one nn.Linear, or of several fused (outputs concatenated): on the
-        block kernel where every part has an exact block form, else prepacked float32."""
+        block kernel where every part has a block form in `blocks` (default: the model's exact
+        ones), else prepacked float32."""
+        forms = self.blocks if blocks is None else blocks
         dense = Linear.fused(*modules) if len(modules) > 1 else Linear(modules[0].weight, modules[0].bias)
-        return self.on_blocks(dense, BlockWeights.concat([self.blocks.get(module) for module in modules]))
+        return self.on_blocks(dense, BlockWeights.concat([forms.get(module) for module in modules]))
 
     def on_blocks(self, dense: Linear, blocks: "BlockWeights | None") -> "Linear | BlockLinear":
         """`dense` on the block kernel where `blocks` (its weight's exact block form) is given."""
@@ -242,10 +247,18 @@ class FastDecoder:
         count = len(self.layers) if layers is None else layers
         return StaticKV(count, self.kv_heads, self.head_dim, self.dtype, capacity)
 
-    def wrap_layer(self, layer) -> "_Layer":
+    def wrap_layer(self, layer, quantize: bool = False) -> "_Layer":
         """A transformers decoder layer of this architecture (e.g. a trained exit head's layer)
-        as a fast-path layer; run it with `run_layer`."""
-        return self._wrap(layer)
+        as a fast-path layer; run it with `run_layer`. With `quantize`, and when this decoder runs
+        on the block kernel, its linears get Q8_0-style int8 forms (`quantize_blocks`, an
+        approximation of their weights) so that it runs on the block kernel and, where the
+        layer allows, as one C call; otherwise they stay float32."""
+        if not (quantize and self.blocks and self.dtype == torch.float32):
+            return self._wrap(layer)
+        modules = [module for module in layer.modules() if isinstance(module, torch.nn.Linear)]
+        if any(module.in_features % 32 for module in modules):
+            return self._wrap(layer)
+        return self._wrap(layer, {module: quantize_blocks(module.weight) for module in modules})
 
     @torch.inference_mode()
     def run_layer(self, layer: "_Layer", x: torch.Tensor, start: int, cache: StaticKV, cache_layer: int = 0,

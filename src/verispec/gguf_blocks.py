@@ -4,11 +4,18 @@ Owns: reading the per-block scales (and offsets) of a GGUF file's Q8_0, Q5_0, Q4
 tensors, turning a float32 weight that was dequantized from such a tensor back into int8 codes
 (`BlockWeights`), and proving the result exact: a block form is kept only if
 `fl(scale * code) - offset` rebuilds the model's float32 weight bit for bit, which is also how the
-kernel (`blockmm`) rebuilds it. So the block form is not an approximation of the model: it is the
+kernel (`blockmm`) rebuilds it for several rows of input (for one row it applies the scale once
+per block: the same weights, float32 rounding in another order). So the block form is not an approximation of the model: it is the
 model's own weights, stored in 1 byte plus a shared scale per block instead of 4 bytes each.
 
 A weight whose check fails (a different dtype, a transformed tensor, an unknown type) simply keeps
 its float32 form; `read_gguf_blocks` reports how many matrices it covered.
+
+One function here is not exact, and says so: `quantize_blocks` gives a float32 weight that has no
+GGUF form (a trained exit head's layer) a Q8_0-style int8 form that approximates it (per block of
+32 inputs, scale = max |w| / 127, codes = round(w / scale)), so that a drafter's extra layer can run
+on the block kernel too. It is only used where the weights do not define the output (drafts, which
+verification checks), never for the target's own weights.
 
 GGUF layouts (ggml's, as in gguf-py's dequantizers), per block of the tensor's rows:
   Q8_0 (34 bytes / 32 weights): d fp16, 32 int8              w = d * q
@@ -127,6 +134,19 @@ def exact_blocks(weight: torch.Tensor, block: int, scales: torch.Tensor, offsets
     candidate = BlockWeights(codes.to(torch.int8).contiguous(), scales.contiguous(),
                              None if offsets is None else offsets.contiguous(), block)
     return candidate if torch.equal(candidate.dequantize(), weight) else None
+
+
+def quantize_blocks(weight: torch.Tensor, block: int = 32) -> BlockWeights:
+    """A Q8_0-style int8 form of a float32 `weight` [out, in] (in a multiple of `block`): per block
+    of `block` inputs, scale = max |w| / 127 and codes = round(w / scale). An approximation (the
+    relative error of each weight is at most 1/254 of its block's largest), unlike `exact_blocks`."""
+    out, inputs = weight.shape
+    if inputs % block:
+        raise ValueError(f"{inputs} inputs are not a multiple of the block size {block}")
+    grouped = weight.detach().float().reshape(out, -1, block)  # [out, nb, block]
+    scales = grouped.abs().amax(dim=-1) / 127.0  # [out, nb]
+    codes = (grouped / torch.where(scales > 0, scales, 1.0).unsqueeze(-1)).round_().clamp_(-127, 127)
+    return BlockWeights(codes.to(torch.int8).reshape(out, inputs).contiguous(), scales.contiguous(), None, block)
 
 
 _LAYER_NAMES = {  # GGUF tensor name in block i -> attribute path in decoder layer i

@@ -38,6 +38,7 @@ class MethodOptions:
     draft_model: str | None = None  # sps / mtad: auxiliary draft model (default: the EESD exit head)
     beams: int = 4  # mtad: beam width W
     tau: float = 0.5  # mtad: joint-likelihood threshold
+    head_int8: bool = True  # EESD head: its layer on int8 forms (block-kernel targets), else float32
 
     def __post_init__(self) -> None:
         if not isinstance(self.beams, int) or self.beams < 1:
@@ -69,10 +70,11 @@ class Method:
     default_sampling: dict | None = None
 
 
-def prepared_exit_head(target: Target, directory: str | None) -> PreparedHead:
-    """The exit head for `target` (the shipped one by default), loaded once per target."""
+def prepared_exit_head(target: Target, directory: str | None, int8: bool = True) -> PreparedHead:
+    """The exit head for `target` (the shipped one by default), loaded once per target and form
+    (`int8`: its layer on int8 forms where the target runs on the block kernel; `PreparedHead`)."""
     path = Path(directory).expanduser() if directory else DEFAULT_EXIT_HEAD
-    key = ("exit-head", str(path.resolve()))
+    key = ("exit-head", str(path.resolve()), int8)
     if key not in target.attachments:
         if directory is None and not (path / "exit_head.json").is_file():
             raise ModelLoadError("no exit head ships with this installation; train one with `verispec train-exit`")
@@ -85,19 +87,19 @@ def prepared_exit_head(target: Target, directory: str | None) -> PreparedHead:
                     f"train one with `verispec train-exit --model ...` and pass --exit-head"
                 ) from error
             raise
-        target.attachments[key] = PreparedHead(target, head, spec)
+        target.attachments[key] = PreparedHead(target, head, spec, quantize=int8)
     return target.attachments[key]
 
 
 def _eesd(target: Target, options: MethodOptions, sampling: SamplingConfig) -> Drafter:
-    return EarlyExitDrafter(target, prepared_exit_head(target, options.exit_head), sampling)
+    return EarlyExitDrafter(target, prepared_exit_head(target, options.exit_head, options.head_int8), sampling)
 
 
 def draft_lm(target: Target, options: MethodOptions) -> DraftLM:
     """The auxiliary drafting model: --draft-model when given (loaded once per target), else
     the target's own first layers with the EESD exit head."""
     if options.draft_model is None:
-        return ExitHeadLM(target, prepared_exit_head(target, options.exit_head))
+        return ExitHeadLM(target, prepared_exit_head(target, options.exit_head, options.head_int8))
     path = str(Path(options.draft_model).expanduser())
     key = ("draft-model", path)
     if key not in target.attachments:
@@ -130,14 +132,22 @@ METHODS: dict[str, Method] = {
 }
 
 
-VARIANT_OPTIONS = {"tau": float, "beams": int}
+def _flag(value: str) -> bool:
+    words = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
+    if value.strip().lower() not in words:
+        raise ValueError(value)
+    return words[value.strip().lower()]
+
+
+VARIANT_OPTIONS = {"tau": float, "beams": int, "head_int8": _flag}
 
 
 def parse_variant(spec: str) -> tuple[str, str | None, dict]:
     """'METHOD[/CONTROLLER][/KEY=VALUE...]' -> (method, controller or None, option overrides).
 
     Used by the benchmark to run one method under several settings side by side, e.g.
-    'eesd/constant:4' or 'mtad/tau=0.1'. KEY is one of VARIANT_OPTIONS. Validated."""
+    'eesd/constant:4', 'mtad/tau=0.1' or 'eesd/head_int8=false'. KEY is one of VARIANT_OPTIONS.
+    Validated."""
     name, *parts = spec.split("/")
     method = get_method(name.strip())
     controller, overrides = None, {}
@@ -152,7 +162,8 @@ def parse_variant(spec: str) -> tuple[str, str | None, dict]:
         try:
             overrides[key] = VARIANT_OPTIONS[key](value)
         except ValueError:
-            raise ConfigError(f"in {spec!r}: {key} must be a number, got {value!r}") from None
+            kind = "true or false" if VARIANT_OPTIONS[key] is _flag else "a number"
+            raise ConfigError(f"in {spec!r}: {key} must be {kind}, got {value!r}") from None
     MethodOptions(**overrides)  # validates the values
     return method.name, controller, overrides
 

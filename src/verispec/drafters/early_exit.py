@@ -173,14 +173,20 @@ def load_head(directory: Path, model, name: str = "", exit_layer: int | None = N
 
 class PreparedHead:
     """An exit head made ready for fast drafting on one target (packed projection, wrapped
-    layer); built once per target and head, shared by that target's requests."""
+    layer); built once per target and head, shared by that target's requests.
 
-    def __init__(self, target, head: ExitHead, spec: ExitHeadSpec | None = None):
+    With `quantize` (the default) and a target on the block kernel, the head's layer runs on
+    int8 Q8_0-style forms of its weights (`gguf_blocks.quantize_blocks`), as one C call like the
+    target's layers, instead of as float32 PyTorch operators; the drafts are then those of the
+    quantized head (verification keeps the output exact either way, and sps/mtad's q is the
+    distribution the drafts were actually sampled from)."""
+
+    def __init__(self, target, head: ExitHead, spec: ExitHeadSpec | None = None, quantize: bool = True):
         if not target.fast:
             raise ConfigError("eesd needs the fast forward path (Llama, Qwen2 or Gemma 3 models, not --no-fast)")
         self.head, self.spec = head, spec
         self.exit_layer = head.exit_layer
-        self.layer = target._fast.wrap_layer(head.layer)
+        self.layer = target._fast.wrap_layer(head.layer, quantize=quantize)
         self.norm = head.norm
         self.project = target.output_rows_linear(head.vocab)  # hidden [n, d] -> [n, V_d]
         self.vocab = head.vocab  # [V_d]

@@ -1,15 +1,19 @@
 /* y = x W^T for a weight matrix stored in blocks: W[n, k] = scale[n, k / B] * code[n, k]
  * (- offset[n, k / B] where offsets are given), int8 codes, float32 scales and offsets.
  *
- * Exactness: each weight is rebuilt in float32 as fl(scale * code) (then minus the offset), the
- * formula the caller verified to reproduce the model's float32 weights bit for bit, and
- * multiplied with float32 activations; only the order of the float32 sums differs from
- * x @ W^T. Nothing is rounded to fewer bits (unlike llama.cpp, which quantizes activations).
+ * Exactness: the weights are the model's own, scale * code - offset, the formula the caller
+ * verified to reproduce the model's float32 weights bit for bit, multiplied with float32
+ * activations. For several rows of x each weight is rebuilt as fl(scale * code) - offset and
+ * multiplied with every row; for one row (decoding) the scale is applied once per block,
+ * scale * sum(code * x) - offset * sum(x): the same real number, rounded differently. Either
+ * way only the float32 rounding differs from x @ W^T, as it would with another summation
+ * order; nothing is rounded to fewer bits (unlike llama.cpp, which quantizes activations).
  *
  * x [M, K] float32, codes [N, K] int8, scales and offsets [N, K / B] float32 (offsets may be
  * NULL), y [M, N] float32. B divides K and is a multiple of 16. Rows n are split over `threads`
  * OpenMP threads. */
 #include <stdint.h>
+#include <stdlib.h>
 #ifdef __AVX2__
 #include <immintrin.h>
 #endif
@@ -30,53 +34,55 @@ static inline float hsum8(__m256 v) {
 
 #define PREFETCH_AHEAD 2048 /* bytes of codes ahead of the current ones: measured ~15% faster on the LM head */
 
-/* 32 weights at c (one block of 32, or two blocks of 16 with scales s0, s1 and offsets o0, o1)
- * times x, into four accumulators. */
-#define DOT32(c, x, s0, o0, s1, o1, a0, a1, a2, a3)                                             \
-    do {                                                                                       \
-        _mm_prefetch((const char *)((c) + PREFETCH_AHEAD), _MM_HINT_T0);                       \
-        __m256 w0 = _mm256_mul_ps(s0, widen8(c)), w1 = _mm256_mul_ps(s0, widen8((c) + 8));     \
-        __m256 w2 = _mm256_mul_ps(s1, widen8((c) + 16)), w3 = _mm256_mul_ps(s1, widen8((c) + 24)); \
-        if (o) {                                                                               \
-            w0 = _mm256_sub_ps(w0, o0); w1 = _mm256_sub_ps(w1, o0);                            \
-            w2 = _mm256_sub_ps(w2, o1); w3 = _mm256_sub_ps(w3, o1);                            \
-        }                                                                                      \
-        a0 = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x), a0);                                      \
-        a1 = _mm256_fmadd_ps(w1, _mm256_loadu_ps((x) + 8), a1);                                \
-        a2 = _mm256_fmadd_ps(w2, _mm256_loadu_ps((x) + 16), a2);                               \
-        a3 = _mm256_fmadd_ps(w3, _mm256_loadu_ps((x) + 24), a3);                               \
-    } while (0)
-
-/* Rows first..last-1 of y for one row of x, 32 weights per step into four accumulators (the
- * FMA latency is hidden); blocks of 32, or of 16 taken two at a time. */
-static inline void rows_one(const float *x, int64_t K, const int8_t *codes, const float *scales,
-                            const float *offsets, int64_t B, float *y, int64_t first, int64_t last) {
+/* Rows first..last-1 of y for one row of x. Per block, t = sum_i code_i * x_i (codes widened to
+ * float), then y += scale * t, and at the end y -= sum_b offset_b * xsum_b (xsum: the blocks'
+ * sums of x; only read when there are offsets). The same real number as sum_i w_i x_i with
+ * w_i = scale * code_i - offset, the scale applied once per block instead of once per weight:
+ * measured 8% faster on the LM head at 2 threads and 18% at 1 (fewer instructions per byte;
+ * this path is instruction-bound). Blocks of 32, or of 16 taken two at a time. */
+static inline void rows_one(const float *x, const float *xsum, int64_t K, const int8_t *codes,
+                            const float *scales, const float *offsets, int64_t B, float *y,
+                            int64_t first, int64_t last) {
     const int64_t nb = K / B;
     for (int64_t n = first; n < last; n++) {
         const int8_t *c = codes + n * K;
         const float *s = scales + n * nb, *o = offsets ? offsets + n * nb : NULL;
-        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0;
         int64_t k = 0;
         if (B == 32) {
             for (int64_t b = 0; b < nb; b++, k += 32) {
-                const __m256 sb = _mm256_set1_ps(s[b]), ob = _mm256_set1_ps(o ? o[b] : 0.0f);
-                DOT32(c + k, x + k, sb, ob, sb, ob, a0, a1, a2, a3);
+                _mm_prefetch((const char *)(c + k + PREFETCH_AHEAD), _MM_HINT_T0);
+                __m256 t0 = _mm256_mul_ps(widen8(c + k), _mm256_loadu_ps(x + k));
+                __m256 t1 = _mm256_mul_ps(widen8(c + k + 8), _mm256_loadu_ps(x + k + 8));
+                t0 = _mm256_fmadd_ps(widen8(c + k + 16), _mm256_loadu_ps(x + k + 16), t0);
+                t1 = _mm256_fmadd_ps(widen8(c + k + 24), _mm256_loadu_ps(x + k + 24), t1);
+                const __m256 sb = _mm256_set1_ps(s[b]), t = _mm256_add_ps(t0, t1);
+                if (b & 1) acc1 = _mm256_fmadd_ps(sb, t, acc1);
+                else acc0 = _mm256_fmadd_ps(sb, t, acc0);
             }
         } else if (B == 16) {
             for (int64_t b = 0; b + 1 < nb; b += 2, k += 32) {
-                const __m256 s0 = _mm256_set1_ps(s[b]), s1 = _mm256_set1_ps(s[b + 1]);
-                const __m256 o0 = _mm256_set1_ps(o ? o[b] : 0.0f), o1 = _mm256_set1_ps(o ? o[b + 1] : 0.0f);
-                DOT32(c + k, x + k, s0, o0, s1, o1, a0, a1, a2, a3);
+                _mm_prefetch((const char *)(c + k + PREFETCH_AHEAD), _MM_HINT_T0);
+                __m256 t0 = _mm256_mul_ps(widen8(c + k), _mm256_loadu_ps(x + k));
+                __m256 t1 = _mm256_mul_ps(widen8(c + k + 16), _mm256_loadu_ps(x + k + 16));
+                t0 = _mm256_fmadd_ps(widen8(c + k + 8), _mm256_loadu_ps(x + k + 8), t0);
+                t1 = _mm256_fmadd_ps(widen8(c + k + 24), _mm256_loadu_ps(x + k + 24), t1);
+                acc0 = _mm256_fmadd_ps(_mm256_set1_ps(s[b]), t0, acc0);
+                acc1 = _mm256_fmadd_ps(_mm256_set1_ps(s[b + 1]), t1, acc1);
             }
         }
-        for (; k < K; k += 16) { /* other block sizes, and an odd last block of 16 */
-            const __m256 sb = _mm256_set1_ps(s[k / B]), ob = _mm256_set1_ps(o ? o[k / B] : 0.0f);
-            __m256 w0 = _mm256_mul_ps(sb, widen8(c + k)), w1 = _mm256_mul_ps(sb, widen8(c + k + 8));
-            if (o) { w0 = _mm256_sub_ps(w0, ob); w1 = _mm256_sub_ps(w1, ob); }
-            a0 = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + k), a0);
-            a1 = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + k + 8), a1);
+        for (; k < K; k += 16) { /* other block sizes (16 weights never straddle a block), an odd last block of 16 */
+            __m256 t = _mm256_mul_ps(widen8(c + k), _mm256_loadu_ps(x + k));
+            t = _mm256_fmadd_ps(widen8(c + k + 8), _mm256_loadu_ps(x + k + 8), t);
+            acc0 = _mm256_fmadd_ps(_mm256_set1_ps(s[k / B]), t, acc0);
         }
-        y[n] = hsum8(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+        float total = hsum8(_mm256_add_ps(acc0, acc1));
+        if (o) {
+            float shift = 0.0f;
+            for (int64_t b = 0; b < nb; b++) shift += o[b] * xsum[b];
+            total -= shift;
+        }
+        y[n] = total;
     }
 }
 
@@ -116,14 +122,14 @@ static inline __attribute__((always_inline)) void rows_fixed(
     }
 }
 
-/* y rows for up to 8 rows of x at a time. */
-static void rows(const float *x, int64_t M, int64_t K, const int8_t *codes, const float *scales,
+/* y rows for up to 8 rows of x at a time (xsum: see rows_one; used when M == 1). */
+static void rows(const float *x, const float *xsum, int64_t M, int64_t K, const int8_t *codes, const float *scales,
                  const float *offsets, int64_t N, int64_t B, float *y, int64_t first, int64_t last) {
     for (int64_t m0 = 0; m0 < M; m0 += 8) {
         const float *xm = x + m0 * K;
         float *ym = y + m0 * N;
         switch (M - m0 < 8 ? M - m0 : 8) {
-            case 1: rows_one(xm, K, codes, scales, offsets, B, ym, first, last); break;
+            case 1: rows_one(xm, xsum, K, codes, scales, offsets, B, ym, first, last); break;
             case 2: rows_fixed(xm, 2, K, codes, scales, offsets, N, B, ym, first, last); break;
             case 3: rows_fixed(xm, 3, K, codes, scales, offsets, N, B, ym, first, last); break;
             case 4: rows_fixed(xm, 4, K, codes, scales, offsets, N, B, ym, first, last); break;
@@ -135,7 +141,7 @@ static void rows(const float *x, int64_t M, int64_t K, const int8_t *codes, cons
     }
 }
 #else
-static void rows(const float *x, int64_t M, int64_t K, const int8_t *codes, const float *scales,
+static void rows(const float *x, const float *xsum, int64_t M, int64_t K, const int8_t *codes, const float *scales,
                  const float *offsets, int64_t N, int64_t B, float *y, int64_t first, int64_t last) {
     const int64_t nb = K / B;
     for (int64_t n = first; n < last; n++) {
@@ -156,12 +162,26 @@ static void rows(const float *x, int64_t M, int64_t K, const int8_t *codes, cons
 int blockmm(const float *x, int64_t M, int64_t K, const int8_t *codes, const float *scales,
             const float *offsets, int64_t N, int64_t B, float *y, int threads) {
     if (M < 1 || B < 16 || B % 16 != 0 || K % B != 0) return -1;
-    const int64_t tasks = (N + ROWS_PER_TASK - 1) / ROWS_PER_TASK;
+    const int64_t tasks = (N + ROWS_PER_TASK - 1) / ROWS_PER_TASK, nb = K / B;
+    /* The blocks' sums of x for the row that takes the one-row path (the last, when M % 8 == 1),
+     * needed to subtract offsets there. */
+    float local[256], *xsum = NULL;
+    if (offsets && M % 8 == 1) {
+        xsum = nb <= 256 ? local : malloc(nb * sizeof(float));
+        if (xsum == NULL) return -1;
+        const float *last_row = x + (M - 1) * K;
+        for (int64_t b = 0; b < nb; b++) {
+            float total = 0.0f;
+            for (int64_t i = 0; i < B; i++) total += last_row[b * B + i];
+            xsum[b] = total;
+        }
+    }
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t t = 0; t < tasks; t++) {
         int64_t first = t * ROWS_PER_TASK;
         int64_t last = first + ROWS_PER_TASK < N ? first + ROWS_PER_TASK : N;
-        rows(x, M, K, codes, scales, offsets, N, B, y, first, last);
+        rows(x, xsum, M, K, codes, scales, offsets, N, B, y, first, last);
     }
+    if (xsum != local) free(xsum);
     return 0;
 }
