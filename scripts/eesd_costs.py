@@ -1,6 +1,7 @@
 """Cost of one EESD draft step against a one-token target step, by exit layer N and draft
 vocabulary V_d, on the default model's fast path (untrained heads: cost does not depend on the
-weights). Used to choose EESD's defaults.
+weights), with the head's layer on int8 forms (the default on the block kernel) and in float32.
+Used to choose EESD's defaults.
 
     python scripts/eesd_costs.py --layers 2 3 4 6 8 --vocab 8192 16384 32768
 """
@@ -14,7 +15,7 @@ import time
 import torch
 
 import verispec
-from verispec.drafters.early_exit import ExitHead, ExitHeadLM
+from verispec.drafters.early_exit import ExitHead, ExitHeadLM, PreparedHead
 from verispec.fastpath import Tree
 
 
@@ -45,11 +46,11 @@ def main() -> None:
 
     base = median_time(target_step)
     print(f"target 1-token step: {base * 1e3:.1f} ms ({target.dtype})")
-    print(f"{'N':>3} {'V_d':>6} {'draft ms':>9} {'ratio':>6}")
+    print(f"{'N':>3} {'V_d':>6} {'head':>7} {'draft ms':>9} {'ratio':>6}")
     for layers in args.layers:
-        for vocab in args.vocab:
+        for vocab, int8 in ((vocab, int8) for vocab in args.vocab for int8 in (True, False)):
             head = ExitHead(target.model, layers, list(range(vocab)))
-            lm = ExitHeadLM(target, head)
+            lm = ExitHeadLM(target, PreparedHead(target, head, quantize=int8))
             lm.begin(context)
             target.capture_exit(layers)
             lm._head_length = len(context)
@@ -60,7 +61,8 @@ def main() -> None:
                 lm.extend(torch.tensor([context[0]]), Tree.contiguous(len(context), 1))
 
             seconds = median_time(draft_step)
-            print(f"{layers:>3} {vocab:>6} {seconds * 1e3:9.1f} {seconds / base:6.2f}", flush=True)
+            form = "int8" if int8 else "float32"
+            print(f"{layers:>3} {vocab:>6} {form:>7} {seconds * 1e3:9.1f} {seconds / base:6.2f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -138,6 +138,29 @@ def test_break_even_thresholds_are_monotone():
     assert 0 < thresholds[0] < 1
 
 
+@pytest.mark.parametrize("cost", [
+    lambda length: 1.0 + 0.3 * length,  # cheap drafts, linear verify
+    lambda length: length * 0.2 + verify_cost(length + 1),
+    lambda length: 1.0 + 2.0 * length,  # drafting never pays: every threshold is 1.0
+    lambda length: 1.0 + 0.01 * length ** 2,
+])
+def test_break_even_thresholds_match_their_definition(cost):
+    """tau_j = the smallest grid alpha whose best draft length (brute force over L, ties to the
+    shorter) is at least j; 1.0 where none is."""
+    k, grid = 8, 100
+    expected_thresholds = []
+    for j in range(1, k + 1):
+        found = 1.0
+        for step in range(grid + 1):
+            alpha = step / grid
+            rates = [sum(alpha ** i for i in range(length + 1)) / cost(length) for length in range(k + 1)]
+            if rates.index(max(rates)) >= j:
+                found = alpha
+                break
+        expected_thresholds.append(found)
+    assert break_even_thresholds(k, cost, grid) == pytest.approx(expected_thresholds, abs=1e-12)
+
+
 @pytest.mark.parametrize("spec", ["nope", "constant:x", "beta-ts:0", "adaptive:0", "heuristic:0", "constant:-1"])
 def test_bad_controller_specs_are_refused(spec):
     with pytest.raises(ConfigError):

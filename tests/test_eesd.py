@@ -282,3 +282,23 @@ def test_int8_head_drafts_match_the_float_head_closely():
     assert torch.allclose(logits[True, True], logits[True, False], rtol=1e-5, atol=1e-5)
     error = (logits[True, True] - reference).abs().max() / reference.abs().max()
     assert 0 < error < 2e-2, error  # quantized (not the float head), yet close to it
+
+
+def test_captured_exit_states_survive_rollbacks():
+    """The residual stream captured after layer N equals a fresh forward's, position by position,
+    after forwards of several widths, rollbacks inside and at the edge of earlier chunks, and
+    re-feeding."""
+    target = helpers.make_target("gemma3", seed=3)
+    ids = helpers.repetitive_prompt(target.vocab_size, 2, period=7, repeats=4)[:24]
+    target.reset()
+    target.capture_exit(2)
+    target.forward(ids[:24], last_only=True)
+    expected = target.exit_states(0, 24).clone()  # [24, hidden]
+    target.reset()
+    target.capture_exit(2)
+    target.forward(ids[:10], last_only=True)
+    for start, end, keep in ((10, 16, 13), (13, 14, 14), (14, 20, 14), (14, 21, 18), (18, 24, 24)):
+        assert target.cache.length == start
+        target.forward(ids[start:end], last_only=True)
+        target.crop(keep)  # the verification kept only part of the chunk
+    torch.testing.assert_close(target.exit_states(0, 24), expected, rtol=1e-5, atol=1e-5)

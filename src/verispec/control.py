@@ -42,6 +42,8 @@ from __future__ import annotations
 
 import math
 import random
+
+import numpy as np
 from typing import Protocol, Sequence
 
 from .errors import ConfigError
@@ -147,19 +149,16 @@ def best_draft_length(confidence: Sequence[float], relative_cost) -> int:
 def break_even_thresholds(k: int, relative_cost, grid: int = 100) -> list[float]:
     """tau[j-1] for j = 1..k: the smallest per-token acceptance probability alpha (on a grid)
     under which the best draft length, with every token accepted with probability alpha, is at
-    least j. 1.0 when no alpha < 1 makes j tokens worthwhile."""
-    costs = [relative_cost(length) for length in range(k + 1)]
-    thresholds = [1.0] * k
-    for step in range(grid + 1):
-        alpha = step / grid
-        expected, survive, best, best_rate = 1.0, 1.0, 0, 1.0 / costs[0]
-        for length in range(1, k + 1):
-            survive *= alpha
-            expected += survive
-            if expected / costs[length] > best_rate:
-                best, best_rate = length, expected / costs[length]
-        for j in range(best):
-            thresholds[j] = min(thresholds[j], alpha)
+    least j. 1.0 when no alpha < 1 makes j tokens worthwhile. Vectorised over the grid (it runs
+    after every verification: the plain loop took ~0.4 ms, over 1% of a target step)."""
+    costs = np.array([relative_cost(length) for length in range(k + 1)])  # [k + 1]
+    alphas = np.arange(grid + 1) / grid  # [grid + 1]
+    expected = np.cumsum(alphas[:, None] ** np.arange(k + 1)[None, :], axis=1)  # [grid + 1, k + 1]
+    best = np.argmax(expected / costs, axis=1)  # first maximum: ties go to the shorter draft
+    thresholds = []
+    for j in range(1, k + 1):
+        reached = np.nonzero(best >= j)[0]
+        thresholds.append(float(alphas[reached[0]]) if reached.size else 1.0)
     return thresholds
 
 

@@ -286,16 +286,17 @@ class FastDecoder:
 
     @torch.inference_mode()
     def run(self, x: torch.Tensor, start: int, cache: StaticKV, layers: range | None = None,
-            tree: "Tree | None" = None) -> torch.Tensor:
+            tree: "Tree | None" = None, rope: dict | None = None) -> torch.Tensor:
         """The residual stream x [n, hidden] at positions start..start+n-1 (or placed by `tree`)
         through `layers` (default: all), writing their keys/values into `cache` (its length is
         left alone: the caller decides what is committed). Returns the residual stream after the
-        last layer."""
+        last layer. `rope`: a dict shared by calls over the same positions (a forward split in
+        two), which fills it with the rotary tables per layer type so they are computed once."""
         placement = tree or Tree.contiguous(start, x.shape[0])
         layers = layers if layers is not None else range(len(self.layers))
         cache.reserve(placement.end)
         positions = placement.positions.unsqueeze(0)  # [1, n]
-        rope = {}
+        rope = {} if rope is None else rope
         for index in layers:
             layer = self.layers[index]
             if layer.rope_layer_type not in rope:

@@ -360,14 +360,26 @@ class Target:
         start, n = self.cache.length, ids.shape[1]
         x = self._fast.embed(ids[0])  # [n, hidden]
         if self._capture_layer:
-            x = self._fast.run(x, start, self.cache, range(self._capture_layer))
-            # Entries at or past `start` were rolled back before this forward: drop them.
-            self._captures = [(p, t[: start - p]) for p, t in self._captures if p < start] + [(start, x)]
-            x = self._fast.run(x, start, self.cache, range(self._capture_layer, len(self._fast.layers)))
+            rope: dict = {}  # rotary tables, computed once for both halves
+            x = self._fast.run(x, start, self.cache, range(self._capture_layer), rope=rope)
+            self._trim_captures(start)
+            self._captures.append((start, x))
+            x = self._fast.run(x, start, self.cache, range(self._capture_layer, len(self._fast.layers)), rope=rope)
         else:
             x = self._fast.run(x, start, self.cache)
         self.cache.length = start + n
         return self._fast.norm(x)
+
+    def _trim_captures(self, start: int) -> None:
+        """Drop captured rows at positions >= `start` (rolled back before this forward). Captures
+        are ordered by position and do not overlap, so only the last ones can be affected: a
+        step costs O(1), not O(captures)."""
+        while self._captures and self._captures[-1][0] >= start:
+            self._captures.pop()
+        if self._captures:
+            position, states = self._captures[-1]
+            if position + states.shape[0] > start:
+                self._captures[-1] = (position, states[: start - position])
 
     def exit_states(self, low: int, high: int) -> torch.Tensor:
         """The captured residual stream of positions [low, high): [high - low, hidden]; forgets
