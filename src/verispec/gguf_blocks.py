@@ -5,8 +5,9 @@ tensors, turning a float32 weight that was dequantized from such a tensor back i
 (`BlockWeights`), and proving the result exact: a block form is kept only if
 `fl(scale * code) - offset` rebuilds the model's float32 weight bit for bit, which is also how the
 kernel (`blockmm`) rebuilds it for several rows of input (for one row it applies the scale once
-per block: the same weights, float32 rounding in another order). So the block form is not an approximation of the model: it is the
-model's own weights, stored in 1 byte plus a shared scale per block instead of 4 bytes each.
+per block: the same weights, float32 rounding in another order). So the block form is not an
+approximation of the model: it is the model's own weights, stored in 1 byte plus a shared scale
+per block instead of 4 bytes each.
 
 A weight whose check fails (a different dtype, a transformed tensor, an unknown type) simply keeps
 its float32 form; `read_gguf_blocks` reports how many matrices it covered.

@@ -38,8 +38,9 @@ static inline float hsum8(__m256 v) {
  * float), then y += scale * t, and at the end y -= sum_b offset_b * xsum_b (xsum: the blocks'
  * sums of x; only read when there are offsets). The same real number as sum_i w_i x_i with
  * w_i = scale * code_i - offset, the scale applied once per block instead of once per weight:
- * measured 8% faster on the LM head at 2 threads and 18% at 1 (fewer instructions per byte;
- * this path is instruction-bound). Blocks of 32, or of 16 taken two at a time. */
+ * fewer instructions per byte, which this path is bound by on one thread (the default model's
+ * LM head, interleaved A/B: 28.2 -> 18.8 ms on 1 thread, 14.3 -> 13.0 ms on 2, where memory
+ * bandwidth starts to bind). Blocks of 32, or of 16 taken two at a time. */
 static inline void rows_one(const float *x, const float *xsum, int64_t K, const int8_t *codes,
                             const float *scales, const float *offsets, int64_t B, float *y,
                             int64_t first, int64_t last) {
