@@ -9,6 +9,7 @@ Used to choose EESD's defaults.
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import time
 
@@ -47,23 +48,21 @@ def main() -> None:
     base = median_time(target_step)
     print(f"target 1-token step: {base * 1e3:.1f} ms ({target.dtype})")
     print(f"{'N':>3} {'V_d':>6} {'head':>7} {'draft ms':>9} {'ratio':>6}")
-    for layers in args.layers:
-        for vocab, int8 in ((vocab, int8) for vocab in args.vocab for int8 in (True, False)):
-            head = ExitHead(target.model, layers, list(range(vocab)))
-            lm = ExitHeadLM(target, PreparedHead(target, head, quantize=int8))
-            lm.begin(context)
-            target.capture_exit(layers)
-            lm._head_length = len(context)
-            lm._cache.reserve(len(context) + 2)
-            lm._cache.length = len(context)
+    for layers, vocab, int8 in itertools.product(args.layers, args.vocab, (True, False)):
+        head = ExitHead(target.model, layers, list(range(vocab)))
+        lm = ExitHeadLM(target, PreparedHead(target, head, quantize=int8))
+        lm.begin(context)
+        target.capture_exit(layers)
+        lm._head_length = len(context)
+        lm._cache.reserve(len(context) + 2)
+        lm._cache.length = len(context)
 
-            def draft_step():
-                lm.extend(torch.tensor([context[0]]), Tree.contiguous(len(context), 1))
+        def draft_step():
+            lm.extend(torch.tensor([context[0]]), Tree.contiguous(len(context), 1))
 
-            seconds = median_time(draft_step)
-            form = "int8" if int8 else "float32"
-            print(f"{layers:>3} {vocab:>6} {form:>7} {seconds * 1e3:9.1f} {seconds / base:6.2f}", flush=True)
-
+        seconds = median_time(draft_step)
+        form = "int8" if int8 else "float32"
+        print(f"{layers:>3} {vocab:>6} {form:>7} {seconds * 1e3:9.1f} {seconds / base:6.2f}", flush=True)
 
 if __name__ == "__main__":
     main()

@@ -278,9 +278,8 @@ def test_llamacpp_peer_without_the_package_says_how_to_build_it(monkeypatch):
 
 
 def test_method_variants_parse_to_options():
-    from verispec.methods import MethodOptions, parse_variant
+    from verispec.methods import parse_variant
 
     assert parse_variant("eesd/head_int8=false") == ("eesd", None, {"head_int8": False})
     assert parse_variant("eesd/constant:4/head_int8=Yes") == ("eesd", "constant:4", {"head_int8": True})
     assert parse_variant("mtad/tau=0.1/beams=2") == ("mtad", None, {"tau": 0.1, "beams": 2})
-    assert MethodOptions().head_int8 is True

@@ -232,7 +232,6 @@ def test_head_layer_on_int8_forms_runs_in_c_and_stays_lossless(arch):
     from verispec.fastpath import BlockLinear
 
     target = helpers.make_target_for_path(f"{arch}-blocks", seed=1, init=0.3)
-    layers = len(target.model.get_decoder().layers)
     prompt = helpers.repetitive_prompt(target.vocab_size, 0, period=5, repeats=4)
     reference = helpers.run(target, build("ar", target), prompt, NEW_TOKENS)[0]
     head = ExitHead(target.model, 1, list(range(target.vocab_size // 2)))
@@ -251,7 +250,6 @@ def test_head_layer_on_int8_forms_runs_in_c_and_stays_lossless(arch):
     ids, stats, _ = helpers.run(target, eesd_recipe(target, PreparedHead(target, identity_head(target)), "constant:5"),
                                 prompt, NEW_TOKENS)
     assert ids == reference and stats.drafted > 0 and stats.accepted == stats.drafted
-    assert layers > 1
 
 
 def test_int8_head_drafts_match_the_float_head_closely():

@@ -119,13 +119,13 @@ def test_native_layer_on_a_tree_of_drafts_matches(arch, threads):
     """Beam drafts placed side by side in scratch slots (a tree), past the sliding window."""
     target = make_target_for_path(f"{arch}-blocks", seed=4)
     fast = target._fast
-    context = 2 * SLIDING_WINDOW + 1
+    assert fast.native_layers == len(fast.layers)  # so the native run below really is C
+    context, beams, depth = 2 * SLIDING_WINDOW + 1, 3, 4
     ids = torch.randint(0, target.vocab_size, (context,), generator=torch.Generator().manual_seed(4))
-    drafts = torch.randint(0, target.vocab_size, (3 * 4,), generator=torch.Generator().manual_seed(5))
-    tree = _beam_tree(context, beams=3, depth=4)
+    drafts = torch.randint(0, target.vocab_size, (beams * depth,), generator=torch.Generator().manual_seed(5))
+    tree = _beam_tree(context, beams, depth)
     window_mask = tree.slot_mask(SLIDING_WINDOW)  # built once per window, shared by the layers
     assert window_mask is tree.slot_mask(SLIDING_WINDOW) and tree.slot_mask(None) is tree.visible
-    assert torch.equal(window_mask, tree.visible & (tree.slot_positions > tree.positions.unsqueeze(1) - SLIDING_WINDOW))
     results = []
     before = torch.get_num_threads()
     for native in (True, False):
@@ -141,6 +141,14 @@ def test_native_layer_on_a_tree_of_drafts_matches(arch, threads):
     fast.use_native = True
     for mine, reference in zip(*results):
         assert (mine - reference).abs().max().item() <= 1e-5 * max(reference.abs().max().item(), 1.0)
+    # Each beam equals its own path run contiguously after the context: the tree's placement and
+    # window mask are right, not only the same in C and in PyTorch.
+    for beam in range(beams):
+        cache = fast.new_cache(64)
+        fast.hidden_states(ids, cache)
+        alone = fast.run(fast.embed(drafts[beam * depth : (beam + 1) * depth]), context, cache)  # [depth, hidden]
+        mine = results[0][0][beam * depth : (beam + 1) * depth]
+        assert (mine - alone).abs().max().item() <= 1e-4 * max(alone.abs().max().item(), 1.0), beam
 
 
 def test_bad_arguments_are_refused_not_computed():
@@ -161,6 +169,7 @@ def test_attention_split_over_threads_matches(threads):
     """One-token steps split each key range over the threads (some parts empty at the first
     positions); the merged result must not depend on how many parts there were."""
     target = make_target_for_path("gemma3-blocks", seed=3)
+    assert target._fast.native_layers == len(target._fast.layers)
     tokens = torch.randint(0, target.vocab_size, (2 * SLIDING_WINDOW + 3,), generator=torch.Generator().manual_seed(3))
     chunks = [[t] for t in tokens.tolist()]  # a one-token prompt, then one token at a time
     before = torch.get_num_threads()

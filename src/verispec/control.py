@@ -150,7 +150,7 @@ def break_even_thresholds(k: int, relative_cost, grid: int = 100) -> list[float]
     """tau[j-1] for j = 1..k: the smallest per-token acceptance probability alpha (on a grid)
     under which the best draft length, with every token accepted with probability alpha, is at
     least j. 1.0 when no alpha < 1 makes j tokens worthwhile. Vectorised over the grid (it runs
-    after every verification: the plain loop took ~0.4 ms, over 1% of a target step)."""
+    after every verification: the plain Python loop took ~0.3 ms, the vectorised one ~0.07)."""
     costs = np.array([relative_cost(length) for length in range(k + 1)])  # [k + 1]
     alphas = np.arange(grid + 1) / grid  # [grid + 1]
     expected = np.cumsum(alphas[:, None] ** np.arange(k + 1)[None, :], axis=1)  # [grid + 1, k + 1]

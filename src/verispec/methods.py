@@ -132,11 +132,14 @@ METHODS: dict[str, Method] = {
 }
 
 
+_FLAG_WORDS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
+
+
 def _flag(value: str) -> bool:
-    words = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
-    if value.strip().lower() not in words:
-        raise ValueError(value)
-    return words[value.strip().lower()]
+    try:
+        return _FLAG_WORDS[value.strip().lower()]
+    except KeyError:
+        raise ValueError(value) from None
 
 
 VARIANT_OPTIONS = {"tau": float, "beams": int, "head_int8": _flag}
