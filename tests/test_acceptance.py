@@ -14,6 +14,7 @@ import helpers
 from verispec.acceptance import (
     Verdict,
     acceptance_mass,
+    argmax,
     greedy_match,
     joint_likelihood,
     residual_distribution,
@@ -98,6 +99,19 @@ def test_greedy_match_does_not_resume_after_a_mismatch():
 
 def test_greedy_match_empty_draft():
     assert greedy_match(ids(), one_hot_rows(5)) == Verdict(0, 5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_argmax_equals_torch_argmax_ties_and_nan_included(dtype):
+    generator = torch.Generator().manual_seed(0)
+    rows = torch.randn(20, 262_144, generator=generator).to(dtype)
+    rows[1, 7] = rows[1, 70_000] = rows[1].max() + 1  # a tie: the first index wins
+    rows[2, 5:9] = float("inf")
+    rows[3, 11] = rows[3, 12] = float("nan")  # NaN counts as the largest, the first NaN wins
+    rows[4] = -float("inf")
+    rows[5, 3::7] = 1000.0
+    for row in [*rows, rows[:, 1]]:  # last: a strided (non-contiguous) column
+        assert argmax(row) == int(torch.argmax(row))
 
 
 def test_rules_check_shapes():

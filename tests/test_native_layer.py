@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from helpers import FAST_ARCHITECTURES, SLIDING_WINDOW, make_target_for_path
-from verispec import blockmm
+from verispec import blockmm, fastpath
 from verispec.fastpath import BLOCK_KERNEL_MAX_ROWS, FastDecoder, Linear, Tree
 from verispec.native_layer import NativeLayer, recognise_activation, why_not
 
@@ -85,17 +85,21 @@ def test_layers_without_block_forms_keep_the_pytorch_path():
     assert "shapes" in why_not(layer, kernel, blocks.heads * 2, blocks.kv_heads, blocks.head_dim)
 
 
-def test_wide_chunks_use_the_pytorch_layer():
+def test_wide_chunks_use_the_pytorch_layer(monkeypatch):
     target = make_target_for_path("qwen2-blocks")
     calls = []
-    for layer in target._fast.layers:
-        original = layer.native
-        layer.native = lambda *args, original=original: calls.append(args[0].shape[0]) or original(*args)
+    original = fastpath.run_layers
+
+    def counted(layers, x, *args, **kwargs):
+        calls.append((x.shape[0], len(layers)))
+        return original(layers, x, *args, **kwargs)
+
+    monkeypatch.setattr(fastpath, "run_layers", counted)
     target.reset()
     target.forward(list(range(5)) * ((BLOCK_KERNEL_MAX_ROWS + 10) // 5))  # wider than the kernel takes
     assert calls == []
     target.forward([1, 2, 3])
-    assert calls == [3] * len(target._fast.layers)
+    assert calls == [(3, len(target._fast.layers))]  # all layers in one C call
 
 
 def _beam_tree(context: int, beams: int, depth: int) -> Tree:
@@ -181,3 +185,46 @@ def test_attention_split_over_threads_matches(threads):
     theirs, their_cache = _run(target, chunks, native=False)
     for mine, reference in zip(ours + our_cache, theirs + their_cache):
         assert (mine - reference).abs().max().item() <= 1e-5 * max(reference.abs().max().item(), 1.0)
+
+
+def _one_call_per_layer(layers, x, start, rope, keys, values, slots=None, visible=None):
+    """What `run_layers` replaces: each C layer called from Python in turn."""
+    for i, layer in enumerate(layers):
+        x = layer(x, start, *rope[i], keys[i], values[i], slots, None if visible is None else visible[i])
+    return x
+
+
+@pytest.mark.parametrize("arch", FAST_ARCHITECTURES)
+def test_all_layers_in_one_call_equal_one_call_per_layer(arch, monkeypatch):
+    """`run_layers` (the whole forward in one C call) against the layers called one by one: bit
+    for bit, for prompts, one-token steps past the window, chunks and a tree of drafts."""
+    target = make_target_for_path(f"{arch}-blocks", seed=6)
+    fast = target._fast
+    assert fast.native_layers == len(fast.layers)
+    tokens = torch.randint(0, target.vocab_size, (2 * SLIDING_WINDOW + 9,), generator=torch.Generator().manual_seed(6))
+    cut = [0, 5, 6, 2 * SLIDING_WINDOW, 2 * SLIDING_WINDOW + 1, len(tokens)]
+    chunks = [tokens[a:b].tolist() for a, b in zip(cut, cut[1:])]
+    tree = _beam_tree(len(tokens), 2, 3)
+    drafts = torch.randint(0, target.vocab_size, (6,), generator=torch.Generator().manual_seed(7))
+    results = []
+    for per_layer in (False, True):
+        if per_layer:
+            monkeypatch.setattr(fastpath, "run_layers", _one_call_per_layer)
+        target.reset()
+        outputs = [target.forward(chunk) for chunk in chunks]
+        outputs.append(fast.run(fast.embed(drafts), 0, target.cache, tree=tree))
+        outputs += [k[:, : tree.end].clone() for k in target.cache.keys + target.cache.values]
+        results.append(outputs)
+    for mine, reference in zip(*results):
+        assert torch.equal(mine, reference)
+
+
+def test_run_layers_refuses_bad_arguments():
+    target = make_target_for_path("llama-blocks")
+    fast = target._fast
+    cache = fast.new_cache(4)
+    layers = [layer.native for layer in fast.layers]
+    rope = [(torch.zeros(2, fast.head_dim), torch.zeros(2, fast.head_dim))] * len(layers)
+    x = torch.zeros(2, target.config.hidden_size)
+    with pytest.raises(RuntimeError, match="refused"):  # positions 3, 4 past a capacity of 4
+        fastpath.run_layers(layers, x, 3, rope, cache.keys, cache.values)

@@ -15,7 +15,8 @@ eager forward on CPU, with the same weights and the same per-layer math:
 - linears whose weights have an exact int8 block form (a GGUF model's, `gguf_blocks`) run on the
   block kernel (`BlockLinear`, `blockmm`): the same weights in a quarter of the bytes; a layer
   whose linears all do runs as one C call (`native_layer`) for chunks of up to
-  `BLOCK_KERNEL_MAX_ROWS` tokens, the PyTorch layer below being its reference;
+  `BLOCK_KERNEL_MAX_ROWS` tokens, the PyTorch layer below being its reference; when every layer
+  of a `run` does, they all run in one call (`native_layer.run_layers`);
 - activations and rotary embeddings are transformers' own modules and functions, called on our
   tensors, so the math is the model's, not a re-derivation; RMSNorms become one `F.rms_norm`
   call each where that is bit-identical to the module (`FusedNorm.of` checks it at load).
@@ -38,7 +39,7 @@ import torch.nn.functional as F
 
 from .cache import StaticKV
 from .gguf_blocks import BlockWeights, quantize_blocks
-from .native_layer import NativeLayer
+from .native_layer import NativeLayer, run_layers
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "gemma3_text")
 _PACK_HINT = 16  # oneDNN packs for this batch size; measured fastest across widths 1..16
@@ -298,10 +299,18 @@ class FastDecoder:
         positions = placement.positions.unsqueeze(0)  # [1, n]
         rope = {} if rope is None else rope
         for index in layers:
-            layer = self.layers[index]
-            if layer.rope_layer_type not in rope:
-                args = (layer.rope_layer_type,) if layer.rope_layer_type is not None else ()
-                rope[layer.rope_layer_type] = self.rotary(x, positions, *args)  # cos, sin [1, n, head_dim]
+            kind = self.layers[index].rope_layer_type
+            if kind not in rope:
+                args = (kind,) if kind is not None else ()
+                rope[kind] = self.rotary(x, positions, *args)  # cos, sin [1, n, head_dim]
+        chosen = [self.layers[index] for index in layers]
+        if self.use_native and x.shape[0] <= BLOCK_KERNEL_MAX_ROWS and all(layer.native for layer in chosen):
+            return run_layers(  # one C call for all of them
+                [layer.native for layer in chosen], x, placement.start if placement.slots is None else 0,
+                [rope[layer.rope_layer_type] for layer in chosen], [cache.keys[i] for i in layers],
+                [cache.values[i] for i in layers], placement.slots,
+                None if placement.slots is None else [placement.slot_mask(layer.window) for layer in chosen])
+        for index, layer in zip(layers, chosen):
             x = self._layer(layer, index, x, placement, cache, rope[layer.rope_layer_type])
         return x
 

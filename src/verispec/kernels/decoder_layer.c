@@ -345,3 +345,21 @@ int decoder_layer(const Layer *L, float *x, int64_t n, int64_t start, const int6
     free(scratch);
     return status ? -1 : 0;
 }
+
+/* Several layers in turn over the same chunk (a whole forward, or the layers on one side of an
+ * early exit), so that a step pays one call from Python instead of one per layer: layer i gets
+ * its own rotary tables cos_tables[i]/sin_tables[i], caches kcaches[i]/vcaches[i] and, for a
+ * tree of drafts, its own visibility mask visible[i] (layers with a sliding window see fewer
+ * slots); visible is NULL for a contiguous chunk. Stops at the first layer that refuses its
+ * arguments and returns -1 (x is then partly updated). */
+int decoder_layers(const Layer *const *layers, int64_t count, float *x, int64_t n, int64_t start, const int64_t *slots,
+                   const uint8_t *const *visible, int64_t slot_count, const float *const *cos_tables,
+                   const float *const *sin_tables, float *const *kcaches, float *const *vcaches, int64_t capacity,
+                   int threads) {
+    if (count < 0 || (slots && !visible)) return -1;
+    for (int64_t i = 0; i < count; i++)
+        if (decoder_layer(layers[i], x, n, start, slots, slots ? visible[i] : NULL, slot_count, cos_tables[i],
+                          sin_tables[i], kcaches[i], vcaches[i], capacity, threads) != 0)
+            return -1;
+    return 0;
+}
