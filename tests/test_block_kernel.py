@@ -89,10 +89,11 @@ def kernel():
     return found
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 17])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 11, 17])
 @pytest.mark.parametrize("block,affine,inputs", [
     (32, False, 192), (16, False, 192), (16, False, 208), (32, True, 192), (16, True, 208),  # 208: 13 blocks of 16
     (64, True, 256), (48, False, 144),  # other multiples of 16
+    (16, True, 304),  # 19 blocks: offsets summed 8 at a time and 3 more
 ])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_kernel_equals_float64_reference(kernel, rows, block, affine, inputs, threads):
@@ -108,6 +109,21 @@ def test_kernel_equals_float64_reference(kernel, rows, block, affine, inputs, th
     reference = x.double() @ form.dequantize().double().T
     assert y.shape == (rows, 67) and y.dtype == torch.float32
     assert float((y.double() - reference).abs().max()) <= 1e-5 * float(reference.abs().max())
+
+
+@pytest.mark.parametrize("rows", [2, 3, 9, 10, 11])
+@pytest.mark.parametrize("block,affine", [(32, False), (32, True), (16, True)])
+def test_up_to_three_rows_equal_one_row_calls_bit_for_bit(kernel, rows, block, affine):
+    """Groups of up to 3 rows (a short verify, or the rows left after groups of 8) are computed
+    exactly as one-row calls (a decoding step) compute them: same bits, not just close."""
+    torch.manual_seed(rows + block)
+    form = helpers.block_quantize(torch.randn(67, 320), block, affine)
+    x = torch.randn(rows, 320)
+    together = kernel.matmul(x, form.codes, form.scales, form.offsets, form.block)
+    alone = torch.cat([kernel.matmul(x[i : i + 1], form.codes, form.scales, form.offsets, form.block)
+                       for i in range(rows)])
+    tail = range(rows - rows % 8, rows)  # the rows outside groups of 8
+    assert torch.equal(together[tail], alone[tail])
 
 
 def test_kernel_accepts_non_contiguous_input(kernel):
