@@ -4,7 +4,7 @@ Runs the default model after a 256-token context on the chosen forward path(s) u
 profiler and groups the operators into parts: LM head, attention projections, attention itself,
 MLP, norms, rotary embedding, cache writes/reads, masks, and the rest; "Python and framework
 overhead" is the step's wall time minus the time inside operators. On the `blocks` path each
-decoder layer is one C call (`native_layer`), shown as one part; `blocks-torch` runs the same
+forward's decoder layers run in C (`native_layer`), shown as one part; `blocks-torch` runs the same
 layers as PyTorch operators. Also measures the memory
 read bandwidth (2 threads, summing a 1 GiB tensor) and prints the bandwidth floor of one step:
 the bytes of the weights divided by that bandwidth.
@@ -40,7 +40,7 @@ def read_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
 
 def classify(name: str, shapes, vocab: int, hidden: int) -> str:
     if name == NATIVE_LABEL:
-        return "decoder layers, one C call each"
+        return "decoder layers in C"
     if name == "block kernel: LM head":
         return "LM head"
     if name == "block kernel: linear":
@@ -69,7 +69,7 @@ def classify(name: str, shapes, vocab: int, hidden: int) -> str:
 
 @contextmanager
 def native_layers(target: Target, on: bool):
-    """Run `target`'s block-kernel layers as one C call each (on) or as PyTorch operators (off)."""
+    """Run `target`'s block-kernel layers in C (on) or as PyTorch operators (off)."""
     fast = target._fast
     if fast is None:  # the eager path has no layers of its own
         yield
@@ -97,6 +97,7 @@ NATIVE_LABEL = "native decoder layer"
 def label_block_kernel(vocab: int) -> None:
     """Make the block kernel's calls and the C decoder layer's (ctypes, invisible to the
     profiler) show up as events."""
+    from verispec import fastpath
     from verispec.fastpath import BlockLinear
     from verispec.native_layer import NativeLayer
 
@@ -107,6 +108,13 @@ def label_block_kernel(vocab: int) -> None:
             return unlabelled_layer(self, *args)
 
     NativeLayer.__call__ = labelled_layer
+    unlabelled_layers = fastpath.run_layers  # a whole forward's layers in one call
+
+    def labelled_layers(*args, **kwargs):
+        with record_function(NATIVE_LABEL):
+            return unlabelled_layers(*args, **kwargs)
+
+    fastpath.run_layers = labelled_layers
 
     unlabelled = BlockLinear.__call__
 
@@ -146,7 +154,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--paths", nargs="+", default=["blocks", "blocks-torch", "fast", "eager"],
-                        help="blocks: fast path on the int8 block kernel, one C call per layer; blocks-torch: the "
+                        help="blocks: fast path on the int8 block kernel, the layers in C (one call per forward); blocks-torch: the "
                              "same with the layers as PyTorch operators; fast: fast path on float32 weights")
     parser.add_argument("--widths", nargs="+", type=int, default=[1, 8, 16])
     parser.add_argument("--repeats", type=int, default=5)

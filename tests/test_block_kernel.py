@@ -144,7 +144,7 @@ def test_blocks_paths_run_every_linear_on_the_kernel(tiny_targets, arch):
     target = tiny_targets[f"{arch}-blocks"]
     layers = target.config.num_hidden_layers
     assert target.block_kernel_summary == (f"the LM head and {4 * layers} of {4 * layers} layer linears (exact int8 "
-                                           f"blocks); {layers} of {layers} layers as one C call each")
+                                           f"blocks); {layers} of {layers} layers in C, one call per forward")
     assert tiny_targets[arch].block_kernel_summary == "off"
 
 

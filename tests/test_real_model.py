@@ -74,7 +74,7 @@ def test_block_kernel_covers_every_linear_and_keeps_the_output(real_target):
     from verispec.model import Target
 
     assert real_target.block_kernel_summary == ("the LM head and 72 of 72 layer linears (exact int8 blocks); "
-                                                "18 of 18 layers as one C call each")
+                                                "18 of 18 layers in C, one call per forward")
     dense = Target(real_target.model, real_target.tokenizer, name="dense", fast=True)
     assert dense.fast and dense.block_kernel_summary == "off"
     assert verispec.load(None, dtype="float32", block_kernel=False).block_kernel_summary == "off"

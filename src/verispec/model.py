@@ -451,5 +451,5 @@ class Target:
             return "off"
         head = "the LM head and " if isinstance(self._head, BlockLinear) else ""
         total = 4 * len(self._fast.layers)
-        native = f"; {self._fast.native_layers} of {len(self._fast.layers)} layers as one C call each"
+        native = f"; {self._fast.native_layers} of {len(self._fast.layers)} layers in C, one call per forward"
         return f"{head}{self._fast.block_linears} of {total} layer linears (exact int8 blocks){native}"
