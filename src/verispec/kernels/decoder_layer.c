@@ -89,53 +89,82 @@ static float dot(const float *a, const float *b, int64_t size) {
     return total;
 }
 
-/* s[j] = q . keys[j * d ..] for j < count; eight keys at a time (eight FMA chains, q loaded once
- * per eight keys, one horizontal reduction per eight scores). */
-static void scores_of(const float *q, const float *keys, int64_t count, int64_t d, float *s) {
+/* s_g[j] = q_g . keys[j * d ..] for j < count and each of `heads` query heads (q_g = q + g * d,
+ * s_g = s + g * stride). Eight keys at a time (eight FMA chains, q_g loaded once per eight keys,
+ * one horizontal reduction per eight scores), all heads scored on each group of eight keys before
+ * the next: a query head sharing its key/value head with the others (grouped-query attention)
+ * then finds those keys in L1 instead of reading them again (each head's arithmetic unchanged). */
+static void scores_of(const float *q, int64_t heads, const float *keys, int64_t count, int64_t d, float *s,
+                      int64_t stride) {
     int64_t j = 0;
 #ifdef __AVX2__
     if (d % 8 == 0) {
         for (; j + 8 <= count; j += 8) {
             const float *k = keys + j * d;
-            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
-            for (int64_t i = 0; i < d; i += 8) {
-                const __m256 qv = _mm256_loadu_ps(q + i);
-                a0 = _mm256_fmadd_ps(_mm256_loadu_ps(k + i), qv, a0);
-                a1 = _mm256_fmadd_ps(_mm256_loadu_ps(k + d + i), qv, a1);
-                a2 = _mm256_fmadd_ps(_mm256_loadu_ps(k + 2 * d + i), qv, a2);
-                a3 = _mm256_fmadd_ps(_mm256_loadu_ps(k + 3 * d + i), qv, a3);
-                a4 = _mm256_fmadd_ps(_mm256_loadu_ps(k + 4 * d + i), qv, a4);
-                a5 = _mm256_fmadd_ps(_mm256_loadu_ps(k + 5 * d + i), qv, a5);
-                a6 = _mm256_fmadd_ps(_mm256_loadu_ps(k + 6 * d + i), qv, a6);
-                a7 = _mm256_fmadd_ps(_mm256_loadu_ps(k + 7 * d + i), qv, a7);
+            for (int64_t g = 0; g < heads; g++) {
+                const float *qg = q + g * d;
+                __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+                for (int64_t i = 0; i < d; i += 8) {
+                    const __m256 qv = _mm256_loadu_ps(qg + i);
+                    a0 = _mm256_fmadd_ps(_mm256_loadu_ps(k + i), qv, a0);
+                    a1 = _mm256_fmadd_ps(_mm256_loadu_ps(k + d + i), qv, a1);
+                    a2 = _mm256_fmadd_ps(_mm256_loadu_ps(k + 2 * d + i), qv, a2);
+                    a3 = _mm256_fmadd_ps(_mm256_loadu_ps(k + 3 * d + i), qv, a3);
+                    a4 = _mm256_fmadd_ps(_mm256_loadu_ps(k + 4 * d + i), qv, a4);
+                    a5 = _mm256_fmadd_ps(_mm256_loadu_ps(k + 5 * d + i), qv, a5);
+                    a6 = _mm256_fmadd_ps(_mm256_loadu_ps(k + 6 * d + i), qv, a6);
+                    a7 = _mm256_fmadd_ps(_mm256_loadu_ps(k + 7 * d + i), qv, a7);
+                }
+                const __m256 h0 = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3)); /* per 128-bit half */
+                const __m256 h1 = _mm256_hadd_ps(_mm256_hadd_ps(a4, a5), _mm256_hadd_ps(a6, a7));
+                _mm256_storeu_ps(s + g * stride + j,
+                                 _mm256_add_ps(_mm256_permute2f128_ps(h0, h1, 0x20), _mm256_permute2f128_ps(h0, h1, 0x31)));
             }
-            const __m256 h0 = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3)); /* per 128-bit half */
-            const __m256 h1 = _mm256_hadd_ps(_mm256_hadd_ps(a4, a5), _mm256_hadd_ps(a6, a7));
-            _mm256_storeu_ps(s + j, _mm256_add_ps(_mm256_permute2f128_ps(h0, h1, 0x20), _mm256_permute2f128_ps(h0, h1, 0x31)));
         }
     }
 #endif
-    for (; j < count; j++) s[j] = dot(q, keys + j * d, d);
+    for (; j < count; j++)
+        for (int64_t g = 0; g < heads; g++) s[g * stride + j] = dot(q + g * d, keys + j * d, d);
 }
 
-/* out[i] = sum_j p[j] * values[j * d + i] for i < d; 64 outputs at a time held in registers. */
-static void weighted_sum(const float *p, const float *values, int64_t count, int64_t d, float *out) {
-    int64_t c = 0;
+/* out_g[i] = sum_j p_g[j] * values[j * d + i] for i < d, j < count and each of `heads` heads
+ * (p_g = p + g * stride, out_g = out + g * stride): one FMA chain per output over j in order, in
+ * the first d / 64 * 64 outputs, and a plain multiply-add after them. Sixteen outputs of up to
+ * four heads at a time in registers, so that each row of values is read once for the heads that
+ * share it instead of once per head. */
+static void weighted_sum(const float *p, int64_t heads, const float *values, int64_t count, int64_t d, float *out,
+                         int64_t stride) {
+    const int64_t fused = d / 64 * 64; /* outputs computed with FMA (what is left of d: multiply-add) */
+    for (int64_t g0 = 0; g0 < heads; g0 += 4) {
+        const int64_t hs = heads - g0 < 4 ? heads - g0 : 4;
+        const float *pg[4];
+        float *og[4];
+        for (int64_t h = 0; h < hs; h++) pg[h] = p + (g0 + h) * stride, og[h] = out + (g0 + h) * stride;
+        int64_t c = 0;
 #ifdef __AVX2__
-    for (; c + 64 <= d; c += 64) {
-        __m256 a[8];
-        for (int t = 0; t < 8; t++) a[t] = _mm256_setzero_ps();
-        for (int64_t j = 0; j < count; j++) {
-            const __m256 pj = _mm256_set1_ps(p[j]);
-            const float *v = values + j * d + c;
-            for (int t = 0; t < 8; t++) a[t] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(v + 8 * t), a[t]);
+        for (; c < fused; c += 16) {
+            __m256 a[4][2];
+            for (int h = 0; h < 4; h++) a[h][0] = a[h][1] = _mm256_setzero_ps();
+            for (int64_t j = 0; j < count; j++) {
+                const __m256 v0 = _mm256_loadu_ps(values + j * d + c), v1 = _mm256_loadu_ps(values + j * d + c + 8);
+                for (int64_t h = 0; h < hs; h++) {
+                    const __m256 pj = _mm256_set1_ps(pg[h][j]);
+                    a[h][0] = _mm256_fmadd_ps(pj, v0, a[h][0]);
+                    a[h][1] = _mm256_fmadd_ps(pj, v1, a[h][1]);
+                }
+            }
+            for (int64_t h = 0; h < hs; h++) {
+                _mm256_storeu_ps(og[h] + c, a[h][0]);
+                _mm256_storeu_ps(og[h] + c + 8, a[h][1]);
+            }
         }
-        for (int t = 0; t < 8; t++) _mm256_storeu_ps(out + c + 8 * t, a[t]);
-    }
 #endif
-    for (int64_t i = c; i < d; i++) out[i] = 0.0f;
-    for (int64_t j = 0; j < count; j++)
-        for (int64_t i = c; i < d; i++) out[i] += p[j] * values[j * d + i];
+        for (int64_t h = 0; h < hs; h++) {
+            for (int64_t i = c; i < d; i++) og[h][i] = 0.0f;
+            for (int64_t j = 0; j < count; j++)
+                for (int64_t i = c; i < d; i++) og[h][i] += pg[h][j] * values[j * d + i];
+        }
+    }
 }
 
 /* Rotary embedding of one head vector v [d] with cos/sin [d]: v * cos + rotate_half(v) * sin,
@@ -240,18 +269,22 @@ static int attention(const Layer *L, const float *qkv, int64_t qkv_width, int64_
         const int64_t count = visible ? slot_count : position + 1 - low;
         const uint8_t *seen = visible ? visible + r * slot_count : NULL;
         const int64_t first = low + part * count / parts, size = low + (part + 1) * count / parts - first;
+        float *states = work + task * group * per_head; /* head g: states + g * per_head */
+        for (int64_t g = 0; g < group; g++) states[g * per_head] = -INFINITY, states[g * per_head + 1] = 0.0f;
+        if (size == 0) continue;
+        scores_of(qkv + r * qkv_width + kv * group * d, group, kcache + (kv * capacity + first) * d, size, d,
+                  states + 2 + d, per_head);
         for (int64_t g = 0; g < group; g++) {
-            float *state = work + (task * group + g) * per_head, *out = state + 2, *row = out + d;
-            state[0] = -INFINITY;
-            state[1] = 0.0f;
-            if (size == 0) continue;
-            scores_of(qkv + r * qkv_width + (kv * group + g) * d, kcache + (kv * capacity + first) * d, size, d, row);
+            float *state = states + g * per_head, *row = state + 2 + d;
             float best = -INFINITY;
             for (int64_t j = 0; j < size; j++) {
                 row[j] *= L->scaling;
                 if ((!seen || seen[first + j]) && row[j] > best) best = row[j];
             }
-            if (best == -INFINITY) continue; /* no visible key in this part */
+            if (best == -INFINITY) { /* no visible key in this part: weigh nothing (its sum is never read) */
+                for (int64_t j = 0; j < size; j++) row[j] = 0.0f;
+                continue;
+            }
             double total = exp_shifted(row, size, best);
             if (seen) { /* hidden keys weigh exactly nothing */
                 total = 0.0;
@@ -262,8 +295,8 @@ static int attention(const Layer *L, const float *qkv, int64_t qkv_width, int64_
             }
             state[0] = best;
             state[1] = (float)total;
-            weighted_sum(row, vcache + (kv * capacity + first) * d, size, d, out);
         }
+        weighted_sum(states + 2 + d, group, vcache + (kv * capacity + first) * d, size, d, states + 2, per_head);
     }
     for (int64_t r = 0; r < n; r++)
         for (int64_t head = 0; head < heads; head++) {
