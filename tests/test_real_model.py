@@ -40,6 +40,34 @@ def test_default_model_loads(real_target):
     assert real_target.eos_token_ids
 
 
+def test_default_tokenizer_equals_its_own_class(real_target):
+    """The embedded default's tokenizer is loaded as its tokenizer.json (fast); its own class
+    (what AutoTokenizer builds, slower) gives the same ids, texts and special tokens."""
+    from transformers import AutoTokenizer
+
+    from verispec.bench.datasets import load_dataset
+
+    ours = real_target.tokenizer
+    reference = AutoTokenizer.from_pretrained(ours.name_or_path)
+    assert type(reference).__name__ != type(ours).__name__  # the comparison compares two loaders
+    _, questions = load_dataset("spec-bench", None, 3)
+    texts = [question.prompt for question in questions]
+    texts += ["", " ", "  two  spaces ", "<bos>hi<eos>", "<start_of_turn>user\nhi<end_of_turn>\n",
+              "héllo 世界 🙂\n\n\tx", "def f(x):\n    return x ** 2  # ok", "1234567890 3.14159 -0.5e-3"]
+    for text in texts:
+        ids = reference(text).input_ids
+        assert ours(text).input_ids == ids, text
+        assert ours.encode(text, add_special_tokens=False) == reference.encode(text, add_special_tokens=False), text
+        assert ours.decode(ids) == reference.decode(ids), text
+        assert ours.decode(ids, skip_special_tokens=True) == reference.decode(ids, skip_special_tokens=True), text
+        prefixes = range(1, len(ids), 5)  # streaming decodes prefixes
+        assert [ours.decode(ids[:i]) for i in prefixes] == [reference.decode(ids[:i]) for i in prefixes], text
+    for attribute in ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id", "all_special_ids",
+                      "chat_template", "padding_side", "model_max_length"):
+        assert getattr(ours, attribute) == getattr(reference, attribute), attribute
+    assert len(ours) == len(reference)
+
+
 def test_anpd_equals_ar_and_accepts_drafts(real_target):
     ar = verispec.generate(real_target, PROMPT, method="ar", max_new_tokens=32)
     anpd = verispec.generate(real_target, PROMPT, method="anpd", max_new_tokens=32,
