@@ -148,6 +148,25 @@ def test_blocks_paths_run_every_linear_on_the_kernel(tiny_targets, arch):
     assert tiny_targets[arch].block_kernel_summary == "off"
 
 
+def test_lm_head_float32_form_is_packed_only_for_wide_inputs():
+    """Behind the block kernel the LM head's float32 form is packed on first use (logits of more
+    than BLOCK_KERNEL_MAX_ROWS rows), and gives what an eagerly packed one gives."""
+    from verispec.fastpath import BLOCK_KERNEL_MAX_ROWS, Linear
+
+    model = helpers.make_model(helpers.make_config("llama"), seed=5)
+    target = Target(model, None, fast=True, blocks=helpers.blockify(model))
+    head = target._head
+    target.reset()
+    target.forward(list(range(3, 3 + BLOCK_KERNEL_MAX_ROWS)))  # at most the kernel's width: the kernel
+    assert head.dense._packed is None
+    hidden = torch.randn(BLOCK_KERNEL_MAX_ROWS + 1, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    wide = head(hidden)  # [65, vocab] on the float32 form
+    assert head.dense._packed is not None
+    assert torch.equal(wide, Linear(model.get_output_embeddings().weight, None)(hidden))
+    layer = target._fast.layers[0].qkv  # layer linears keep packing at load (every long prompt uses them)
+    assert layer.dense._packed is not None
+
+
 def test_without_the_kernel_the_blocks_are_ignored_and_output_is_unchanged(monkeypatch, tiny_targets):
     monkeypatch.setitem(blockmm._state, "kernel", (None, "disabled for this test"))
     model = helpers.make_model(helpers.make_config("llama"), seed=4)

@@ -53,13 +53,24 @@ def _mkldnn_packing_available(dtype: torch.dtype) -> bool:
 
 
 class Linear:
-    """y = x W^T (+ b) for x [n, in]; prepacked for oneDNN in float32 where available."""
+    """y = x W^T (+ b) for x [n, in]; prepacked for oneDNN in float32 where available, at
+    construction or, with `lazy`, at the first call (for a weight that may never be multiplied
+    here: the LM head's float32 form behind the block kernel, 0.67 GB and about a second to pack
+    for the default model, is needed only for logits of more than 64 rows)."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, lazy: bool = False):
         self.weight, self.bias = weight.detach(), None if bias is None else bias.detach()
-        self.packed = None
-        if _mkldnn_packing_available(weight.dtype):
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, _PACK_HINT)
+        self._pack = _mkldnn_packing_available(weight.dtype)
+        self._packed = None
+        if not lazy:
+            self.packed  # noqa: B018 - pack now
+
+    @property
+    def packed(self) -> torch.Tensor | None:
+        """The oneDNN-packed weight (packed on first use), or None where packing is unavailable."""
+        if self._pack and self._packed is None:
+            self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, _PACK_HINT)
+        return self._packed
 
     @staticmethod
     def fused(*linears: torch.nn.Linear) -> "Linear":
@@ -73,8 +84,9 @@ class Linear:
         return Linear(weight, bias)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        packed = self.packed
+        if packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 
 
@@ -220,13 +232,17 @@ class FastDecoder:
             wrapped.native = NativeLayer.of(wrapped, self.heads, self.kv_heads, self.head_dim, self._kernel)
         return wrapped
 
-    def linear(self, *modules: torch.nn.Linear, blocks: dict | None = None) -> "Linear | BlockLinear":
+    def linear(self, *modules: torch.nn.Linear, blocks: dict | None = None, rarely_wide: bool = False
+               ) -> "Linear | BlockLinear":
         """The fast form of one nn.Linear, or of several fused (outputs concatenated): on the
         block kernel where every part has a block form in `blocks` (default: the model's exact
-        ones), else prepacked float32."""
+        ones), else prepacked float32. `rarely_wide`: the float32 form behind the block kernel is
+        packed only if an input wider than the kernel takes is ever given (the LM head's)."""
         forms = self.blocks if blocks is None else blocks
-        dense = Linear.fused(*modules) if len(modules) > 1 else Linear(modules[0].weight, modules[0].bias)
-        return self.on_blocks(dense, BlockWeights.concat([forms.get(module) for module in modules]))
+        parts = BlockWeights.concat([forms.get(module) for module in modules])
+        lazy = rarely_wide and parts is not None
+        dense = Linear.fused(*modules) if len(modules) > 1 else Linear(modules[0].weight, modules[0].bias, lazy)
+        return self.on_blocks(dense, parts)
 
     def on_blocks(self, dense: Linear, blocks: "BlockWeights | None") -> "Linear | BlockLinear":
         """`dense` on the block kernel where `blocks` (its weight's exact block form) is given."""

@@ -420,7 +420,7 @@ class Target:
                 _log(f"fast path not available for {self.name}: its LM head is not a plain linear map")
                 self._fast = None
             return None
-        ours = self._fast.linear(head) if self._fast is not None else _ChunkedHead.of(head.weight)
+        ours = self._fast.linear(head, rarely_wide=True) if self._fast is not None else _ChunkedHead.of(head.weight)
         probe = torch.arange(3, 3 + min(4, self.vocab_size - 3), dtype=torch.long).unsqueeze(0)
         try:
             reference = self.model(input_ids=probe, use_cache=False).logits[0].float()  # [4, vocab]
