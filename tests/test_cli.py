@@ -190,3 +190,25 @@ def test_real_process_exit_code():
     assert empty.returncode == 2
     assert empty.stderr.strip() == "error: the prompt is empty"
     assert "Traceback" not in empty.stderr + empty.stdout
+
+
+def test_help_answers_without_loading_torch():
+    """`import verispec` and `verispec --help` do not import torch or transformers (about 7 s here
+    before anything needs them); the public names still resolve on first use."""
+    code = (
+        "import sys\n"
+        "import verispec\n"
+        "from verispec.cli import main\n"
+        "sys.argv = ['verispec', '--help']\n"
+        "try:\n"
+        "    main()\n"
+        "except SystemExit as exit:\n"
+        "    assert exit.code in (0, None), exit.code\n"
+        "heavy = sorted(m for m in ('torch', 'transformers') if m in sys.modules)\n"
+        "assert not heavy, heavy\n"
+        "assert callable(verispec.load) and 'torch' in sys.modules\n"
+        "assert sorted(verispec.__all__) == sorted(n for n in verispec.__all__ if hasattr(verispec, n))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "generate" in result.stdout and "bench" in result.stdout

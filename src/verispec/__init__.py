@@ -8,12 +8,32 @@ Public API only; see README.md. Typical use:
     print(result.text, result.stats.mean_accepted_tokens)
 """
 
-from .api import GenerationResult, TextStream, generate, stream
-from .errors import ConfigError, ModelLoadError, VerispecError
-from .methods import METHODS, MethodOptions, method_names
-from .model import Target, load
-from .sampling import SamplingConfig
-from .stats import GenerationStats
+from importlib import import_module
+
+# Where each public name lives. They are imported on first use (PEP 562), so that `import
+# verispec` -- and with it `verispec --help` -- does not load torch and transformers (about 7 s
+# here) before anything needs them.
+_EXPORTS = {
+    "GenerationResult": "api", "TextStream": "api", "generate": "api", "stream": "api",
+    "ConfigError": "errors", "ModelLoadError": "errors", "VerispecError": "errors",
+    "METHODS": "methods", "MethodOptions": "methods", "method_names": "methods",
+    "Target": "model", "load": "model",
+    "SamplingConfig": "sampling",
+    "GenerationStats": "stats",
+}
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'verispec' has no attribute {name!r}")
+    value = getattr(import_module(f".{_EXPORTS[name]}", __name__), name)
+    globals()[name] = value  # later look-ups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])
+
 
 __version__ = "0.1.0"
 
