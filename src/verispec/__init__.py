@@ -9,6 +9,15 @@ Public API only; see README.md. Typical use:
 """
 
 from importlib import import_module
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # what type checkers and editors see; at run time each name loads on first use
+    from .api import GenerationResult, TextStream, generate, stream
+    from .errors import ConfigError, ModelLoadError, VerispecError
+    from .methods import METHODS, MethodOptions, method_names
+    from .model import Target, load
+    from .sampling import SamplingConfig
+    from .stats import GenerationStats
 
 # Where each public name lives. They are imported on first use (PEP 562), so that `import
 # verispec` -- and with it `verispec --help` -- does not load torch and transformers (about 7 s
