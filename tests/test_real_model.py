@@ -50,7 +50,7 @@ def test_default_tokenizer_equals_its_own_class(real_target):
     ours = real_target.tokenizer
     reference = AutoTokenizer.from_pretrained(ours.name_or_path)
     assert type(reference).__name__ != type(ours).__name__  # the comparison compares two loaders
-    _, questions = load_dataset("spec-bench", None, 3)
+    _, questions = load_dataset("builtin", None, 100)  # ships with the package (Spec-Bench may be absent)
     texts = [question.prompt for question in questions]
     texts += ["", " ", "  two  spaces ", "<bos>hi<eos>", "<start_of_turn>user\nhi<end_of_turn>\n",
               "héllo 世界 🙂\n\n\tx", "def f(x):\n    return x ** 2  # ok", "1234567890 3.14159 -0.5e-3"]
