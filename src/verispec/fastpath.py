@@ -60,15 +60,14 @@ class Linear:
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, lazy: bool = False):
         self.weight, self.bias = weight.detach(), None if bias is None else bias.detach()
-        self._pack = _mkldnn_packing_available(weight.dtype)
+        self._packable = _mkldnn_packing_available(weight.dtype)
         self._packed = None
         if not lazy:
-            self.packed  # noqa: B018 - pack now
+            self._pack()
 
-    @property
-    def packed(self) -> torch.Tensor | None:
-        """The oneDNN-packed weight (packed on first use), or None where packing is unavailable."""
-        if self._pack and self._packed is None:
+    def _pack(self) -> torch.Tensor | None:
+        """The oneDNN-packed weight (packed once, here), or None where packing is unavailable."""
+        if self._packable and self._packed is None:
             self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, _PACK_HINT)
         return self._packed
 
@@ -84,7 +83,7 @@ class Linear:
         return Linear(weight, bias)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        packed = self.packed
+        packed = self._pack()
         if packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
