@@ -212,3 +212,16 @@ def test_help_answers_without_loading_torch():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "generate" in result.stdout and "bench" in result.stdout
+
+
+def test_type_checking_imports_match_the_lazy_exports():
+    """verispec/__init__ names its public API twice (imports for type checkers, `_EXPORTS` for
+    run time): the two must agree, name for name and module for module."""
+    import ast
+
+    import verispec
+
+    tree = ast.parse(open(verispec.__file__).read())
+    block = next(node for node in tree.body if isinstance(node, ast.If) and getattr(node.test, "id", "") == "TYPE_CHECKING")
+    imported = {alias.name: node.module for node in block.body for alias in node.names}
+    assert imported == verispec._EXPORTS

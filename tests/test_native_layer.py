@@ -187,6 +187,32 @@ def test_attention_split_over_threads_matches(threads):
         assert (mine - reference).abs().max().item() <= 1e-5 * max(reference.abs().max().item(), 1.0)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_wide_heads_and_large_groups_match(threads):
+    """Head dimension 80 (the attention's vector path for the first 64 outputs, the scalar path
+    for the other 16) and six query heads per key/value head (the heads' weighted sums taken four
+    at a time, then two): shapes the tiny architectures (head dimension 16, groups of 2) never
+    reach, against the PyTorch layer, for a prompt, one-token steps and chunks."""
+    from helpers import blockify, make_config, make_model
+    from verispec.model import Target
+
+    config = make_config("llama", num_attention_heads=6, num_key_value_heads=1, head_dim=80)
+    model = make_model(config, seed=7)
+    target = Target(model, None, fast=True, blocks=blockify(model))
+    assert target._fast.native_layers == len(target._fast.layers)
+    tokens = torch.randint(0, target.vocab_size, (40,), generator=torch.Generator().manual_seed(7)).tolist()
+    chunks = [tokens[:19], *[[t] for t in tokens[19:23]], tokens[23:28], tokens[28:29], tokens[29:]]
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        ours, our_cache = _run(target, chunks, native=True)
+    finally:
+        torch.set_num_threads(before)
+    theirs, their_cache = _run(target, chunks, native=False)
+    for mine, reference in zip(ours + our_cache, theirs + their_cache):
+        assert (mine - reference).abs().max().item() <= 1e-5 * max(reference.abs().max().item(), 1.0)
+
+
 def _one_call_per_layer(layers, x, start, rope, keys, values, slots=None, visible=None):
     """What `run_layers` replaces: each C layer called from Python in turn."""
     for i, layer in enumerate(layers):

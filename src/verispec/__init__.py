@@ -46,19 +46,4 @@ def __dir__() -> list[str]:
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "ConfigError",
-    "GenerationResult",
-    "GenerationStats",
-    "METHODS",
-    "MethodOptions",
-    "ModelLoadError",
-    "SamplingConfig",
-    "Target",
-    "TextStream",
-    "VerispecError",
-    "generate",
-    "load",
-    "method_names",
-    "stream",
-]
+__all__ = sorted(_EXPORTS)

@@ -83,7 +83,7 @@ class Linear:
         return Linear(weight, bias)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        packed = self._pack()
+        packed = self._packed if self._packed is not None else self._pack()  # a call only until packed
         if packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
