@@ -168,14 +168,8 @@ def test_bad_arguments_are_refused_not_computed():
         layer(x, 0, cos, sin, cache.keys[0], cache.values[0], torch.tensor([0, 4]), torch.ones(2, 2, dtype=torch.bool))
 
 
-@pytest.mark.parametrize("threads", [1, 3, 5])
-def test_attention_split_over_threads_matches(threads):
-    """One-token steps split each key range over the threads (some parts empty at the first
-    positions); the merged result must not depend on how many parts there were."""
-    target = make_target_for_path("gemma3-blocks", seed=3)
-    assert target._fast.native_layers == len(target._fast.layers)
-    tokens = torch.randint(0, target.vocab_size, (2 * SLIDING_WINDOW + 3,), generator=torch.Generator().manual_seed(3))
-    chunks = [[t] for t in tokens.tolist()]  # a one-token prompt, then one token at a time
+def _assert_native_matches_on(target, chunks: list[list[int]], threads: int) -> None:
+    """The C layers on `threads` threads give the PyTorch layers' logits and cache (relative 1e-5)."""
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(threads)
@@ -185,6 +179,17 @@ def test_attention_split_over_threads_matches(threads):
     theirs, their_cache = _run(target, chunks, native=False)
     for mine, reference in zip(ours + our_cache, theirs + their_cache):
         assert (mine - reference).abs().max().item() <= 1e-5 * max(reference.abs().max().item(), 1.0)
+
+
+@pytest.mark.parametrize("threads", [1, 3, 5])
+def test_attention_split_over_threads_matches(threads):
+    """One-token steps split each key range over the threads (some parts empty at the first
+    positions); the merged result must not depend on how many parts there were."""
+    target = make_target_for_path("gemma3-blocks", seed=3)
+    assert target._fast.native_layers == len(target._fast.layers)
+    tokens = torch.randint(0, target.vocab_size, (2 * SLIDING_WINDOW + 3,), generator=torch.Generator().manual_seed(3))
+    chunks = [[t] for t in tokens.tolist()]  # a one-token prompt, then one token at a time
+    _assert_native_matches_on(target, chunks, threads)
 
 
 @pytest.mark.parametrize("threads", [1, 2])
@@ -202,15 +207,7 @@ def test_wide_heads_and_large_groups_match(threads):
     assert target._fast.native_layers == len(target._fast.layers)
     tokens = torch.randint(0, target.vocab_size, (40,), generator=torch.Generator().manual_seed(7)).tolist()
     chunks = [tokens[:19], *[[t] for t in tokens[19:23]], tokens[23:28], tokens[28:29], tokens[29:]]
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(threads)
-        ours, our_cache = _run(target, chunks, native=True)
-    finally:
-        torch.set_num_threads(before)
-    theirs, their_cache = _run(target, chunks, native=False)
-    for mine, reference in zip(ours + our_cache, theirs + their_cache):
-        assert (mine - reference).abs().max().item() <= 1e-5 * max(reference.abs().max().item(), 1.0)
+    _assert_native_matches_on(target, chunks, threads)
 
 
 def _one_call_per_layer(layers, x, start, rope, keys, values, slots=None, visible=None):
