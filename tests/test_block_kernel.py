@@ -209,3 +209,29 @@ def test_quantize_blocks_approximates_within_half_a_step():
     assert not torch.equal(form.dequantize(), weight)  # an approximation, not exact
     with pytest.raises(ValueError, match="multiple"):
         quantize_blocks(torch.randn(4, 40))
+
+
+def test_auto_dtype_prefers_float32_for_a_block_kernel_model(monkeypatch, tmp_path):
+    """'auto' is float32 for a model the block kernel runs, whatever the CPU; for any other model
+    it is bfloat16 only where the CPU has native bf16 units."""
+    from verispec import model as model_module
+    from verispec.errors import ModelLoadError
+
+    for native in (True, False):
+        monkeypatch.setattr(model_module, "cpu_has_native_bf16", lambda: native)
+        assert model_module.resolve_dtype("auto", block_kernel_model=True) == torch.float32
+        assert model_module.resolve_dtype("auto") == (torch.bfloat16 if native else torch.float32)
+        assert model_module.resolve_dtype("bfloat16", block_kernel_model=True) == torch.bfloat16
+    with pytest.raises(ModelLoadError):
+        model_module.resolve_dtype("int8", block_kernel_model=True)
+
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF")
+    assert model_module.runs_on_block_kernel(None)  # the embedded default (a C compiler is required here)
+    assert model_module.runs_on_block_kernel(str(gguf))
+    assert not model_module.runs_on_block_kernel(str(tmp_path / "missing.gguf"))
+    assert not model_module.runs_on_block_kernel(str(tmp_path))  # a transformers directory
+    assert not model_module.runs_on_block_kernel(None, fast=False)
+    assert not model_module.runs_on_block_kernel(None, block_kernel=False)
+    monkeypatch.setitem(blockmm._state, "kernel", (None, "no C compiler (cc) found"))
+    assert not model_module.runs_on_block_kernel(None)

@@ -117,6 +117,18 @@ def test_block_kernel_covers_every_linear_and_keeps_the_output(real_target):
         assert blocks_ids == python_ids, method
 
 
+def test_auto_dtype_runs_the_default_model_on_the_block_kernel(monkeypatch):
+    """On a CPU with native bf16 (faked here), 'auto' still loads the default GGUF model in float32
+    on the block kernel, which is several times faster than bf16 there (model.py), and without
+    the block kernel it loads bf16."""
+    from verispec import model as model_module
+
+    monkeypatch.setattr(model_module, "cpu_has_native_bf16", lambda: True)
+    auto = verispec.load(None)
+    assert auto.dtype == torch.float32 and auto.block_kernel_summary != "off"
+    assert verispec.load(None, block_kernel=False).dtype == torch.bfloat16
+
+
 def test_shipped_exit_head_is_used_by_eesd_and_stays_exact(real_target):
     """`--method eesd` needs no flag: the head for the default model ships in the package, its
     drafts are accepted on an easy continuation, and greedy output equals `ar`. Acceptance is

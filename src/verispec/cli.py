@@ -40,7 +40,7 @@ DEMO_PROMPT = (
 
 # Options several commands share.
 MODEL_OPTION = typer.Option(None, help="Model directory, .gguf file or cached hub id (default: embedded Gemma 3 270M).")
-DTYPE_OPTION = typer.Option("auto", help="auto | float32 | bfloat16 | float16 (auto: bf16 only on CPUs with native bf16).")
+DTYPE_OPTION = typer.Option("auto", help="auto | float32 | bfloat16 | float16 (auto: float32 for a GGUF model on the block kernel, e.g. the default; otherwise bf16 only on CPUs with native bf16).")
 FAST_OPTION = typer.Option(True, "--fast/--no-fast", help="Use the fast forward path where the model supports it (--no-fast: transformers' eager forward).")
 BLOCK_OPTION = typer.Option(
     True, "--block-kernel/--no-block-kernel",
@@ -256,7 +256,7 @@ def bench(
     from .control import parse_controller
     from .engine import DecodeConfig
     from .methods import MethodOptions, parse_variant
-    from .model import resolve_dtype
+    from .model import resolve_dtype, runs_on_block_kernel
     from .sampling import SamplingConfig
 
     command = shlex.join(["verispec", *sys.argv[1:]])
@@ -283,7 +283,8 @@ def bench(
             draft_model=_resolved_path_or_id(draft_model) if (
                 any(get_peer(p).needs_draft_model for p in peer_names)
                 or any(parse_variant(m)[0] in ("sps", "mtad") for m in method_names)) else None,
-            dtype=str(resolve_dtype(dtype)).replace("torch.", ""),
+            dtype=str(resolve_dtype(dtype, block_kernel_model=runs_on_block_kernel(
+                model, fast=fast, block_kernel=block_kernel))).replace("torch.", ""),
             # A named set is identified by its name and content, not by where it is installed.
             dataset=dataset if dataset in datasets.DATASET_NAMES else str(path.resolve()),
             dataset_sha256=datasets.file_digest(path),
