@@ -185,6 +185,39 @@ def test_perplexity_is_token_weighted_and_skips_empty_outputs():
     assert metrics.summarize([rec(1, "ar", 1.0, ppl=None)], ["ar"])["overall"]["ar"]["perplexity"] is None
 
 
+def test_perplexity_against_the_baseline_is_paired_by_prompt():
+    """ln ppl(method) - ln ppl(ar) per prompt, averaged, with its standard error; prompts without
+    a baseline score are left out; one pair gives a mean but no standard error."""
+    records = [
+        rec(1, "ar", 1.0, ppl=2.0), rec(2, "ar", 1.0, ppl=4.0), rec(3, "ar", 1.0, ppl=None),
+        rec(1, "mtad", 1.0, ppl=1.0), rec(2, "mtad", 1.0, ppl=4.0), rec(3, "mtad", 1.0, ppl=3.0),
+    ]
+    summary = metrics.summarize(records, ["ar", "mtad"], greedy=False)
+    mtad = summary["overall"]["mtad"]
+    diffs = [math.log(1.0 / 2.0), 0.0]
+    assert mtad["log_perplexity_vs_baseline"] == pytest.approx(sum(diffs) / 2)
+    assert mtad["log_perplexity_vs_baseline_se"] == pytest.approx(abs(diffs[0] - diffs[1]) / math.sqrt(2) / math.sqrt(2))
+    assert summary["overall"]["ar"]["log_perplexity_vs_baseline"] == 0.0
+    one = metrics.summarize(records[:1] + records[3:4], ["ar", "mtad"], greedy=False)["overall"]["mtad"]
+    assert one["log_perplexity_vs_baseline"] == pytest.approx(math.log(0.5))
+    assert one["log_perplexity_vs_baseline_se"] is None
+    assert metrics.summarize([rec(1, "mtad", 1.0, ppl=2.0)], ["mtad"], greedy=False)["overall"]["mtad"][
+        "log_perplexity_vs_baseline"] is None  # no baseline
+
+
+def test_report_shows_the_paired_perplexity_only_for_sampled_runs():
+    from verispec.bench.report import perplexity_section
+
+    records = [rec(q, m, 1.0, ppl=p) for q, m, p in
+               [(1, "ar", 2.0), (2, "ar", 4.0), (1, "sps", 2.5), (2, "sps", 4.5)]]
+    sampled = perplexity_section(metrics.summarize(records, ["ar", "sps"], greedy=False))
+    table = [line for line in sampled if line.startswith("| sps |")]
+    expected = (math.log(2.5 / 2.0) + math.log(4.5 / 4.0)) / 2
+    assert len(table) == 1 and f"{expected:+.3f}" in table[0] and f"{math.exp(expected):.3f}" in table[0]
+    assert not any(line.startswith("| ar |") for line in sampled)  # the baseline against itself is left out
+    assert perplexity_section(metrics.summarize(records, ["ar", "sps"], greedy=True)) == []
+
+
 def test_energy_is_null_when_any_generation_was_not_measured():
     records = [rec(1, "ar", 1.0, energy_j=5.0), rec(2, "ar", 1.0, energy_j=None)]
     ar = metrics.summarize(records, ["ar"])["overall"]["ar"]

@@ -27,6 +27,11 @@ Other metrics, per method:
   only; None under sampling), and the first position where they differ;
 - perplexity: exp of the token-weighted mean NLL of the generated tokens under the target, i.e.
   exp(sum_i n_i * ln(ppl_i) / sum_i n_i) over prompts (ln ppl_i is prompt i's mean NLL);
+- perplexity against the baseline, paired by prompt (sampled runs): the mean over prompts of
+  ln ppl(method) - ln ppl(baseline) on the same prompt, with its standard error (sample standard
+  deviation / sqrt(prompts); None below 2 prompts). Sampled texts vary so much between prompts
+  that the overall perplexities of two methods need many prompts to separate; pairing removes
+  each prompt's own difficulty. exp(mean) is the ratio of the per-prompt geometric means;
 - CPU seconds per generated token = sum CPU seconds / sum new tokens;
 - energy: sum of joules, or None ("not measured") if any generation had no meter reading.
 """
@@ -183,6 +188,8 @@ def method_summary(
         "first_difference_mean": None,
         "first_difference_min": None,
         "perplexity": _perplexity(results),
+        "log_perplexity_vs_baseline": None,
+        "log_perplexity_vs_baseline_se": None,
         "prefill_s": _sum_or_none([r.prefill_s for r in results]),
         "cpu_s": cpu_s,
         "cpu_s_per_token": _ratio(cpu_s, new_tokens),
@@ -200,6 +207,12 @@ def method_summary(
     per_prompt = [_ratio(r.tokens_per_s, b.tokens_per_s) for r, b in pairs]
     per_prompt = [s for s in per_prompt if s is not None]
     summary["mean_speedup"] = statistics.fmean(per_prompt) if per_prompt else None
+    paired = [math.log(r.perplexity) - math.log(b.perplexity) for r, b in pairs
+              if r.perplexity is not None and b.perplexity is not None]
+    if paired:
+        summary["log_perplexity_vs_baseline"] = statistics.fmean(paired)
+        if len(paired) >= 2:
+            summary["log_perplexity_vs_baseline_se"] = statistics.stdev(paired) / math.sqrt(len(paired))
     if greedy:
         differences = [first_difference(b.token_ids, r.token_ids) for r, b in pairs]
         summary["exact_match"] = sum(d is None for d in differences) / len(differences)

@@ -239,6 +239,27 @@ def _plot_histograms(out_dir: Path, summary: dict) -> Path | None:
 # -- report.md --------------------------------------------------------------------------------
 
 
+def perplexity_section(summary: dict) -> list[str]:
+    """Markdown lines: each method's perplexity against the baseline, paired by prompt (sampled
+    runs with a baseline and at least two scored prompts; greedy methods that match the baseline
+    would only show zeros)."""
+    baseline = summary["baseline"]
+    rows = [(m, s) for m, s in summary["overall"].items()
+            if m != baseline and s.get("log_perplexity_vs_baseline_se") is not None]
+    if summary["greedy"] or not rows:
+        return []
+    lines = ["", f"## Perplexity against {baseline}, paired by prompt", "",
+             f"Mean over prompts of ln ppl(method) - ln ppl({baseline}) on the same prompt, its standard "
+             "error and a normal 95% interval; ratio = exp(mean), the ratio of per-prompt geometric means.", "",
+             "| method | mean ln-ppl difference | standard error | 95% interval | ratio |",
+             "|---|---:|---:|---:|---:|"]
+    for method, s in rows:
+        mean, error = s["log_perplexity_vs_baseline"], s["log_perplexity_vs_baseline_se"]
+        lines.append(f"| {method} | {mean:+.3f} | {error:.3f} | {mean - 1.96 * error:+.3f} .. "
+                     f"{mean + 1.96 * error:+.3f} | {math.exp(mean):.3f} |")
+    return lines
+
+
 def render_markdown(summary: dict, config: dict, energy_meter: str, plots: Sequence[Path] = ()) -> str:
     settings, info = config["settings"], config["info"]
     machine = info.get("machine") or machine_info()
@@ -311,6 +332,7 @@ def render_markdown(summary: dict, config: dict, energy_meter: str, plots: Seque
             lines.append(f"- {method}: {' '.join(map(str, s['accepted_histogram']))}")
     if not any_histogram:
         lines.append("- none reported")
+    lines += perplexity_section(summary)
     differing = [(m, s) for m, s in summary["overall"].items() if s.get("first_difference_min") is not None]
     if differing:
         lines += ["", "## Outputs that differ from the baseline", ""]
