@@ -84,7 +84,8 @@ def runs_on_block_kernel(model: str | None, *, fast: bool = True, block_kernel: 
     """Whether loading `model` in float32 would put its linears on the block kernel, as far as can
     be told before reading it: a GGUF model (None, the embedded default, or a `.gguf` file) on
     the fast path, with the kernel built here."""
-    gguf = model is None or (model.endswith(".gguf") and Path(model).expanduser().is_file())
+    path = None if model is None else Path(model).expanduser()
+    gguf = path is None or (path.suffix == ".gguf" and path.is_file())  # as `_resolve_source` tells them
     return gguf and _block_kernel_available(fast, block_kernel)
 
 
