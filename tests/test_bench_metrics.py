@@ -218,6 +218,34 @@ def test_report_shows_the_paired_perplexity_only_for_sampled_runs():
     assert perplexity_section(metrics.summarize(records, ["ar", "sps"], greedy=True)) == []
 
 
+def test_repeated_ngrams_counts_the_grams_seen_earlier_in_the_same_output():
+    assert metrics.repeated_ngrams([1, 2, 3, 4, 5]) == (0, 2)
+    assert metrics.repeated_ngrams([1, 2, 3, 4, 1, 2, 3, 4]) == (1, 5)  # only (1, 2, 3, 4) comes back
+    assert metrics.repeated_ngrams([7] * 10) == (6, 7)  # every 4-gram after the first
+    assert metrics.repeated_ngrams([1, 2, 3]) == (0, 0)
+    assert metrics.repeated_ngrams([1, 2, 1, 2, 1], n=2) == (2, 4)
+
+
+def test_the_repeated_share_is_pooled_over_prompts_and_reported_with_the_paired_perplexity():
+    from verispec.bench.report import perplexity_section
+
+    records = [
+        rec(1, "ar", 1.0, new_tokens=6, token_ids=[1, 2, 3, 4, 5, 6], ppl=2.0),  # 0 of 3
+        rec(2, "ar", 1.0, new_tokens=5, token_ids=[1, 2, 3, 4, 5], ppl=3.0),  # 0 of 2
+        rec(1, "mtad", 1.0, new_tokens=8, token_ids=[5] * 8, ppl=1.5),  # 4 of 5
+        rec(2, "mtad", 1.0, new_tokens=2, token_ids=[1, 2], ppl=2.0),  # no 4-gram at all
+    ]
+    summary = metrics.summarize(records, ["ar", "mtad"], greedy=False)
+    assert summary["overall"]["ar"]["repeated_4grams"] == 0.0
+    assert summary["overall"]["mtad"]["repeated_4grams"] == pytest.approx(4 / 5)
+    assert metrics.compact(summary)["methods"]["mtad"]["repeated_4grams"] == 0.8
+    lines = perplexity_section(summary)
+    assert any(line.startswith("| mtad |") and line.endswith("| 80.0% |") for line in lines)
+    assert any("(ar: 0.0%)" in line for line in lines)
+    empty = metrics.summarize([rec(1, "ar", 1.0, new_tokens=2, token_ids=[1, 2])], ["ar"])
+    assert empty["overall"]["ar"]["repeated_4grams"] is None
+
+
 def test_energy_is_null_when_any_generation_was_not_measured():
     records = [rec(1, "ar", 1.0, energy_j=5.0), rec(2, "ar", 1.0, energy_j=None)]
     ar = metrics.summarize(records, ["ar"])["overall"]["ar"]
@@ -243,7 +271,7 @@ def test_method_order_and_compact_summary():
     assert compact["methods"]["m"]["speedup"] == pytest.approx(2.0)
     assert set(compact["methods"]["m"]) == {
         "tokens_per_s", "speedup", "mean_accepted_tokens", "acceptance_rate", "exact_match",
-        "perplexity", "cpu_s_per_token", "energy_j",
+        "perplexity", "repeated_4grams", "cpu_s_per_token", "energy_j",
     }
 
 

@@ -462,7 +462,8 @@ def train_exit(
     init_layer: Optional[int] = typer.Option(None, "--init-layer", help="Target layer the head's layer starts from (default: layer N, the first one the draft skips)."),
     corpus: Optional[str] = typer.Option(None, help="Training text: JSONL with a 'text' field, or plain text (default: the shipped corpus the default model generated)."),
     generate_corpus: bool = typer.Option(False, "--generate-corpus", help="First let the target continue the shipped training prompts, and train on that."),
-    corpus_tokens: int = typer.Option(256, "--corpus-tokens", help="With --generate-corpus: tokens generated per prompt."),
+    corpus_tokens: int = typer.Option(256, "--corpus-tokens", help="With --generate-corpus: tokens generated per prompt (an article: twice that, its summary and answer: half)."),
+    corpus_samples: int = typer.Option(1, "--corpus-samples", help="With --generate-corpus: continuations sampled per prompt."),
     steps: int = typer.Option(1500, help="Optimiser steps."),
     batch: int = typer.Option(4, help="Sequences per step."),
     sequence_length: int = typer.Option(256, "--sequence-length", help="Tokens per training sequence."),
@@ -489,12 +490,15 @@ def train_exit(
         corpus_path = Path(corpus) if corpus else CORPUS_PATH
         if corpus and not corpus_path.is_file():
             _fail(f"corpus file not found: {corpus}")
+        if generate_corpus and (corpus_tokens < 2 or corpus_samples < 1):
+            _fail(f"--corpus-tokens must be >= 2 and --corpus-samples >= 1, got {corpus_tokens} and {corpus_samples}")
         target = _load(model, "float32")
         if generate_corpus:
             prompts = read_prompts(PROMPTS_PATH)
             corpus_path = directory / "corpus.jsonl"
-            with tqdm(total=len(prompts), desc="corpus", unit="prompt") as bar:
-                make_corpus(target, prompts, corpus_tokens, corpus_path, seed=seed, progress=bar.update)
+            with tqdm(total=len(prompts) * corpus_samples, desc="corpus", unit="sample") as bar:
+                make_corpus(target, prompts, corpus_tokens, corpus_path, samples=corpus_samples, seed=seed,
+                            progress=bar.update)
 
         def progress(total, desc, initial=0):
             return tqdm(total=total, desc=desc, initial=initial, unit="step" if desc == "train" else "seq")

@@ -32,6 +32,9 @@ Other metrics, per method:
   deviation / sqrt(prompts); None below 2 prompts). Sampled texts vary so much between prompts
   that the overall perplexities of two methods need many prompts to separate; pairing removes
   each prompt's own difficulty. exp(mean) is the ratio of the per-prompt geometric means;
+- repeated 4-grams: of all 4-grams of token ids in the outputs, the share that already occurred
+  earlier in the same output (pooled over prompts). Lower perplexity can come from text that
+  repeats itself (beam search is known for it), so sampled runs report the two side by side;
 - CPU seconds per generated token = sum CPU seconds / sum new tokens;
 - energy: sum of joules, or None ("not measured") if any generation had no meter reading.
 """
@@ -151,6 +154,25 @@ def _histogram_sum(histograms: list) -> list[int] | None:
     return total
 
 
+REPEAT_NGRAM = 4
+
+
+def repeated_ngrams(token_ids: Sequence[int], n: int = REPEAT_NGRAM) -> tuple[int, int]:
+    """(n-grams of `token_ids` that already occurred earlier in it, all its n-grams)."""
+    seen: set[tuple[int, ...]] = set()
+    repeated = 0
+    for i in range(len(token_ids) - n + 1):
+        gram = tuple(token_ids[i : i + n])
+        repeated += gram in seen
+        seen.add(gram)
+    return repeated, max(len(token_ids) - n + 1, 0)
+
+
+def _repeated_share(results: list[PromptResult]) -> float | None:
+    counts = [repeated_ngrams(r.token_ids) for r in results]
+    return _ratio(sum(c[0] for c in counts), sum(c[1] for c in counts) or None)
+
+
 def _perplexity(results: list[PromptResult]) -> float | None:
     scored = [(r.new_tokens, r.perplexity) for r in results if r.perplexity is not None and r.new_tokens > 0]
     tokens = sum(n for n, _ in scored)
@@ -190,6 +212,7 @@ def method_summary(
         "perplexity": _perplexity(results),
         "log_perplexity_vs_baseline": None,
         "log_perplexity_vs_baseline_se": None,
+        "repeated_4grams": _repeated_share(results),
         "prefill_s": _sum_or_none([r.prefill_s for r in results]),
         "cpu_s": cpu_s,
         "cpu_s_per_token": _ratio(cpu_s, new_tokens),
@@ -290,6 +313,7 @@ def compact(summary: dict) -> dict:
                 "acceptance_rate": r(s["acceptance_rate"]),
                 "exact_match": r(s["exact_match"]),
                 "perplexity": r(s["perplexity"]),
+                "repeated_4grams": r(s["repeated_4grams"]),
                 "cpu_s_per_token": r(s["cpu_s_per_token"]),
                 "energy_j": r(s["energy_j"]),
             }

@@ -250,13 +250,18 @@ def perplexity_section(summary: dict) -> list[str]:
         return []
     lines = ["", f"## Perplexity against {baseline}, paired by prompt", "",
              f"Mean over prompts of ln ppl(method) - ln ppl({baseline}) on the same prompt, its standard "
-             "error and a normal 95% interval; ratio = exp(mean), the ratio of per-prompt geometric means.", "",
-             "| method | mean ln-ppl difference | standard error | 95% interval | ratio |",
-             "|---|---:|---:|---:|---:|"]
+             "error and a normal 95% interval; ratio = exp(mean), the ratio of per-prompt geometric means. "
+             "Repeated 4-grams: the share of an output's 4-grams of tokens that already occurred earlier in "
+             f"it, pooled over prompts ({baseline}: "
+             f"{_num(summary['overall'][baseline].get('repeated_4grams'), '{:.1%}')}); text that repeats "
+             "itself also scores a low perplexity.", "",
+             "| method | mean ln-ppl difference | standard error | 95% interval | ratio | repeated 4-grams |",
+             "|---|---:|---:|---:|---:|---:|"]
     for method, s in rows:
         mean, error = s["log_perplexity_vs_baseline"], s["log_perplexity_vs_baseline_se"]
         lines.append(f"| {method} | {mean:+.3f} | {error:.3f} | {mean - 1.96 * error:+.3f} .. "
-                     f"{mean + 1.96 * error:+.3f} | {math.exp(mean):.3f} |")
+                     f"{mean + 1.96 * error:+.3f} | {math.exp(mean):.3f} | "
+                     f"{_num(s.get('repeated_4grams'), '{:.1%}')} |")
     return lines
 
 

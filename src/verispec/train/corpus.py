@@ -1,12 +1,18 @@
 """The exit-head training corpus: project-written prompts, continued by the target itself.
 
 Owns the prompt list (`data/prompts.jsonl`, written for this project: instructions, questions and
-passages across writing, code, math, summarisation, question answering, translation and chat,
-kept apart from every benchmark prompt so that training never sees evaluation text), the
-generation of the corpus (the target samples continuations of the prompts, formatted like the
-benchmark formats them; batched `generate()` because this is offline data making, not
-decoding), and reading/writing the corpus file (JSONL, one document a line:
+passages across writing, role-play, reasoning, code, math and word problems, science, humanities,
+summarisation, question answering, extraction, translation and chat, kept apart from every
+benchmark prompt so that training never sees evaluation text), the generation of the corpus (the
+target samples continuations of the prompts, formatted like the benchmark formats them, with the
+engine's `ar` on the fast path), and reading/writing the corpus file (JSONL, one document a line:
 {"prompt": ..., "text": prompt + continuation}).
+
+A prompt record is either {"prompt": instruction} or {"article": topic, "question": question}:
+for the second the target first writes a news article on the topic, and that article then
+becomes the passage of two more documents, "Summarize: <article>" and "<article>\n<question>"
+(the shapes of Spec-Bench's summarisation and retrieval prompts), so the long-passage contexts
+of those tasks are covered by text the target wrote, not by text from elsewhere.
 
 The corpus generated for the embedded default model ships as `data/corpus.jsonl`; regenerate it
 with `verispec train-exit --generate-corpus`.
@@ -15,10 +21,9 @@ with `verispec train-exit --generate-corpus`.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
-
-import torch
+from typing import Callable, Iterator
 
 from ..errors import ConfigError
 from ..text import PLAIN_TEMPLATE
@@ -28,14 +33,36 @@ PROMPTS_PATH = DATA / "prompts.jsonl"
 CORPUS_PATH = DATA / "corpus.jsonl"
 
 
-def read_prompts(path: Path = PROMPTS_PATH) -> list[str]:
+@dataclass(frozen=True)
+class PromptRecord:
+    """One line of the prompt list: an instruction, or an article topic with a question."""
+
+    prompt: str | None = None
+    article: str | None = None
+    question: str | None = None
+
+    def __post_init__(self) -> None:
+        if (self.prompt is None) == (self.article is None) or (self.article is not None) != (self.question is not None):
+            raise ConfigError("a prompt record has either 'prompt', or 'article' and 'question'")
+        for value in (self.prompt, self.article, self.question):
+            if value is not None and (not isinstance(value, str) or not value.strip()):
+                raise ConfigError("prompt, article and question must be non-empty strings")
+
+    @property
+    def documents(self) -> int:
+        """Documents one sample of this record writes (an article writes three)."""
+        return 1 if self.prompt is not None else 3
+
+
+def read_prompts(path: Path = PROMPTS_PATH) -> list[PromptRecord]:
     prompts = []
     for number, line in enumerate(path.read_text().splitlines(), start=1):
         if not line.strip():
             continue
         try:
-            prompts.append(json.loads(line)["prompt"])
-        except (ValueError, KeyError, TypeError) as error:
+            record = json.loads(line)
+            prompts.append(PromptRecord(record.get("prompt"), record.get("article"), record.get("question")))
+        except (ValueError, TypeError, AttributeError, ConfigError) as error:
             raise ConfigError(f"{path}:{number}: not a prompt record ({error})") from error
     return prompts
 
@@ -58,33 +85,43 @@ def read_corpus(path: Path = CORPUS_PATH) -> list[str]:
     return [block.strip() for block in raw.split("\n\n") if block.strip()]
 
 
-def generate_corpus(target, prompts: list[str], new_tokens: int, out: Path, *, batch: int = 8,
+def generate_corpus(target, prompts: list[PromptRecord], new_tokens: int, out: Path, *, samples: int = 1,
                     temperature: float = 0.8, top_p: float = 0.95, seed: int = 0,
-                    progress=None) -> Path:
-    """Continue every prompt with the target (sampling) and write the corpus JSONL."""
-    tokenizer = target.tokenizer
-    torch.manual_seed(seed)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+                    progress: Callable[[int], None] | None = None) -> Path:
+    """Continue every prompt `samples` times with the target (sampling, `ar`) and write the
+    corpus JSONL. Sample s of record i is seeded with seed + i * samples + s, so the corpus is
+    reproducible and each record's samples differ. An article is written with 2 * new_tokens
+    tokens; its summary and answer with new_tokens // 2 (Spec-Bench's answers are short).
+    `progress` is called with 1 per finished sample."""
+    from ..api import generate
+
+    if new_tokens < 2 or samples < 1:
+        raise ConfigError("corpus generation needs new_tokens >= 2 and samples >= 1")
+
+    def continue_(prompt: str, tokens: int, sample_seed: int) -> dict:
+        text = PLAIN_TEMPLATE.format(prompt=prompt)
+        result = generate(target, text, "ar", max_new_tokens=tokens, temperature=temperature, top_k=0,
+                          top_p=top_p, seed=sample_seed)
+        return {"prompt": text, "text": text + result.text}
+
     out.parent.mkdir(parents=True, exist_ok=True)
     with out.open("w") as sink:
-        for begin in range(0, len(prompts), batch):
-            chunk = prompts[begin : begin + batch]
-            texts = [PLAIN_TEMPLATE.format(prompt=p) for p in chunk]
-            encoded = [tokenizer(t)["input_ids"] for t in texts]
-            width = max(len(e) for e in encoded)
-            ids = torch.tensor([[pad] * (width - len(e)) + e for e in encoded])  # left padding
-            mask = torch.tensor([[0] * (width - len(e)) + [1] * len(e) for e in encoded])
-            with torch.inference_mode():
-                generated = target.model.generate(
-                    input_ids=ids, attention_mask=mask, do_sample=True, temperature=temperature,
-                    top_p=top_p, max_new_tokens=new_tokens, pad_token_id=pad,
-                )
-            for text, row in zip(texts, generated[:, width:]):
-                continuation = tokenizer.decode(row, skip_special_tokens=True)
-                sink.write(json.dumps({"prompt": text, "text": text + continuation}) + "\n")
-            sink.flush()
-            if progress is not None:
-                progress(len(chunk))
+        for index, record in enumerate(prompts):
+            for sample in range(samples):
+                sample_seed = seed + index * samples + sample
+                if record.prompt is not None:
+                    documents = [continue_(record.prompt, new_tokens, sample_seed)]
+                else:
+                    written = continue_(f"Write a news article about {record.article}.", 2 * new_tokens, sample_seed)
+                    article = written["text"][len(written["prompt"]):].strip()
+                    documents = [written,
+                                 continue_(f"Summarize: {article}", new_tokens // 2, sample_seed),
+                                 continue_(f"{article}\n{record.question}", new_tokens // 2, sample_seed)]
+                for document in documents:
+                    sink.write(json.dumps(document) + "\n")
+                sink.flush()
+                if progress is not None:
+                    progress(1)
     return out
 
 

@@ -1,0 +1,75 @@
+"""The exit-head training corpus: the shipped prompt list parses, bad records are refused with
+their line, and corpus generation writes the documents it promises (an article and the two
+documents built on it), reproducibly from its seed."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import helpers
+from verispec.errors import ConfigError
+from verispec.text import PLAIN_TEMPLATE
+from verispec.train.corpus import PROMPTS_PATH, PromptRecord, generate_corpus, read_corpus, read_prompts
+
+
+def test_the_shipped_prompt_list_parses_and_has_both_kinds_of_record():
+    records = read_prompts(PROMPTS_PATH)
+    plain = [r for r in records if r.prompt is not None]
+    articles = [r for r in records if r.article is not None]
+    assert len(plain) >= 250 and len(articles) >= 20
+    assert all(r.question for r in articles)
+    assert len({r.prompt for r in plain}) == len(plain), "a prompt is listed twice"
+
+
+@pytest.mark.parametrize("line, reason", [
+    ('{"prompt": "a", "article": "b", "question": "c"}', "either"),
+    ('{"article": "a topic"}', "either"),
+    ('{"question": "why?"}', "either"),
+    ('{"prompt": "   "}', "non-empty"),
+    ('{"prompt": 3}', "non-empty"),
+    ('not json', "not a prompt record"),
+    ('["a list"]', "not a prompt record"),
+])
+def test_a_bad_prompt_record_is_refused_with_its_line(tmp_path, line, reason):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text('{"prompt": "fine"}\n' + line + "\n")
+    with pytest.raises(ConfigError, match=rf"prompts.jsonl:2: .*{reason}"):
+        read_prompts(path)
+
+
+def test_generate_corpus_writes_each_prompt_and_each_article_with_its_summary_and_answer(tmp_path):
+    target = helpers.make_target("gemma3", seed=3, tokenizer=helpers.char_tokenizer())
+    records = [PromptRecord(prompt="abc"), PromptRecord(article="cab", question="ba?")]
+    out = tmp_path / "corpus.jsonl"
+    calls = []
+    generate_corpus(target, records, 8, out, samples=2, seed=5, progress=calls.append)
+    documents = [json.loads(line) for line in out.read_text().splitlines()]
+    assert calls == [1, 1, 1, 1]
+    assert len(documents) == 2 * 1 + 2 * 3
+    for document in documents:
+        assert document["text"].startswith(document["prompt"])
+    assert [d["prompt"] for d in documents[:2]] == [PLAIN_TEMPLATE.format(prompt="abc")] * 2
+    for sample in range(2):
+        written, summary, answer = documents[2 + 3 * sample : 5 + 3 * sample]
+        assert written["prompt"] == PLAIN_TEMPLATE.format(prompt="Write a news article about cab.")
+        article = written["text"][len(written["prompt"]):].strip()
+        assert summary["prompt"] == PLAIN_TEMPLATE.format(prompt=f"Summarize: {article}")
+        assert answer["prompt"] == PLAIN_TEMPLATE.format(prompt=f"{article}\nba?")
+    assert read_corpus(out) == [d["text"] for d in documents]
+    # reproducible from the seed; another seed samples other text
+    again = tmp_path / "again.jsonl"
+    generate_corpus(target, records, 8, again, samples=2, seed=5)
+    assert again.read_text() == out.read_text()
+    other = tmp_path / "other.jsonl"
+    generate_corpus(target, records, 8, other, samples=2, seed=6)
+    assert other.read_text() != out.read_text()
+
+
+def test_generate_corpus_refuses_a_budget_it_cannot_split(tmp_path):
+    target = helpers.make_target("gemma3", seed=3, tokenizer=helpers.char_tokenizer())
+    with pytest.raises(ConfigError, match="new_tokens"):
+        generate_corpus(target, [PromptRecord(prompt="abc")], 1, tmp_path / "c.jsonl")
+    with pytest.raises(ConfigError, match="samples"):
+        generate_corpus(target, [PromptRecord(prompt="abc")], 8, tmp_path / "c.jsonl", samples=0)
