@@ -64,8 +64,8 @@ def assert_clean_error(result, *fragments: str):
         (["generate", "hi", "--draft-length", "0"], "draft length"),
         (["train-exit", "--steps", "0"], "steps must be"),
         (["train-exit", "--corpus", "no-such-corpus.jsonl"], "corpus file not found"),
-        (["train-exit", "--generate-corpus", "--corpus-samples", "0"], "--corpus-samples >= 1"),
-        (["train-exit", "--generate-corpus", "--corpus-tokens", "1"], "--corpus-tokens must be >= 2"),
+        (["train-exit", "--generate-corpus", "--corpus-samples", "0"], "--corpus-samples >= 1 (got 256, 0)"),
+        (["train-exit", "--generate-corpus", "--corpus-tokens", "1"], "--corpus-tokens must be >= 2 and --corpus-samples >= 1 (got 1, 1)"),
     ],
 )
 def test_bad_arguments_fail_before_loading(no_model_loading, args, fragment):

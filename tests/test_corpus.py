@@ -19,7 +19,6 @@ def test_the_shipped_prompt_list_parses_and_has_both_kinds_of_record():
     plain = [r for r in records if r.prompt is not None]
     articles = [r for r in records if r.article is not None]
     assert len(plain) >= 250 and len(articles) >= 20
-    assert all(r.question for r in articles)
     assert len({r.prompt for r in plain}) == len(plain), "a prompt is listed twice"
 
 
@@ -69,7 +68,7 @@ def test_generate_corpus_writes_each_prompt_and_each_article_with_its_summary_an
 
 def test_generate_corpus_refuses_a_budget_it_cannot_split(tmp_path):
     target = helpers.make_target("gemma3", seed=3, tokenizer=helpers.char_tokenizer())
-    with pytest.raises(ConfigError, match="new_tokens"):
+    with pytest.raises(ConfigError, match=r"corpus-tokens must be >= 2 .*\(got 1, 1\)"):
         generate_corpus(target, [PromptRecord(prompt="abc")], 1, tmp_path / "c.jsonl")
-    with pytest.raises(ConfigError, match="samples"):
+    with pytest.raises(ConfigError, match=r"\(got 8, 0\)"):
         generate_corpus(target, [PromptRecord(prompt="abc")], 8, tmp_path / "c.jsonl", samples=0)

@@ -479,7 +479,7 @@ def train_exit(
 
     from tqdm import tqdm
 
-    from .train.corpus import CORPUS_PATH, PROMPTS_PATH, generate_corpus as make_corpus, read_prompts
+    from .train.corpus import CORPUS_PATH, PROMPTS_PATH, check_generation, generate_corpus as make_corpus, read_prompts
     from .train.exit_head import TrainConfig, train_exit_head
 
     try:
@@ -490,8 +490,8 @@ def train_exit(
         corpus_path = Path(corpus) if corpus else CORPUS_PATH
         if corpus and not corpus_path.is_file():
             _fail(f"corpus file not found: {corpus}")
-        if generate_corpus and (corpus_tokens < 2 or corpus_samples < 1):
-            _fail(f"--corpus-tokens must be >= 2 and --corpus-samples >= 1, got {corpus_tokens} and {corpus_samples}")
+        if generate_corpus:
+            check_generation(corpus_tokens, corpus_samples)
         target = _load(model, "float32")
         if generate_corpus:
             prompts = read_prompts(PROMPTS_PATH)

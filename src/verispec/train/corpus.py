@@ -48,11 +48,6 @@ class PromptRecord:
             if value is not None and (not isinstance(value, str) or not value.strip()):
                 raise ConfigError("prompt, article and question must be non-empty strings")
 
-    @property
-    def documents(self) -> int:
-        """Documents one sample of this record writes (an article writes three)."""
-        return 1 if self.prompt is not None else 3
-
 
 def read_prompts(path: Path = PROMPTS_PATH) -> list[PromptRecord]:
     prompts = []
@@ -85,6 +80,12 @@ def read_corpus(path: Path = CORPUS_PATH) -> list[str]:
     return [block.strip() for block in raw.split("\n\n") if block.strip()]
 
 
+def check_generation(new_tokens: int, samples: int) -> None:
+    """Refuse a corpus budget `generate_corpus` cannot use (the CLI asks before loading a model)."""
+    if new_tokens < 2 or samples < 1:
+        raise ConfigError(f"--corpus-tokens must be >= 2 and --corpus-samples >= 1 (got {new_tokens}, {samples})")
+
+
 def generate_corpus(target, prompts: list[PromptRecord], new_tokens: int, out: Path, *, samples: int = 1,
                     temperature: float = 0.8, top_p: float = 0.95, seed: int = 0,
                     progress: Callable[[int], None] | None = None) -> Path:
@@ -95,8 +96,7 @@ def generate_corpus(target, prompts: list[PromptRecord], new_tokens: int, out: P
     `progress` is called with 1 per finished sample."""
     from ..api import generate
 
-    if new_tokens < 2 or samples < 1:
-        raise ConfigError("corpus generation needs new_tokens >= 2 and samples >= 1")
+    check_generation(new_tokens, samples)
 
     def continue_(prompt: str, tokens: int, sample_seed: int) -> dict:
         text = PLAIN_TEMPLATE.format(prompt=prompt)

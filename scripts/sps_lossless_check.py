@@ -4,15 +4,18 @@ checks the production path on the first drafted position. The first generated to
 the prefill forward, never from a draft, so the check is on the first two tokens: their joint
 distribution over many seeds against the exact one (temperature / top-k / top-p applied to the
 target's logits, the second token's for each possible first token), by a chi-square
-goodness-of-fit test (cells with expected count < 5 pooled). `ar` runs alongside as a control.
+goodness-of-fit test (cells with expected count < 5 pooled; the test suite's `chi_square_pvalue`).
+`ar` runs alongside as a control.
 
-    python scripts/sps_first_token.py --seeds 1200
+    python scripts/sps_lossless_check.py --seeds 1200
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 from collections import Counter
+from pathlib import Path
 
 import torch
 from tqdm import tqdm
@@ -21,21 +24,10 @@ import verispec
 from verispec.sampling import SamplingConfig, probabilities
 from verispec.text import PLAIN_TEMPLATE
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from helpers import chi_square_pvalue  # noqa: E402  (the tests' chi-square, not a second copy)
+
 PROMPT = "Describe the town where you grew up, its streets and its people."
-
-
-def chi_square(counts: Counter, exact: dict, draws: int) -> tuple[float, int, float]:
-    """(statistic, degrees of freedom, p-value) of `counts` against `exact` (outcome -> probability)."""
-    if any(exact.get(outcome, 0.0) == 0.0 for outcome in counts):
-        return float("inf"), 0, 0.0
-    big = [(counts.get(o, 0), p * draws) for o, p in exact.items() if p * draws >= 5]
-    small = [(counts.get(o, 0), p * draws) for o, p in exact.items() if p * draws < 5]
-    cells = big + ([(sum(o for o, _ in small), sum(e for _, e in small))] if small else [])
-    statistic = sum((o - e) ** 2 / e for o, e in cells if e > 0)
-    df = len(cells) - 1
-    pvalue = float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64),
-                                           torch.tensor(statistic / 2, dtype=torch.float64)))  # chi-square survival
-    return statistic, df, pvalue
 
 
 def warped(target, ids: list[int], config: SamplingConfig) -> torch.Tensor:
@@ -68,7 +60,7 @@ def main() -> None:
             counts[tuple(result.token_ids[:2])] += 1
             drafted += result.stats.drafted
             accepted += result.stats.accepted
-        statistic, df, pvalue = chi_square(counts, exact, args.seeds)
+        statistic, pvalue, df = chi_square_pvalue(counts, exact)
         print(f"{method}: chi2 = {statistic:.1f}, df = {df}, p = {pvalue:.3g}; drafted {drafted}, accepted {accepted}")
 
 
