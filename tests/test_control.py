@@ -15,7 +15,8 @@ import pytest
 
 from verispec.control import (
     BetaThompson, CalibratedThompson, ConstantLength, CostModel, ExpectedThroughput, Heuristic,
-    best_draft_length, break_even_thresholds, parse_controller,
+    agreement_runs, best_draft_length, break_even_thresholds, constant_trace_cost, oracle_trace_cost,
+    parse_controller, threshold_trace_cost,
 )
 from verispec.errors import ConfigError
 
@@ -172,3 +173,49 @@ def test_specs_parse_to_their_controllers():
     assert isinstance(parse_controller("calibrated-ts:3", 6), CalibratedThompson)
     assert parse_controller("constant", 6).next_length() == 6
     assert parse_controller("adaptive:9", 6).next_length() == 9
+
+
+def trace_cost(length: int) -> float:
+    return length * DRAFT_COST + verify_cost(length + 1)
+
+
+def test_agreement_runs():
+    assert agreement_runs([]) == []
+    assert agreement_runs([True, True, False, True, False, False]) == [2, 1, 0, 1, 0, 0]
+
+
+def test_trace_costs_by_hand():
+    agreement = [False, True, True, True, False, True]  # runs: 0 3 2 1 0 1
+    # constant 2: t=0 drafts 2 keeps 0 -> t=1 drafts 2 keeps 2 -> t=4 drafts 1 keeps 0 -> t=5 drafts 0
+    assert constant_trace_cost(agreement, trace_cost, 2) == pytest.approx(
+        trace_cost(2) + trace_cost(2) + trace_cost(1) + trace_cost(0))
+    confidence = [0.2, 0.9, 0.8, 0.7, 0.3, 0.9]
+    # threshold 0.5: t=0 drafts 1, drops it (0.2) -> t=1 keeps 0.9, 0.8, 0.7, drafts and drops 0.3:
+    # 3 kept, all accepted -> t=5 (the last token) drafts none
+    assert threshold_trace_cost(agreement, confidence, DRAFT_COST, verify_cost, 0.5, 8) == pytest.approx(
+        DRAFT_COST + 1 + 4 * DRAFT_COST + verify_cost(4) + 1)
+    # threshold 0 keeps every token, as far as allowed: the constant controller
+    assert threshold_trace_cost(agreement, confidence, DRAFT_COST, verify_cost, 0.0, 2) == pytest.approx(
+        constant_trace_cost(agreement, trace_cost, 2))
+    # oracle: no draft at 0, three drafts at 1 (-> 5), none at 5 (last token)
+    assert oracle_trace_cost(agreement, trace_cost, 8) == pytest.approx(1 + trace_cost(3) + 1)
+    # with drafts capped at 1: 0 | 1,2 | 3,4 | 5
+    assert oracle_trace_cost(agreement, trace_cost, 1) == pytest.approx(1 + 2 * trace_cost(1) + 1)
+
+
+def test_oracle_trace_cost_bounds():
+    rng = random.Random(3)
+    for _ in range(200):
+        agreement = [rng.random() < rng.random() for _ in range(rng.randrange(1, 40))]
+        oracle = oracle_trace_cost(agreement, trace_cost, 6)
+        assert oracle <= len(agreement) + 1e-9  # decoding without drafts is one of its choices
+        for k in range(0, 7):
+            assert oracle <= constant_trace_cost(agreement, trace_cost, k) + 1e-9
+        assert constant_trace_cost(agreement, trace_cost, 0) == pytest.approx(len(agreement))
+        confidence = [rng.random() for _ in agreement]
+        for threshold in (0.0, 0.3, 0.7, 1.01):
+            assert oracle <= threshold_trace_cost(agreement, confidence, DRAFT_COST, verify_cost, threshold, 6) + 1e-9
+    # free drafts and free verification: one step per maximal run of agreements plus its bonus token
+    free = lambda length: 1.0
+    assert oracle_trace_cost([True] * 9, free, 8) == 1
+    assert oracle_trace_cost([False] * 5, free, 8) == 5
