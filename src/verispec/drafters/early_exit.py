@@ -213,10 +213,12 @@ class ExitHeadLM:
         self._cache.crop(0)
         self._head_length = 0
 
-    def _head(self, residual: torch.Tensor, start: int, tree: Tree | None = None) -> torch.Tensor:
-        """Head layer over residual [m, d] -> draft logits [m, V_d]."""
-        out = self._fast.run_layer(self._layer, residual, start, self._cache, tree=tree)
-        return self._project(self._norm(out))
+    def _head(self, residual: torch.Tensor, start: int, tree: Tree | None = None,
+              last_only: bool = False) -> torch.Tensor:
+        """Head layer over residual [m, d] (filling the head cache for all m) -> draft logits
+        [m, V_d], or [1, V_d] for the last row only."""
+        out = self._fast.run_layer(self._layer, residual, start, self._cache, tree=tree)  # [m, d]
+        return self._project(self._norm(out[-1:] if last_only else out))
 
     @torch.inference_mode()
     def sync(self, context: Sequence[int]) -> torch.Tensor:
@@ -229,9 +231,11 @@ class ExitHeadLM:
         # The last token is not in the target's cache yet: run layers 0..N-1 for it, writing
         # scratch entries that the next verification overwrites.
         rows.append(self._fast.run(self._fast.embed(token), last, self.target.cache, range(self.exit_layer)))
-        logits = self._head(torch.cat(rows), self._head_length)
+        # Only the last row's logits are used: projecting the catch-up rows too cost a
+        # 32k-row projection per committed token (a whole prompt's on the first draft).
+        logits = self._head(torch.cat(rows), self._head_length, last_only=True)  # [1, V_d]
         self._head_length = len(context)
-        return logits[-1]
+        return logits[0]
 
     @torch.inference_mode()
     def extend(self, tokens: torch.Tensor, tree: Tree) -> torch.Tensor:
