@@ -110,7 +110,7 @@ def generate(
     temperature: Optional[float] = typer.Option(None, help="0 = greedy; > 0 samples (default: 0; mtad: 1)."),
     top_k: Optional[int] = typer.Option(None, "--top-k", help="Sample from the k most likely tokens (0 = off; default: 0; mtad: 10)."),
     top_p: Optional[float] = typer.Option(None, "--top-p", help="Nucleus sampling mass, in (0, 1] (default: 1; mtad: 0.9)."),
-    seed: Optional[int] = typer.Option(None, help="Seed for sampling (default: random)."),
+    seed: Optional[int] = typer.Option(None, help="Seed for sampling (default: random). ar, pld and anpd give ar's sample for a seed; eesd, sps and mtad give the same sample again only under a constant or heuristic --controller (eesd's default adapts to timings; see README)."),
     stop: List[str] = typer.Option([], "--stop", help="Stop string; repeat for several."),
     model: Optional[str] = MODEL_OPTION,
     dtype: str = DTYPE_OPTION,
