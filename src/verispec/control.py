@@ -36,6 +36,11 @@ Controllers know nothing of models; they are tested on synthetic acceptance stre
 
 The paper's exact priors and stopping rule could not be read here; these are the rules
 implemented, with the defaults above.
+
+Trace replay (`constant_trace_cost`, `threshold_trace_cost`, `oracle_trace_cost`): what a
+controller would cost on a recorded greedy trace of a drafter's agreement with the target,
+under given step costs, including the least cost any controller could reach with hindsight
+(`scripts/early_exit_agreement.py --ceiling` replays the EESD head's traces).
 """
 
 from __future__ import annotations
