@@ -10,6 +10,7 @@ Throughput = committed tokens / total cost. Each test uses fixed seeds (determin
 from __future__ import annotations
 
 import random
+import sys
 
 import pytest
 
@@ -85,6 +86,28 @@ def test_thompson_readapts_after_the_acceptance_rate_changes():
     # and it had really been drafting long before the change
     high = best_constant([0.9] * 1500)
     assert rate(per_step[500:1500]) >= 0.9 * high
+
+
+def test_thompson_finds_a_drafter_again_when_its_acceptance_rises():
+    alphas = [0.1] * 1500 + [0.9] * 1500  # below break-even (0.25 here), then well above it
+    _, per_step = simulate(BetaThompson(12), alphas)
+    assert rate(per_step[:1500]) >= 0.95  # hardly drafts while it does not pay
+    assert rate(per_step[2000:]) >= 0.9 * best_constant([0.9] * 1500)
+
+
+@pytest.mark.parametrize("controller_class", [BetaThompson, CalibratedThompson])
+def test_thompson_seldom_drafts_with_a_drafter_below_break_even(monkeypatch, controller_class):
+    """The EESD head on 2 CPU cores: a draft token costs 0.375 of a step, each verified row 0.35
+    (break-even acceptance ~0.72), the head is accepted 39% of the time. Without the posterior's
+    floor the decay flattened it between drafts and the controller kept drafting at a loss (4.3%
+    of steps, 0.977 of not drafting); with it, 0.5% of steps."""
+    monkeypatch.setattr(sys.modules[__name__], "DRAFT_COST", 0.375)
+    monkeypatch.setattr(sys.modules[__name__], "SLOPE", 0.35)
+    alphas = [0.39] * 1400
+    throughput, per_step = simulate(controller_class(8), alphas)
+    drafting = sum(cost > 1.0 + 1e-9 for _, cost in per_step) / len(per_step)
+    assert drafting < 0.02
+    assert throughput >= 0.99 * best_constant(alphas)
 
 
 def test_calibrated_thompson_learns_the_calibration_of_the_confidence():

@@ -27,7 +27,11 @@ Controllers know nothing of models; they are tested on synthetic acceptance stre
   target forward, and the verify cost by width). After each verification,
   a += accepted and b += 1 if a draft token was rejected (tokens after the first rejection are
   unobserved), both first multiplied by `decay` (default 0.98) so that the posterior tracks
-  drift. Prior Beta(1, 1).
+  drift, but not below a + b = `floor` (default 10): decaying on every step, also on steps
+  that drafted nothing, had flattened the posterior of a drafter that rarely pays until its
+  draws cleared the threshold again, so it kept re-drafting at a loss after every pause; at ten
+  observations' worth it still explores in proportion to how close the acceptance is to break-even.
+  Prior Beta(1, 1).
 - `calibrated-ts[:K]`: the same rule, but the draw after token j comes from a Beta posterior of
   the bin (10 equal bins of [0, 1]) that token j's confidence falls in, learned online from
   which tokens of each bin were accepted: the stop decision uses the drafter's confidence
@@ -293,13 +297,15 @@ class BetaThompson(ConstantLength):
 
     bins = 0  # confidence bins (0: one overall posterior only)
 
-    def __init__(self, k: int, decay: float = 0.98, seed: int | None = 0, cost: CostModel | None = None):
+    def __init__(self, k: int, decay: float = 0.98, seed: int | None = 0, cost: CostModel | None = None,
+                 floor: float = 10.0):
         super().__init__(k)
         if k < 1:
             raise ConfigError(f"Thompson-sampling controllers need K >= 1, got {k!r}")
         if not 0 < decay <= 1:
             raise ConfigError(f"decay must be in (0, 1], got {decay}")
         self.decay = decay
+        self.floor = floor
         self.cost = cost or CostModel()
         # posterior[0] is the overall one; posterior[1 + b] that of confidence bin b.
         self.posterior = [[1.0, 1.0] for _ in range(1 + self.bins)]
@@ -330,8 +336,11 @@ class BetaThompson(ConstantLength):
     def observe(self, drafted, accepted, confidence, verify_s, draft_s) -> None:
         self.cost.observe(drafted + 1, verify_s, drafted, draft_s)
         for posterior in self.posterior:
-            posterior[0] *= self.decay
-            posterior[1] *= self.decay
+            # decay, but never below `floor` observations' worth: a posterior left to flatten
+            # while nothing is drafted would make the controller draft again after every pause
+            factor = max(self.decay, min(1.0, self.floor / (posterior[0] + posterior[1])))
+            posterior[0] *= factor
+            posterior[1] *= factor
         for j in range(min(drafted, accepted + 1)):  # observed: accepted tokens and the first rejection
             outcome = 0 if j < accepted else 1
             self.posterior[0][outcome] += 1.0
