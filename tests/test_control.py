@@ -14,12 +14,15 @@ import sys
 
 import pytest
 
+import helpers
 from verispec.control import (
-    BetaThompson, CalibratedThompson, ConstantLength, CostModel, ExpectedThroughput, Heuristic,
+    BetaThompson, CalibratedThompson, ConstantLength, ControllerMemory, CostModel, ExpectedThroughput, Heuristic,
     agreement_runs, best_draft_length, break_even_thresholds, constant_trace_cost, oracle_trace_cost,
     parse_controller, threshold_trace_cost,
 )
 from verispec.errors import ConfigError
+from verispec.methods import MethodOptions, build
+from verispec.sampling import SamplingConfig
 
 DRAFT_COST = 0.15
 SLOPE = 0.1
@@ -141,7 +144,7 @@ def test_adaptive_cut_maximises_expected_tokens_per_cost():
         cost.observe(width, seconds)
     assert cost.verify(8) == pytest.approx(2.2)
     assert cost.verify(6) == pytest.approx(2.1)  # interpolated between 4 and 8
-    controller = ExpectedThroughput(16, cost)
+    controller = ExpectedThroughput(16, ControllerMemory(cost))
     assert controller.cut([0.1] * 8, 8) == 0  # unlikely drafts are not worth a wider forward
     assert controller.cut([0.99] * 8, 8) == 8
     # brute force agrees with best_draft_length
@@ -242,3 +245,37 @@ def test_oracle_trace_cost_bounds():
     free = lambda length: 1.0
     assert oracle_trace_cost([True] * 9, free, 8) == 1
     assert oracle_trace_cost([False] * 5, free, 8) == 5
+
+
+def test_memory_carries_what_a_controller_learned_to_the_next_request(monkeypatch):
+    """Twenty requests of 120 steps with the EESD-like costs above: controllers that share a
+    ControllerMemory stop re-learning each request, so they draft less at a loss."""
+    monkeypatch.setattr(sys.modules[__name__], "DRAFT_COST", 0.375)
+    monkeypatch.setattr(sys.modules[__name__], "SLOPE", 0.35)
+    memory = ControllerMemory()
+    results = {"fresh": [], "shared": []}
+    for request in range(20):
+        for kind in results:
+            controller = CalibratedThompson(8, seed=request, memory=memory if kind == "shared" else None)
+            results[kind] += simulate(controller, [0.39] * 120, seed=request)[1]
+            if kind == "shared":
+                assert controller.posterior is memory.posterior and controller.cost is memory.cost
+    drafting = {kind: sum(cost > 1.0 + 1e-9 for _, cost in steps) / len(steps) for kind, steps in results.items()}
+    assert drafting["shared"] < 0.5 * drafting["fresh"], drafting
+    assert rate(results["shared"]) > rate(results["fresh"])
+    assert sum(memory.posterior[0]) > 2.0  # it holds observations
+
+
+def test_build_shares_memory_per_method_options_and_sampling():
+    target = helpers.make_target("llama", seed=0)
+    memory = lambda recipe: recipe[1].cost  # noqa: E731 - the shared part every learning controller has
+    anpd = build("anpd", target)
+    assert memory(build("anpd", target)) is memory(anpd)
+    assert memory(build("anpd", target, sampling=SamplingConfig(0.8, seed=1))) is not memory(anpd)
+    assert memory(build("anpd", target, MethodOptions(controller="adaptive:4"))) is not memory(anpd)
+    greedy_ts = build("anpd", target, MethodOptions(controller="beta-ts"))
+    seeded = SamplingConfig(0.8, seed=1)
+    assert memory(build("anpd", target, MethodOptions(controller="beta-ts"))) is memory(greedy_ts)
+    assert memory(build("anpd", target, MethodOptions(controller="beta-ts"), SamplingConfig(0.8, seed=2))) is \
+        memory(build("anpd", target, MethodOptions(controller="beta-ts"), seeded))  # the seed is not in the key
+    assert not hasattr(build("ar", target)[1], "cost")

@@ -51,9 +51,10 @@ from __future__ import annotations
 
 import math
 import random
+from dataclasses import dataclass, field
+from typing import Protocol, Sequence
 
 import numpy as np
-from typing import Protocol, Sequence
 
 from .errors import ConfigError
 
@@ -140,6 +141,18 @@ class CostModel:
     def relative(self, length: int) -> float:
         """Cost of drafting `length` tokens and verifying them, relative to one AR step."""
         return length * self.draft_ratio() + self.verify(length + 1)
+
+
+@dataclass
+class ControllerMemory:
+    """What a controller learns that outlives one request: the measured costs and the acceptance
+    posteriors. `methods.build` keeps one per target, method, options, sampling settings and
+    controller spec, so each request starts from what the previous ones measured instead of
+    re-learning (a fresh controller drafted in 41% of its first ten steps against 2-4% after
+    seventy, on the EESD head). The objects are shared, not copied: updates land in place."""
+
+    cost: CostModel = field(default_factory=CostModel)
+    posterior: list[list[float]] | None = None  # set by the first Thompson controller that uses it
 
 
 def best_draft_length(confidence: Sequence[float], relative_cost) -> int:
@@ -274,11 +287,11 @@ class Heuristic(ConstantLength):
 class ExpectedThroughput(ConstantLength):
     """Drafts up to K and verifies the prefix with the best expected tokens per second."""
 
-    def __init__(self, k: int, cost: CostModel | None = None):
+    def __init__(self, k: int, memory: ControllerMemory | None = None):
         super().__init__(k)
         if k < 1:
             raise ConfigError(f"the adaptive controller needs K >= 1, got {k!r}")
-        self.cost = cost or CostModel()
+        self.cost = (memory or ControllerMemory()).cost
 
     def cut(self, confidence: Sequence[float], proposed: int) -> int:
         if not confidence:
@@ -297,7 +310,7 @@ class BetaThompson(ConstantLength):
 
     bins = 0  # confidence bins (0: one overall posterior only)
 
-    def __init__(self, k: int, decay: float = 0.98, seed: int | None = 0, cost: CostModel | None = None,
+    def __init__(self, k: int, decay: float = 0.98, seed: int | None = 0, memory: ControllerMemory | None = None,
                  floor: float = 10.0):
         super().__init__(k)
         if k < 1:
@@ -306,9 +319,12 @@ class BetaThompson(ConstantLength):
             raise ConfigError(f"decay must be in (0, 1], got {decay}")
         self.decay = decay
         self.floor = floor
-        self.cost = cost or CostModel()
+        memory = memory or ControllerMemory()
+        self.cost = memory.cost
         # posterior[0] is the overall one; posterior[1 + b] that of confidence bin b.
-        self.posterior = [[1.0, 1.0] for _ in range(1 + self.bins)]
+        if memory.posterior is None or len(memory.posterior) != 1 + self.bins:
+            memory.posterior = [[1.0, 1.0] for _ in range(1 + self.bins)]
+        self.posterior = memory.posterior
         self._random = random.Random(seed)
         self._thresholds = break_even_thresholds(k, self.cost.relative)
         self._log_survival = 0.0
@@ -363,6 +379,8 @@ class CalibratedThompson(BetaThompson):
         return f"calibrated-ts:{self.k}"
 
 
+LEARNING = {"adaptive", "beta-ts", "calibrated-ts"}  # controllers that take a ControllerMemory
+
 CONTROLLERS = {
     "constant": ConstantLength,
     "heuristic": Heuristic,
@@ -372,8 +390,9 @@ CONTROLLERS = {
 }
 
 
-def parse_controller(spec: str, default_k: int) -> Controller:
-    """`name` or `name:K` -> a controller; `default_k` is the method's draft length."""
+def parse_controller(spec: str, default_k: int, memory: ControllerMemory | None = None) -> Controller:
+    """`name` or `name:K` -> a controller; `default_k` is the method's draft length. Controllers
+    that learn (adaptive, beta-ts, calibrated-ts) start from `memory` and update it."""
     name, _, argument = spec.partition(":")
     name = name.strip().lower()
     if name not in CONTROLLERS:
@@ -384,4 +403,6 @@ def parse_controller(spec: str, default_k: int) -> Controller:
             k = int(argument)
         except ValueError:
             raise ConfigError(f"draft length in controller {spec!r} must be an integer") from None
+    if name in LEARNING:
+        return CONTROLLERS[name](k, memory=memory)
     return CONTROLLERS[name](k)

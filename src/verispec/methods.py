@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Callable
 
 from .acceptance import verify_joint, verify_lossless
-from .control import parse_controller
+from .control import ControllerMemory, parse_controller
 from .drafters.base import Drafter, NullDrafter
 from .drafters.early_exit import EarlyExitDrafter, ExitHeadLM, PreparedHead, load_head
 from .drafters.model import AuxLM, BeamDrafter, DraftLM, SampledDrafter
@@ -190,5 +190,11 @@ def build(name: str, target: Target, options: MethodOptions = MethodOptions(),
     if method.name == "ar":  # nothing to draft, whatever the options say
         controller = parse_controller("constant", 0)
     else:
-        controller = parse_controller(options.controller or method.default_controller, length)
+        spec = options.controller or method.default_controller
+        # What the controller learns carries over to the next request with the same drafter,
+        # settings and controller (see ControllerMemory); the seed is not part of the key.
+        key = ("controller-memory", method.name, spec, length, options,
+               sampling.temperature, sampling.top_k, sampling.top_p)
+        memory = target.attachments.setdefault(key, ControllerMemory())
+        controller = parse_controller(spec, length, memory)
     return Recipe(method.make_drafter(target, options, sampling), controller, method.make_rule(options))
