@@ -268,14 +268,19 @@ def test_memory_carries_what_a_controller_learned_to_the_next_request(monkeypatc
 
 def test_build_shares_memory_per_method_options_and_sampling():
     target = helpers.make_target("llama", seed=0)
-    memory = lambda recipe: recipe[1].cost  # noqa: E731 - the shared part every learning controller has
-    anpd = build("anpd", target)
-    assert memory(build("anpd", target)) is memory(anpd)
-    assert memory(build("anpd", target, sampling=SamplingConfig(0.8, seed=1))) is not memory(anpd)
-    assert memory(build("anpd", target, MethodOptions(controller="adaptive:4"))) is not memory(anpd)
-    greedy_ts = build("anpd", target, MethodOptions(controller="beta-ts"))
-    seeded = SamplingConfig(0.8, seed=1)
-    assert memory(build("anpd", target, MethodOptions(controller="beta-ts"))) is memory(greedy_ts)
-    assert memory(build("anpd", target, MethodOptions(controller="beta-ts"), SamplingConfig(0.8, seed=2))) is \
-        memory(build("anpd", target, MethodOptions(controller="beta-ts"), seeded))  # the seed is not in the key
+    memory = lambda recipe: recipe[1].cost  # noqa: E731 - the shared part of a learning controller
+    eesd_like = MethodOptions(controller="beta-ts")
+    first = build("anpd", target, eesd_like)
+    assert memory(build("anpd", target, eesd_like)) is memory(first)
+    assert memory(build("anpd", target, eesd_like)).__class__ is CostModel
+    assert build("anpd", target, eesd_like)[1].posterior is first[1].posterior
+    assert memory(build("anpd", target, eesd_like, SamplingConfig(0.8, seed=1))) is not memory(first)
+    assert memory(build("anpd", target, MethodOptions(controller="beta-ts:4"))) is not memory(first)
+    assert memory(build("anpd", target, MethodOptions(controller="calibrated-ts"))) is not memory(first)
+    assert memory(build("pld", target, eesd_like)) is not memory(first)
+    # the seed is not part of the key
+    assert memory(build("anpd", target, eesd_like, SamplingConfig(0.8, seed=2))) is \
+        memory(build("anpd", target, eesd_like, SamplingConfig(0.8, seed=1)))
+    assert memory(build("anpd", target)) is memory(build("anpd", target))  # adaptive, anpd's default
+    assert memory(build("anpd", target)) is not memory(first)
     assert not hasattr(build("ar", target)[1], "cost")

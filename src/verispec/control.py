@@ -392,7 +392,7 @@ CONTROLLERS = {
 
 def parse_controller(spec: str, default_k: int, memory: ControllerMemory | None = None) -> Controller:
     """`name` or `name:K` -> a controller; `default_k` is the method's draft length. Controllers
-    that learn (adaptive, beta-ts, calibrated-ts) start from `memory` and update it."""
+    that learn (LEARNING: adaptive, beta-ts, calibrated-ts) start from `memory` and update it."""
     name, _, argument = spec.partition(":")
     name = name.strip().lower()
     if name not in CONTROLLERS:
