@@ -148,7 +148,7 @@ class ControllerMemory:
     """What a controller learns that outlives one request: the measured costs and the acceptance
     posteriors. `methods.build` keeps one per target, method, options, sampling settings and
     controller spec, so each request starts from what the previous ones measured instead of
-    re-learning (a fresh controller drafted in 41% of its first ten steps against 2-4% after
+    re-learning (a fresh controller drafted in 41% of its first ten steps against 0-4% after
     seventy, on the EESD head). The objects are shared, not copied: updates land in place."""
 
     cost: CostModel = field(default_factory=CostModel)
