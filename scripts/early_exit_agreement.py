@@ -42,7 +42,6 @@ from verispec.control import constant_trace_cost, oracle_trace_cost, threshold_t
 from verispec.drafters.early_exit import PreparedHead, load_head
 from verispec.methods import DEFAULT_EXIT_HEAD
 
-
 THRESHOLDS = [0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.01]
 
 
@@ -55,27 +54,25 @@ def print_ceiling(target, heads, traces: list[list[list[bool]]], confidences: li
     rounds = [[target_step_seconds(target, context, width) for width in widths] for _ in range(3)]
     seconds = [statistics.median(column) for column in zip(*rounds)]  # [K + 1], interleaved rounds
     base = seconds[0]
-    verify = [s / base for s in seconds]  # [k]: a forward of k + 1 tokens relative to one token
+    relative = [s / base for s in seconds]  # [K + 1]: forwards of 1..K+1 tokens relative to one
+
+    def verify(width):
+        return relative[width - 1]
+
     tokens = sum(len(trace) for trace in traces[0])
     print(f"\ntarget forward of 1..{max_draft + 1} tokens, relative to 1 ({base * 1e3:.1f} ms): "
-          + " ".join(f"{v:.2f}" for v in verify))
+          + " ".join(f"{v:.2f}" for v in relative))
     rows, needed = [], []
     for (path, head, _), head_traces, head_confidences in zip(heads, traces, confidences):
         draft = draft_step_seconds(target, PreparedHead(target, head), context) / base
-
-        def cost(length, draft=draft):
-            return length * draft + verify[length]
-
-        def free(length):
-            return verify[length]
-
-        constant = {k: tokens / sum(constant_trace_cost(t, cost, k) for t in head_traces) for k in range(max_draft + 1)}
+        constant = {k: tokens / sum(constant_trace_cost(t, draft, verify, k) for t in head_traces)
+                    for k in range(max_draft + 1)}
         best_k = max(constant, key=constant.get)
-        threshold = {theta: tokens / sum(threshold_trace_cost(t, c, draft, lambda width: verify[width - 1], theta, max_draft)
+        threshold = {theta: tokens / sum(threshold_trace_cost(t, c, draft, verify, theta, max_draft)
                                          for t, c in zip(head_traces, head_confidences)) for theta in THRESHOLDS}
         best_theta = max(threshold, key=threshold.get)
-        oracle = tokens / sum(oracle_trace_cost(t, cost, max_draft) for t in head_traces)
-        oracle_free = tokens / sum(oracle_trace_cost(t, free, max_draft) for t in head_traces)
+        oracle = tokens / sum(oracle_trace_cost(t, draft, verify, max_draft) for t in head_traces)
+        oracle_free = tokens / sum(oracle_trace_cost(t, 0.0, verify, max_draft) for t in head_traces)
         agreement = sum(sum(t) for t in head_traces) / tokens
         rows.append(f"| {path} | {draft:.2f} | {agreement:.1%} | {constant[best_k]:.2f}x (k = {best_k}) | "
                     f"{threshold[best_theta]:.2f}x (theta = {best_theta}) | {oracle:.2f}x | {oracle_free:.2f}x |")
@@ -84,7 +81,7 @@ def print_ceiling(target, heads, traces: list[list[list[bool]]], confidences: li
           "| oracle, free drafts |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     print("\n".join(rows))
-    print(f"\nreplayed on independent agreements (each position agrees with probability a, same lengths and costs):")
+    print("\nreplayed on independent agreements (each position agrees with probability a, same lengths and costs):")
     print("| head | a | best constant k | oracle |")
     print("|---|---:|---:|---:|")
     for (path, _, _), table in zip(heads, needed):
@@ -92,19 +89,16 @@ def print_ceiling(target, heads, traces: list[list[list[bool]]], confidences: li
             print(f"| {path} | {a:.2f} | {constant:.2f}x | {oracle:.2f}x |")
 
 
-def _needed_agreement(draft: float, verify: list[float], lengths: list[int], max_draft: int) -> dict:
+def _needed_agreement(draft: float, verify, lengths: list[int], max_draft: int) -> dict:
     """a -> (best constant-k speedup, oracle speedup) on i.i.d. Bernoulli(a) traces of these lengths."""
     rng = random.Random(0)
-
-    def cost(length):
-        return length * draft + verify[length]
-
     table = {}
     for a in [0.4, 0.5, 0.6, 0.7, 0.75, 0.8, 0.85, 0.9]:
         traces = [[rng.random() < a for _ in range(n)] for n in lengths * 4]
         tokens = sum(len(t) for t in traces)
-        constant = max(tokens / sum(constant_trace_cost(t, cost, k) for t in traces) for k in range(max_draft + 1))
-        table[a] = (constant, tokens / sum(oracle_trace_cost(t, cost, max_draft) for t in traces))
+        constant = max(tokens / sum(constant_trace_cost(t, draft, verify, k) for t in traces)
+                       for k in range(max_draft + 1))
+        table[a] = (constant, tokens / sum(oracle_trace_cost(t, draft, verify, max_draft) for t in traces))
     return table
 
 

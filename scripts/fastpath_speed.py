@@ -18,7 +18,6 @@ call each (`blocks`, the default; `native_layer.py`).
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 
 import torch
@@ -29,19 +28,8 @@ from verispec.bench.datasets import encode_question, load_dataset
 from verispec.bench.peers import PeerSettings, get_peer
 from verispec.model import Target
 
-from profile_step import native_layers, read_bandwidth, weight_bytes  # scripts/ is on sys.path when run as a script
-
-
-def step_time(target: Target, context: list[int], width: int, repeats: int = 7) -> float:
-    target.reset()
-    target.forward(context, last_only=True)
-    times = []
-    for _ in range(repeats + 2):
-        started = time.perf_counter()
-        target.forward(context[:width])
-        times.append(time.perf_counter() - started)
-        target.crop(len(context))
-    return statistics.median(times[2:])
+from eesd_costs import target_step_seconds  # scripts/ is on sys.path when run as a script
+from profile_step import native_layers, read_bandwidth, weight_bytes
 
 
 def main() -> None:
@@ -66,7 +54,7 @@ def main() -> None:
         size = weight_bytes(target)
         floor = size / bandwidth
         with native_layers(target, native):
-            times = {width: step_time(target, context, width) for width in (1, 4, 8, 16)}
+            times = {width: target_step_seconds(target, context, width) for width in (1, 4, 8, 16)}
         verify = ", ".join(f"{w}-token {t * 1e3:.1f} ms ({t / times[1]:.2f}x)" for w, t in times.items() if w > 1)
         print(f"{name:12} weights {size / 1e9:.3f} GB, floor {floor * 1e3:5.1f} ms | 1-token step "
               f"{times[1] * 1e3:6.1f} ms ({times[1] / floor:.2f}x floor) | verify {verify}", flush=True)

@@ -192,17 +192,24 @@ def agreement_runs(agreement: Sequence[bool]) -> list[int]:
     return runs[:-1]
 
 
-def constant_trace_cost(agreement: Sequence[bool], relative_cost, k: int) -> float:
+def _step_cost(drafted: int, verified: int, draft_cost: float, verify_cost) -> float:
+    """A step that drafted `drafted` tokens and verified `verified` of them, relative to a
+    one-token target forward: draft_cost per draft token, verify_cost(width) for the forward."""
+    return drafted * draft_cost + verify_cost(verified + 1)
+
+
+def constant_trace_cost(agreement: Sequence[bool], draft_cost: float, verify_cost, k: int) -> float:
     """Cost, in one-token target steps, of greedy speculative decoding of a recorded trace with a
     constant draft length k. agreement[t]: the drafter, given the target's tokens before position
     t, proposes the target's token at t (under greedy verification the drafter always sees the
     target's prefix, so a trace of the target's own continuation gives every step's outcome).
     Each step at t drafts min(k, tokens left - 1), keeps min(drafted, run[t]) and adds the
-    target's token after them; it costs relative_cost(drafted)."""
+    target's token after them. draft_cost: one draft token relative to a one-token target
+    forward; verify_cost(w): a forward of w tokens, relative (as in every trace function)."""
     runs, t, total = agreement_runs(agreement), 0, 0.0
     while t < len(agreement):
         drafted = min(k, len(agreement) - 1 - t)
-        total += relative_cost(drafted)
+        total += _step_cost(drafted, drafted, draft_cost, verify_cost)
         t += min(drafted, runs[t]) + 1
     return total
 
@@ -213,10 +220,9 @@ def threshold_trace_cost(agreement: Sequence[bool], confidence: Sequence[float],
     controller: each step drafts tokens while the drafter's top-1 probability for them
     (confidence[t]: at position t given the target's prefix) is at least `threshold`, up to
     max_length, and verifies those; a token below the threshold ends the draft and is dropped
-    (`cut`), having cost its draft step. draft_cost: one draft token relative to a one-token target
-    forward; verify_cost(w): a forward of w tokens, relative. After a wrong draft token the recorded
-    confidences are those of the target's prefix, not of the draft: an approximation that only
-    changes how long a draft that will be rejected anyway goes on."""
+    (`cut`), having cost its draft step. After a wrong draft token the recorded confidences are
+    those of the target's prefix, not of the draft: an approximation that only changes how long a
+    draft that will be rejected anyway goes on."""
     runs, t, total = agreement_runs(agreement), 0, 0.0
     while t < len(agreement):
         limit = min(max_length, len(agreement) - 1 - t)
@@ -224,12 +230,12 @@ def threshold_trace_cost(agreement: Sequence[bool], confidence: Sequence[float],
         while kept < limit and confidence[t + kept] >= threshold:
             kept += 1
         drafted = kept + (kept < limit)  # the token that stopped the draft was drafted too
-        total += drafted * draft_cost + verify_cost(kept + 1)
+        total += _step_cost(drafted, kept, draft_cost, verify_cost)
         t += min(kept, runs[t]) + 1
     return total
 
 
-def oracle_trace_cost(agreement: Sequence[bool], relative_cost, max_length: int) -> float:
+def oracle_trace_cost(agreement: Sequence[bool], draft_cost: float, verify_cost, max_length: int) -> float:
     """The least cost of decoding a recorded trace (as in `constant_trace_cost`) by any draft-length
     controller drafting at most max_length tokens a step, found with hindsight (dynamic programming
     over positions): no controller can beat it on that trace with that drafter and those costs.
@@ -239,7 +245,8 @@ def oracle_trace_cost(agreement: Sequence[bool], relative_cost, max_length: int)
     runs = agreement_runs(agreement)
     best = [0.0] * (n + 1)
     for t in range(n - 1, -1, -1):
-        best[t] = min(relative_cost(m) + best[t + m + 1] for m in range(min(runs[t], max_length, n - 1 - t) + 1))
+        best[t] = min(_step_cost(m, m, draft_cost, verify_cost) + best[t + m + 1]
+                      for m in range(min(runs[t], max_length, n - 1 - t) + 1))
     return best[0]
 
 
