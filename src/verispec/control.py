@@ -5,7 +5,8 @@ A controller is a small stateful policy consulted at three points of every step:
 - `keep(j, confidence)` while drafting, before producing draft token j + 1: go on drafting,
   given that j tokens were drafted and the last one had this confidence (None when j = 0)?
   Drafters call it token by token, so a costly drafter never drafts a token it then drops;
-- `cut(confidence, proposed)` after drafting: how many of the proposed tokens to verify;
+- `cut(confidence, proposed)` after drafting: how many of the proposed tokens to verify (only
+  for deterministic drafts: a draft drawn from q is verified whole, see `Draft.drawn`);
 - `observe(drafted, accepted, confidence, verify_s, draft_s)` after verification, with the time
   of the target forward over drafted + 1 tokens and the time spent drafting.
 
@@ -18,7 +19,8 @@ Controllers know nothing of models; they are tested on synthetic acceptance stre
 - `adaptive[:K]`: verifies the draft prefix that maximises the expected tokens per second,
   (1 + sum_{j<=L} prod_{i<=j} c_i) / cost(L), with c_i the drafter's confidences and cost(L)
   the measured time of drafting L tokens and verifying L + 1 (`CostModel`). Meant for drafters
-  whose confidence is a calibrated acceptance estimate (ANPD's is).
+  whose confidence is a calibrated acceptance estimate (ANPD's is). Its choice is a cut after
+  drafting, so it is refused for drafts drawn from q under sampling (`methods.build`).
 - `beta-ts[:K]`: Thompson sampling over a Beta(a, b) posterior of the per-token acceptance
   probability alpha. Before each draft token j + 1, draw theta_j ~ Beta(a, b) and go on while
   the geometric mean of the draws so far, (theta_1 ... theta_j)^(1/j), exceeds tau_j: the
@@ -397,11 +399,18 @@ CONTROLLERS = {
 }
 
 
+CUTS_AFTER_DRAFTING = frozenset({"adaptive"})  # controllers whose decision is a `cut`
+
+
+def controller_name(spec: str) -> str:
+    """'adaptive:8' -> 'adaptive'."""
+    return spec.partition(":")[0].strip().lower()
+
+
 def parse_controller(spec: str, default_k: int, memory: ControllerMemory | None = None) -> Controller:
     """`name` or `name:K` -> a controller; `default_k` is the method's draft length. Controllers
     that learn (LEARNING: adaptive, beta-ts, calibrated-ts) start from `memory` and update it."""
-    name, _, argument = spec.partition(":")
-    name = name.strip().lower()
+    name, argument = controller_name(spec), spec.partition(":")[2]
     if name not in CONTROLLERS:
         raise ConfigError(f"unknown controller {spec!r}; known: {', '.join(f'{n}[:K]' for n in CONTROLLERS)}")
     k = default_k

@@ -87,10 +87,13 @@ def decode(
         started = time.perf_counter()
         # 0. how far to draft: never past the token budget (a step commits drafts + 1)
         k = min(controller.next_length(), config.max_new_tokens - stats.new_tokens - 1)
-        # 1. propose (the controller may stop it token by token), keep the prefix worth verifying
+        # 1. propose (the controller may stop it token by token), keep the prefix worth verifying;
+        #    a drawn draft is verified whole (`Draft.drawn`): its stop rule is `keep`, decided
+        #    before each token is drawn
         draft = drafter.propose(context, k, controller.keep) if k > 0 else EMPTY_DRAFT
         assert len(draft) <= max(k, 0), f"drafter proposed {len(draft)} tokens for k={k}"
-        draft = draft.prefix(controller.cut(draft.confidence, len(draft)))
+        if not draft.drawn:
+            draft = draft.prefix(controller.cut(draft.confidence, len(draft)))
         draft_s = time.perf_counter() - started
         # 2. verify: the last committed token (not yet in the cache) and the draft, one forward
         verify_started = time.perf_counter()

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Callable
 
 from .acceptance import verify_joint, verify_lossless
-from .control import ControllerMemory, parse_controller
+from .control import CUTS_AFTER_DRAFTING, ControllerMemory, controller_name, parse_controller
 from .drafters.base import Drafter, NullDrafter
 from .drafters.early_exit import EarlyExitDrafter, ExitHeadLM, PreparedHead, load_head
 from .drafters.model import AuxLM, BeamDrafter, DraftLM, SampledDrafter
@@ -68,6 +68,9 @@ class Method:
     # Sampling defaults applied when a request leaves them unset (None = the global defaults:
     # greedy). mtad samples: temperature 1, top-k 10, top-p 0.9, as in the authors' code.
     default_sampling: dict | None = None
+    # Under sampling its drafts are drawn from a draft distribution q (`Draft.drawn`): a
+    # controller that cuts a draft after seeing it (`adaptive`) would bias what is accepted.
+    draws: bool = False
 
 
 def prepared_exit_head(target: Target, directory: str | None, int8: bool = True) -> PreparedHead:
@@ -122,12 +125,12 @@ METHODS: dict[str, Method] = {
                lambda target, options, sampling: AnpdDrafter(NgramConfig(max_n=options.ngram_max_n)),
                "adaptive"),
         Method("eesd", "EESD: the target's first layers plus a trained exit head, Thompson-sampled length",
-               True, 8, _eesd, "calibrated-ts"),
+               True, 8, _eesd, "calibrated-ts", draws=True),
         Method("sps", "speculative sampling with an auxiliary drafter (default: the EESD exit head)", True, 4,
-               lambda target, options, sampling: SampledDrafter(draft_lm(target, options), sampling)),
+               lambda target, options, sampling: SampledDrafter(draft_lm(target, options), sampling), draws=True),
         Method("mtad", "MTAD: beam-sampled drafts, joint-likelihood acceptance (approximate joint decoding)",
                False, 4, lambda target, options, sampling: BeamDrafter(draft_lm(target, options), options.beams, sampling),
-               make_rule=lambda options: verify_joint(options.tau), default_sampling=MTAD_SAMPLING),
+               make_rule=lambda options: verify_joint(options.tau), default_sampling=MTAD_SAMPLING, draws=True),
     )
 }
 
@@ -191,6 +194,12 @@ def build(name: str, target: Target, options: MethodOptions = MethodOptions(),
         controller = parse_controller("constant", 0)
     else:
         spec = options.controller or method.default_controller
+        if method.draws and not sampling.greedy and controller_name(spec) in CUTS_AFTER_DRAFTING:
+            raise ConfigError(
+                f"the {controller_name(spec)} controller chooses how much of a draft to verify after "
+                f"seeing all of it, which would bias {method.name}'s sampled drafts; use constant, "
+                f"heuristic, beta-ts or calibrated-ts (they stop before drawing the next token)"
+            )
         # What the controller learns carries over to the next request with the same drafter,
         # settings and controller (see ControllerMemory); the seed is not part of the key.
         key = ("controller-memory", method.name, spec, length, options,

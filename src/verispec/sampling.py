@@ -12,6 +12,7 @@ nucleus lies inside the top `_TOP_P_CANDIDATES` tokens, which it almost always d
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -39,29 +40,45 @@ class SamplingConfig:
     seed: int | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.temperature, (int, float)) or self.temperature != self.temperature:
-            raise ConfigError(f"temperature must be a number, got {self.temperature!r}")
+        if not _is_number(self.temperature) or not math.isfinite(self.temperature):
+            raise ConfigError(f"temperature must be a finite number, got {self.temperature!r}")
         if self.temperature < 0:
             raise ConfigError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
+        if not _is_integer(self.top_k) or self.top_k < 0:
             raise ConfigError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
-        if not isinstance(self.top_p, (int, float)) or not (0.0 < self.top_p <= 1.0):
+        if not _is_number(self.top_p) or not (0.0 < self.top_p <= 1.0):
             raise ConfigError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
-            raise ConfigError(f"seed must be a non-negative integer, got {self.seed!r}")
+        if self.seed is not None and (not _is_integer(self.seed) or not 0 <= self.seed <= MAX_SEED):
+            raise ConfigError(f"seed must be an integer from 0 to 2**64 - 1, got {self.seed!r}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
 
-    def generator(self) -> torch.Generator:
-        """A CPU generator seeded from `seed` (or from fresh entropy when seed is None)."""
+    def generator(self, stream: int = 0) -> torch.Generator:
+        """A CPU generator for one use of randomness in a request: stream 0 draws the committed
+        tokens (acceptance), stream 1 the drafts. With a seed, stream s is seeded with seed + s
+        (mod 2**64), so a seed reproduces both; without one, every call draws fresh entropy, so
+        that drafts are independent across requests (a fixed draft seed would draw the same
+        draft for the same context every time, and q would no longer describe how it was drawn)."""
         generator = torch.Generator()
         if self.seed is None:
             generator.seed()
         else:
-            generator.manual_seed(self.seed)
+            generator.manual_seed((self.seed + stream) % (MAX_SEED + 1))
         return generator
+
+
+MAX_SEED = 2**64 - 1  # torch generators take 64-bit seeds
+DRAFT_STREAM = 1  # SamplingConfig.generator(DRAFT_STREAM): the drafters' randomness
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _is_integer(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _check_logits(logits: torch.Tensor) -> None:

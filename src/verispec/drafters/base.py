@@ -39,6 +39,13 @@ class Draft:
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
 
+    @property
+    def drawn(self) -> bool:
+        """Whether the tokens were drawn at random from a draft distribution (q or q_tokens):
+        such a draft must be verified as proposed, since a cut chosen after seeing later tokens
+        would make whether token j is verified depend on what was drawn at j."""
+        return self.q is not None or self.q_tokens is not None
+
     def prefix(self, n: int) -> "Draft":
         """The first n tokens of this draft (itself when n covers it)."""
         if n >= len(self):

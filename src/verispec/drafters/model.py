@@ -18,8 +18,9 @@ Owns three things:
   All W beams of a step run in one forward, as a tree over scratch cache slots.
 
 Draft distributions use the request's temperature / top-k / top-p, the same warping as the
-target's p. Vocabularies: an auxiliary model must share the target's tokenizer (checked), and
-its logits beyond the target's vocabulary are ignored.
+target's p. Vocabularies: an auxiliary model must share the target's tokenizer (checked); its
+embedding rows may be padded to another size than the target's, so its logits are cut or padded
+to the target's width, and ids past the tokenizer's never get draft mass.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ import torch
 from ..cache import StaticKV
 from ..errors import ConfigError
 from ..fastpath import Tree
-from ..sampling import SamplingConfig, probabilities, sample
+from ..sampling import DRAFT_STREAM, SamplingConfig, probabilities, sample
 from .base import EMPTY_DRAFT, Draft, Keep, keep_all
 
 
@@ -84,6 +85,16 @@ class AuxLM:
         self.model = draft_target
         self.vocab = None
         self.vocab_size = target.vocab_size
+        # Same-tokenizer pairs often differ in embedding rows (vocabularies padded to another
+        # size): draft logits are cut or padded to the target's width, and ids past the
+        # tokenizer's (padding rows) never get draft mass.
+        tokenizer = target.tokenizer  # the draft's is the same one (checked above) where both have one
+        if tokenizer is not None and draft_target.vocab_size < len(tokenizer):
+            raise ConfigError(
+                f"the draft model {draft_target.name} has {draft_target.vocab_size} embedding rows, fewer "
+                f"than the tokenizer's {len(tokenizer)} tokens"
+            )
+        self._real = min(target.vocab_size, draft_target.vocab_size, len(tokenizer) if tokenizer else target.vocab_size)
         self._length = 0  # committed positions in the draft model's cache
         self._scratch_start = 0
 
@@ -92,13 +103,19 @@ class AuxLM:
         self._length = 0
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.model._head(hidden)[:, : self.vocab_size]  # [n, V]
+        logits = self.model._head(hidden)  # [n, V_draft]
+        full = logits.new_full((logits.shape[0], self.vocab_size), float("-inf"))  # [n, V]
+        full[:, : self._real] = logits[:, : self._real]
+        return full
 
     @torch.inference_mode()
     def sync(self, context: Sequence[int]) -> torch.Tensor:
         cache = self.model.cache
         cache.crop(min(cache.length, self._length))
         missing = torch.tensor(list(context[self._length:]), dtype=torch.long)
+        # an id the draft model has no row for (only a target's padding rows can be such) is
+        # shown to it as id 0: its drafts stay samples of the q it reports
+        missing = torch.where(missing < self.model.vocab_size, missing, 0)
         hidden = self.model._fast.hidden_states(missing, cache)  # appends, advances the length
         self._length = cache.length
         self._scratch_start = self._length
@@ -119,12 +136,7 @@ def check_same_tokenizer(draft_target, target) -> None:
     """Refuse a draft model whose tokenizer differs from the target's."""
     a, b = draft_target.tokenizer, target.tokenizer
     if a is None or b is None:
-        if draft_target.vocab_size < target.vocab_size:
-            raise ConfigError(
-                f"the draft model's vocabulary ({draft_target.vocab_size}) is smaller than the target's "
-                f"({target.vocab_size})"
-            )
-        return
+        return  # ids are taken to mean the same tokens; the sizes may differ (padding)
     if a.get_vocab() != b.get_vocab():
         raise ConfigError(
             f"the draft model {draft_target.name} does not use the target's tokenizer: its ids would mean "
@@ -139,8 +151,7 @@ class SampledDrafter:
     def __init__(self, lm: DraftLM, sampling: SamplingConfig = SamplingConfig()):
         self.lm = lm
         self.sampling = sampling
-        self._generator = torch.Generator()
-        self._generator.manual_seed(0 if sampling.seed is None else sampling.seed + 1)
+        self._generator = sampling.generator(DRAFT_STREAM)  # fresh per request unless seeded
         self._fed = 0
         self._synced = False
 
@@ -198,8 +209,7 @@ class BeamDrafter:
         if sampling.greedy:
             raise ConfigError("beam sampling needs temperature > 0 (mtad samples; its default is 1)")
         self.lm, self.width, self.sampling = lm, width, sampling
-        self._generator = torch.Generator()
-        self._generator.manual_seed(0 if sampling.seed is None else sampling.seed + 1)
+        self._generator = sampling.generator(DRAFT_STREAM)  # fresh per request unless seeded
 
     def begin(self, prompt: Sequence[int]) -> None:
         self.lm.begin(prompt)
