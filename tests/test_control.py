@@ -21,7 +21,7 @@ from verispec.control import (
     parse_controller, threshold_trace_cost,
 )
 from verispec.errors import ConfigError
-from verispec.methods import MethodOptions, build
+from verispec.methods import CONTROLLER_MEMORIES, MethodOptions, build
 from verispec.sampling import SamplingConfig
 
 DRAFT_COST = 0.15
@@ -284,3 +284,17 @@ def test_build_shares_memory_per_method_options_and_sampling():
     assert memory(build("anpd", target)) is memory(build("anpd", target))  # adaptive, anpd's default
     assert memory(build("anpd", target)) is not memory(first)
     assert not hasattr(build("ar", target)[1], "cost")
+
+
+def test_controller_memories_are_bounded_and_least_recently_used_goes_first():
+    target = helpers.make_target("llama", seed=0)
+    memory = lambda recipe: recipe[1].cost  # noqa: E731
+    options = MethodOptions(controller="beta-ts")
+    kept = memory(build("anpd", target, options, SamplingConfig(0.5)))
+    for i in range(3 * CONTROLLER_MEMORIES):  # a server's requests, each with another temperature
+        build("anpd", target, options, SamplingConfig(1.0 + i / 1000))
+        if i % 8 == 0:
+            assert memory(build("anpd", target, options, SamplingConfig(0.5))) is kept  # recently used: stays
+    assert len(target.attachments["controller-memories"]) == CONTROLLER_MEMORIES
+    first_evicted = SamplingConfig(1.0)
+    assert (first_evicted.temperature, 0, 1.0) not in {key[-3:] for key in target.attachments["controller-memories"]}

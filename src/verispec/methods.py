@@ -7,6 +7,7 @@ method here makes it available everywhere. `MethodOptions` carries every per-met
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -185,6 +186,20 @@ def get_method(name: str) -> Method:
         raise ConfigError(f"unknown method {name!r}; choose one of {', '.join(METHODS)}") from None
 
 
+CONTROLLER_MEMORIES = 64  # per target; a server's requests may each bring other settings
+
+
+def controller_memory(target: Target, key: tuple) -> ControllerMemory:
+    """The target's `ControllerMemory` for `key`, kept in a least-recently-used table of at most
+    CONTROLLER_MEMORIES entries (the key holds float sampling settings: unbounded otherwise)."""
+    memories = target.attachments.setdefault("controller-memories", OrderedDict())
+    memory = memories.pop(key, None) or ControllerMemory()
+    memories[key] = memory
+    while len(memories) > CONTROLLER_MEMORIES:
+        memories.popitem(last=False)
+    return memory
+
+
 def build(name: str, target: Target, options: MethodOptions = MethodOptions(),
           sampling: SamplingConfig = SamplingConfig()) -> Recipe:
     """A fresh recipe (drafter with its own state, controller, rule) for one request."""
@@ -202,8 +217,6 @@ def build(name: str, target: Target, options: MethodOptions = MethodOptions(),
             )
         # What the controller learns carries over to the next request with the same drafter,
         # settings and controller (see ControllerMemory); the seed is not part of the key.
-        key = ("controller-memory", method.name, spec, length, options,
-               sampling.temperature, sampling.top_k, sampling.top_p)
-        memory = target.attachments.setdefault(key, ControllerMemory())
-        controller = parse_controller(spec, length, memory)
+        key = (method.name, spec, length, options, sampling.temperature, sampling.top_k, sampling.top_p)
+        controller = parse_controller(spec, length, controller_memory(target, key))
     return Recipe(method.make_drafter(target, options, sampling), controller, method.make_rule(options))
