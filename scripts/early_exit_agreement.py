@@ -36,7 +36,7 @@ import torch
 from tqdm import tqdm
 
 import verispec
-from eesd_costs import draft_step_seconds, target_step_seconds, timing_context
+from verispec.bench.profile import draft_step_seconds, target_step_seconds, timing_context
 from verispec.bench.datasets import encode_question, load_dataset
 from verispec.control import constant_trace_cost, oracle_trace_cost, threshold_trace_cost
 from verispec.drafters.early_exit import PreparedHead, load_head

@@ -10,55 +10,10 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import statistics
-import time
-
-import torch
 
 import verispec
-from verispec.drafters.early_exit import ExitHead, ExitHeadLM, PreparedHead
-from verispec.fastpath import Tree
-
-
-def median_time(fn, repeats: int = 15) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - started)
-    return statistics.median(times)
-
-
-def target_step_seconds(target, context: list[int], width: int = 1) -> float:
-    """Median seconds of a target forward of `width` tokens after `context` (left in the cache)."""
-    target.reset()
-    target.forward(context, last_only=True)
-
-    def step():
-        target.forward(context[:width])
-        target.crop(len(context))
-
-    return median_time(step)
-
-
-def draft_step_seconds(target, prepared: PreparedHead, context: list[int]) -> float:
-    """Median seconds of one draft token (layers 1..N of the target, the head's layer, norm and
-    the draft-vocabulary projection) after `context`."""
-    target.reset()
-    target.forward(context, last_only=True)
-    lm = ExitHeadLM(target, prepared)
-    lm.begin(context)
-    target.capture_exit(prepared.exit_layer)
-    lm._head_length = len(context)
-    lm._cache.reserve(len(context) + 2)
-    lm._cache.length = len(context)
-    return median_time(lambda: lm.extend(torch.tensor([context[0]]), Tree.contiguous(len(context), 1)))
-
-
-def timing_context(length: int = 256) -> list[int]:
-    return torch.randint(1000, 20000, (length,), generator=torch.Generator().manual_seed(0)).tolist()
+from verispec.bench.profile import draft_step_seconds, target_step_seconds, timing_context
+from verispec.drafters.early_exit import ExitHead, PreparedHead
 
 
 def main() -> None:

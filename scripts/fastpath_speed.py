@@ -28,7 +28,7 @@ from verispec.bench.datasets import encode_question, load_dataset
 from verispec.bench.peers import PeerSettings, get_peer
 from verispec.model import Target
 
-from eesd_costs import target_step_seconds  # scripts/ is on sys.path when run as a script
+from verispec.bench.profile import target_step_seconds
 from profile_step import native_layers, read_bandwidth, weight_bytes
 
 

@@ -1,0 +1,105 @@
+"""`verispec profile`: what a target forward costs on this machine, by width.
+
+Owns the timing of a loaded target's forwards: a 1-token step and verify forwards of several
+widths after a context, as milliseconds and as ratios to the 1-token step, plus one draft step
+of an EESD exit head where one is given. These ratios decide whether drafting can pay here (a
+draft of k tokens must commit more than the cost ratio of a (k + 1)-token forward), and they are
+what the controllers' cost models learn online (`control.CostModel`).
+
+Each figure is the median of `repeats` timed calls after 3 warm-ups, the widths measured in
+interleaved rounds so that a slow period of the machine shows in every width alike.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable, Sequence
+
+import torch
+
+DEFAULT_WIDTHS = (1, 2, 4, 8, 16, 32)
+DEFAULT_CONTEXT = 256
+
+
+def median_time(fn: Callable[[], object], repeats: int = 15) -> float:
+    """Median seconds of `fn()` over `repeats` calls, after 3 warm-up calls."""
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+def timing_context(length: int = DEFAULT_CONTEXT, vocab_size: int = 20000) -> list[int]:
+    """A fixed pseudo-random context of `length` ids (what is attended to, not what it says)."""
+    low = min(1000, vocab_size // 4)
+    return torch.randint(low, max(low + 1, vocab_size), (length,), generator=torch.Generator().manual_seed(0)).tolist()
+
+
+def target_step_seconds(target, context: list[int], width: int = 1, repeats: int = 15) -> float:
+    """Median seconds of a target forward of `width` tokens after `context` (left in the cache)."""
+    target.reset()
+    target.forward(context, last_only=True)
+
+    def step():
+        target.forward(context[:width])
+        target.crop(len(context))
+
+    return median_time(step, repeats)
+
+
+def draft_step_seconds(target, prepared, context: list[int], repeats: int = 15) -> float:
+    """Median seconds of one EESD draft token (layers 1..N of the target, the head's layer, norm
+    and the draft-vocabulary projection) after `context`; `prepared`: a `PreparedHead`."""
+    from ..drafters.early_exit import ExitHeadLM
+    from ..fastpath import Tree
+
+    target.reset()
+    target.forward(context, last_only=True)
+    lm = ExitHeadLM(target, prepared)
+    lm.begin(context)
+    target.capture_exit(prepared.exit_layer)
+    lm._head_length = len(context)
+    lm._cache.reserve(len(context) + 2)
+    lm._cache.length = len(context)
+    return median_time(lambda: lm.extend(torch.tensor([context[0]]), Tree.contiguous(len(context), 1)), repeats)
+
+
+def profile_target(target, context_length: int = DEFAULT_CONTEXT, widths: Sequence[int] = DEFAULT_WIDTHS,
+                   prepared_head=None, repeats: int = 15, rounds: int = 3) -> dict:
+    """Forward costs of `target` after a context of `context_length` tokens:
+    {"numerics", "context", "widths": {"1": ms, ...}, "ratios": {"2": r, ...}, "draft_ms"}
+    (draft_ms None without `prepared_head`). Each width's figure is the median over `rounds`
+    interleaved rounds of medians of `repeats` calls."""
+    widths = sorted(set(int(w) for w in widths) | {1})
+    context = timing_context(context_length, target.vocab_size)
+    per_round = [[target_step_seconds(target, context, width, repeats) for width in widths] for _ in range(rounds)]
+    seconds = {width: statistics.median(run[i] for run in per_round) for i, width in enumerate(widths)}
+    draft = None
+    if prepared_head is not None:
+        draft = draft_step_seconds(target, prepared_head, context, repeats)
+    base = seconds[1]
+    return {
+        "numerics": getattr(target, "numerics", None),
+        "context": context_length,
+        "widths": {str(w): round(s * 1e3, 3) for w, s in seconds.items()},
+        "ratios": {str(w): round(s / base, 3) for w, s in seconds.items() if w != 1},
+        "draft_ms": None if draft is None else round(draft * 1e3, 3),
+        "draft_ratio": None if draft is None else round(draft / base, 3),
+    }
+
+
+def format_profile(profile: dict) -> str:
+    """The profile as a small table for a terminal."""
+    lines = [f"numerics {profile['numerics']}, context {profile['context']} tokens",
+             f"{'width':>6} {'ms':>9} {'x 1-token':>10}"]
+    for width, ms in profile["widths"].items():
+        ratio = profile["ratios"].get(width, 1.0)
+        lines.append(f"{width:>6} {ms:9.2f} {ratio:10.2f}")
+    if profile["draft_ms"] is not None:
+        lines.append(f"EESD draft token: {profile['draft_ms']:.2f} ms ({profile['draft_ratio']:.2f} x 1-token)")
+    return "\n".join(lines)
