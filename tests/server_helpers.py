@@ -21,8 +21,8 @@ from verispec.server import ServerSettings, create_app
 
 # Prompts containing these strings trigger a hook during their prefill (see HookedTarget).
 FAIL_MARKER = "qxqxq"  # the forward raises: an internal error in generation
-SLOW_MARKER = "qzqzq"  # the prefill sleeps SLOW_PREFILL_S: a request that blocks the worker
-SLOW_PREFILL_S = 2.5
+BLOCK_MARKER = "qzqzq"  # the prefill waits until the target's `gate` is open: a request that blocks the worker
+HANG_GUARD_S = 120  # the longest any wait in these tests may take: it only guards against a hang
 
 
 def _contains(tokens: Sequence[int], pattern: Sequence[int]) -> bool:
@@ -32,20 +32,32 @@ def _contains(tokens: Sequence[int], pattern: Sequence[int]) -> bool:
 
 class HookedTarget(Target):
     """A Target whose forward can be slowed (`delay` seconds per forward) and whose prefill fails
-    or stalls when the prompt contains FAIL_MARKER or SLOW_MARKER."""
+    when the prompt contains FAIL_MARKER, or waits while `gate` is closed when it contains
+    BLOCK_MARKER (`blocked` is set while it waits). The gate is open unless a test closes it:
+
+        target.gate.clear(); ...send a BLOCK_MARKER request, target.blocked.wait(...)...
+        target.gate.set()  # in a finally
+    """
 
     def __init__(self, model, tokenizer, name: str = "", delay: float = 0.0):
         super().__init__(model, tokenizer, name=name)
         self.delay = delay
+        self.gate = threading.Event()
+        self.gate.set()
+        self.blocked = threading.Event()
         self._fail_ids = tokenizer(FAIL_MARKER)["input_ids"]
-        self._slow_ids = tokenizer(SLOW_MARKER)["input_ids"]
+        self._block_ids = tokenizer(BLOCK_MARKER)["input_ids"]
 
     def forward(self, tokens, last_only: bool = False):
         if self.length == 0:  # the prefill of a request
             if _contains(tokens, self._fail_ids):
                 raise RuntimeError("injected fault in the target forward")
-            if _contains(tokens, self._slow_ids):
-                time.sleep(SLOW_PREFILL_S)
+            if _contains(tokens, self._block_ids):
+                self.blocked.set()
+                try:
+                    self.gate.wait(HANG_GUARD_S)
+                finally:
+                    self.blocked.clear()
         if self.delay:
             time.sleep(self.delay)
         return super().forward(tokens, last_only)
@@ -67,7 +79,9 @@ class RunningServer:
     def __init__(self, target: Target, settings: ServerSettings):
         self.target, self.settings = target, settings
         self.app = create_app(target, settings)
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        # IPPROTO_TCP as `verispec serve` has it from getaddrinfo: asyncio sets TCP_NODELAY only on
+        # sockets that say so, and without it every answer waits ~40 ms for a delayed ACK.
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         sock.bind(("127.0.0.1", 0))  # a free port, held from now on: no race with other tests
         self.port = sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
@@ -76,7 +90,7 @@ class RunningServer:
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True,
                                        name=f"uvicorn-{self.port}")
         self.thread.start()
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + HANG_GUARD_S
         while not self.server.started:
             if not self.thread.is_alive() or time.monotonic() > deadline:
                 raise RuntimeError("the test server did not start")
@@ -87,18 +101,44 @@ class RunningServer:
         return self.app.state.worker
 
     def stop(self) -> None:
+        if isinstance(self.target, HookedTarget):
+            self.target.gate.set()  # never leave the worker blocked
         self.server.should_exit = True
-        self.thread.join(15)
+        self.thread.join(HANG_GUARD_S)
 
 
-def wait_until(condition: Callable[[], bool], timeout: float, interval: float = 0.02) -> float:
-    """Poll `condition` until true; return the seconds it took (raise AssertionError on timeout)."""
+def wait_until(condition: Callable[[], bool], timeout: float = HANG_GUARD_S, interval: float = 0.02) -> None:
+    """Poll `condition` until true; raise AssertionError if it is still false after `timeout`
+    seconds (a guard against a hang, never a measurement)."""
     started = time.monotonic()
     while not condition():
         if time.monotonic() - started > timeout:
             raise AssertionError(f"condition not met within {timeout} s")
         time.sleep(interval)
-    return time.monotonic() - started
+
+
+def raw_exchange(port: int, requests: list[tuple[str, str, bytes, dict]]) -> list[tuple[int, dict, bytes, bool]]:
+    """Send `requests` (method, path, body, headers) one after another on one keep-alive
+    connection with http.client; return (status, lower-cased headers, body, kept) for each, where
+    `kept` says the same connection is still open after the answer (false after a
+    `Connection: close`, when http.client opens a new one for the next request). A server that
+    drops the connection without saying so makes the next request raise (reset or
+    RemoteDisconnected), which fails the caller's test."""
+    import http.client
+
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=HANG_GUARD_S)
+    answers = []
+    try:
+        for method, path, body, headers in requests:
+            connection.request(method, path, body=body, headers=headers)
+            sock = connection.sock
+            response = connection.getresponse()
+            payload = response.read()
+            kept = connection.sock is not None and connection.sock is sock
+            answers.append((response.status, {k.lower(): v for k, v in response.getheaders()}, payload, kept))
+    finally:
+        connection.close()
+    return answers
 
 
 def metric_value(text: str, name: str, **labels: str) -> float:

@@ -1,5 +1,9 @@
 """The command line: user errors give one `error:` line and a non-zero exit, never a traceback,
-and are caught before any model is loaded; `generate` works end to end on a tiny saved model."""
+and are caught before any model is loaded; `generate` works end to end on a tiny saved model.
+
+Text that is not valid UTF-8 (standard input, a corpus file, or an argument, which Python hands
+over with each bad byte as a lone surrogate) is refused naming the byte and its offset. An option
+that the chosen methods would silently ignore, or a draft length given twice, is refused too."""
 
 from __future__ import annotations
 
@@ -73,6 +77,132 @@ def test_bad_arguments_fail_before_loading(no_model_loading, args, fragment):
     lines = assert_clean_error(result, fragment)
     assert len(lines) == 1  # one line
     assert result.exit_code == 2
+
+
+class ReachedModelLoading(Exception):
+    pass
+
+
+@pytest.fixture
+def stop_at_model_loading(monkeypatch):
+    """The CLI's arguments pass validation when it goes on to load the model: stop it there."""
+
+    def reached(*args, **kwargs):
+        raise ReachedModelLoading
+
+    monkeypatch.setattr(cli, "_load", reached)
+
+
+@pytest.mark.parametrize(
+    "data,message",
+    [
+        (b"\xff\xfe", "byte 0xff at byte offset 0"),
+        ("café ".encode() + b"\xe9t\xe9", "byte 0xe9 at byte offset 6"),  # Latin-1 after UTF-8
+        ("naïve ".encode() + "€".encode()[:2], "byte 0xe2 at byte offset 7"),  # cut mid-character
+    ],
+)
+def test_stdin_that_is_not_utf8_fails_cleanly(no_model_loading, data, message):
+    result = runner.invoke(app, ["generate", "-"], input=data)
+    lines = assert_clean_error(result, f"standard input is not valid UTF-8: {message}")
+    assert len(lines) == 1 and result.exit_code == 2
+
+
+def test_utf8_stdin_is_read_whatever_the_locale(stop_at_model_loading):
+    result = runner.invoke(app, ["generate", "-"], input="naïve café €".encode())
+    assert isinstance(result.exception, ReachedModelLoading), result.output
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        # Python decodes an argument's bytes that are not UTF-8 as lone surrogates U+DC80..U+DCFF
+        (["generate", "ok\udcff"], "the prompt is not valid UTF-8: byte 0xff at byte offset 2"),
+        (["generate", "é\udce9"], "the prompt is not valid UTF-8: byte 0xe9 at byte offset 2"),
+        (["generate", "hi", "--stop", "\udce9"], "--stop is not valid UTF-8: byte 0xe9 at byte offset 0"),
+        (["generate", "x\ud800"], "the prompt is not valid Unicode text: a lone surrogate \\ud800 at character 1"),
+        (["serve", "--api-key", "k\udcff"], "--api-key is not valid UTF-8: byte 0xff at byte offset 1"),
+        (["serve", "--model-id", "\udcff"], "--model-id is not valid UTF-8: byte 0xff at byte offset 0"),
+    ],
+)
+def test_arguments_that_are_not_utf8_fail_cleanly(no_model_loading, args, message):
+    result = runner.invoke(app, args)
+    lines = assert_clean_error(result, message)
+    assert len(lines) == 1 and result.exit_code == 2
+
+
+def test_corpus_that_is_not_utf8_fails_before_loading(no_model_loading, tmp_path):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_bytes("first document\n\nsecond ".encode() + b"\x80")
+    result = runner.invoke(app, ["train-exit", "--corpus", str(corpus), "--out", str(tmp_path / "head")])
+    assert_clean_error(result, f"corpus file {corpus} is not valid UTF-8: byte 0x80 at byte offset 23")
+    assert result.exit_code == 2
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["generate", "hi", "--beams", "2"], "--beams is used only by mtad, not by anpd"),
+        (["generate", "hi", "-m", "eesd", "--tau", "0.3"], "--tau is used only by mtad, not by eesd"),
+        (["generate", "hi", "-m", "eesd", "--draft-model", "small"], "--draft-model is used only by sps, mtad, not by eesd"),
+        (["generate", "hi", "-m", "ar", "--draft-model", "small"], "--draft-model is used only by sps, mtad, not by ar"),
+        (["generate", "hi", "-m", "pld", "--draft-model", "small"], "--draft-model is used only by sps, mtad, not by pld"),
+        (["generate", "hi", "--draft-model", "small"], "--draft-model is used only by sps, mtad, not by anpd"),
+        (["generate", "hi", "-m", "pld", "--exit-head", "."], "--exit-head is used only by eesd, sps, mtad, not by pld"),
+        (["generate", "hi", "-m", "ar", "--exit-head", "."], "--exit-head is used only by eesd, sps, mtad, not by ar"),
+        (["generate", "hi", "-m", "mtad", "--draft-model", "small", "--exit-head", "."],
+         "--exit-head is used only by eesd, not by mtad (sps and mtad draft with --draft-model"),
+        (["generate", "hi", "-m", "ar", "--draft-length", "4"], "--draft-length is used only by pld, anpd, eesd, sps, mtad, not by ar"),
+        (["generate", "hi", "-m", "ar", "--controller", "constant"], "--controller is used only by pld, anpd, eesd, sps, mtad, not by ar"),
+        (["generate", "hi", "--draft-length", "4", "--controller", "constant:8"],
+         "--draft-length 4 and --controller constant:8 both set the draft length"),
+        (["bench", "--methods", "ar,pld", "--draft-model", "small"], "--draft-model is used only by sps, mtad, not by ar, pld, hf-ar, hf-pld"),
+        (["bench", "--methods", "ar,sps", "--draft-model", "small", "--exit-head", "."], "--exit-head is used only by eesd, not by ar, sps, hf-ar, hf-pld"),
+        (["bench", "--draft-length", "4", "--controller", "adaptive:8"], "both set the draft length"),
+        (["train-exit", "--corpus", "README.md", "--generate-corpus"], "--corpus and --generate-corpus"),
+    ],
+)
+def test_options_the_method_would_ignore_are_refused(no_model_loading, tmp_path, monkeypatch, args, message):
+    monkeypatch.chdir(tmp_path)  # bench writes nothing, but would choose bench-out/ here
+    (tmp_path / "README.md").write_text("a corpus\n")
+    result = runner.invoke(app, args)
+    lines = assert_clean_error(result, message)
+    assert len(lines) == 1 and result.exit_code == 2
+    assert not (tmp_path / "bench-out").exists()
+
+
+@pytest.mark.parametrize(
+    "args,given",
+    [
+        (["generate", "hi", "-m", "mtad", "--beams", "2", "--tau", "0.3"], {"beams": 2, "tau": 0.3}),
+        (["generate", "hi", "-m", "mtad"], {}),  # methods.MethodOptions' defaults apply
+        (["generate", "hi", "-m", "sps", "--draft-model", "small"], {"draft_model": "small"}),
+        (["generate", "hi", "-m", "sps", "--exit-head", "."], {"exit_head": "."}),
+        (["generate", "hi", "-m", "eesd", "--exit-head", ".", "--controller", "constant:4"],
+         {"exit_head": ".", "controller": "constant:4"}),
+        (["generate", "hi", "-m", "pld", "--draft-length", "4", "--controller", "constant"],
+         {"draft_length": 4, "controller": "constant"}),
+        (["bench", "--methods", "ar", "--peers", "hf-assisted", "--draft-model", "small"], {"draft_model": "small"}),
+        (["bench", "--methods", "ar,eesd,sps", "--draft-model", "small", "--exit-head", "."],
+         {"draft_model": "small", "exit_head": "."}),
+    ],
+)
+def test_options_the_method_uses_are_passed_on(stop_at_model_loading, tmp_path, monkeypatch, args, given):
+    """Only the options given reach MethodOptions, so its own defaults (beams 4, tau 0.5) apply."""
+    import verispec.methods as methods
+
+    monkeypatch.chdir(tmp_path)
+    received = []
+
+    class RecordingOptions(methods.MethodOptions):
+        def __init__(self, **kwargs):
+            received.append(kwargs)
+            super().__init__(**kwargs)
+
+    monkeypatch.setattr(methods, "MethodOptions", RecordingOptions)
+    result = runner.invoke(app, args)
+    assert isinstance(result.exception, ReachedModelLoading), result.output
+    from_the_cli = [call for call in received if "exit_head" in call]  # bench's parse_variant makes others
+    assert len(from_the_cli) == 1 and {k: v for k, v in from_the_cli[0].items() if v is not None} == given
 
 
 def test_empty_prompt_from_stdin(no_model_loading):
@@ -194,6 +324,19 @@ def test_real_process_exit_code():
     assert empty.returncode == 2
     assert empty.stderr.strip() == "error: the prompt is empty"
     assert "Traceback" not in empty.stderr + empty.stdout
+
+
+def test_real_process_refuses_bytes_that_are_not_utf8():
+    """In a real process stdin and argv are decoded by Python itself (surrogateescape under a
+    UTF-8 locale), not by the test runner."""
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    command = [sys.executable, "-m", "verispec.cli", "generate"]
+    piped = subprocess.run([*command, "-"], input=b"ok\xff\xfe", capture_output=True, timeout=120, env=env)
+    assert piped.returncode == 2
+    assert piped.stderr.decode().strip() == "error: standard input is not valid UTF-8: byte 0xff at byte offset 2"
+    argument = subprocess.run([*command, b"hi\xe9"], capture_output=True, timeout=120, env=env)
+    assert argument.returncode == 2
+    assert argument.stderr.decode().strip() == "error: the prompt is not valid UTF-8: byte 0xe9 at byte offset 2"
 
 
 def test_help_answers_without_loading_torch():

@@ -7,7 +7,8 @@
 - Speculative sampling with the head's q is lossless: the distribution of the first three tokens
   equals the exact autoregressive one (chi-square, false-positive rate ALPHA per test).
 - Training on a tiny model lowers the held-out KL; a head trained for another model or exit layer
-  is refused; the head round-trips through its files.
+  is refused; the head round-trips through its files; training files (checkpoint, labels) hold
+  tensors and plain values only, and one holding any other pickled object is refused unopened.
 """
 
 from __future__ import annotations
@@ -162,19 +163,23 @@ def test_eesd_method_with_a_head_directory(tmp_path):
         MethodOptions(exit_head=str(tmp_path / "missing"))
 
 
-def test_training_lowers_the_held_out_kl(tmp_path):
-    from verispec.train.exit_head import TrainConfig, train_exit_head
-
-    target = helpers.make_target("gemma3", seed=2, init=0.3, tokenizer=helpers.char_tokenizer())
-    corpus = tmp_path / "corpus.jsonl"
+def write_word_corpus(path, documents: int = 40) -> None:
     import json
     import random
 
     rng = random.Random(0)
     words = ["alpha", "beta", "gamma", "delta", "river", "stone", "light", "cloud"]
-    with corpus.open("w") as sink:
-        for _ in range(40):
+    with path.open("w") as sink:
+        for _ in range(documents):
             sink.write(json.dumps({"text": " ".join(rng.choice(words) for _ in range(30))}) + "\n")
+
+
+def test_training_lowers_the_held_out_kl(tmp_path):
+    from verispec.train.exit_head import CHECKPOINT, LABELS, TrainConfig, train_exit_head
+
+    target = helpers.make_target("gemma3", seed=2, init=0.3, tokenizer=helpers.char_tokenizer())
+    corpus = tmp_path / "corpus.jsonl"
+    write_word_corpus(corpus)
     config = TrainConfig(exit_layer=1, draft_vocab=24, sequence_length=48, batch=4, steps=60,
                          learning_rate=3e-3, warmup=5, checkpoint_every=20, eval_tokens=256)
     summary = train_exit_head(target, corpus, tmp_path / "head", config, log=lambda *_: None)
@@ -187,6 +192,14 @@ def test_training_lowers_the_held_out_kl(tmp_path):
     prompt = target.tokenizer("alpha beta gamma")["input_ids"]
     reference = helpers.run(target, build("ar", target), prompt, 16)[0]
     assert helpers.run(target, eesd_recipe(target, head), prompt, 16)[0] == reference
+    # the training files load as tensors and plain values only, with what was trained
+    checkpoint = torch.load(tmp_path / "head" / CHECKPOINT, weights_only=True)
+    assert checkpoint["step"] == 60 and checkpoint["vocab"] == head.vocab.tolist()
+    assert set(checkpoint["head"]) == set(head.state_dict())
+    for name, value in head.state_dict().items():  # the head files hold the checkpoint's weights in bf16
+        torch.testing.assert_close(checkpoint["head"][name].to(torch.bfloat16).float(), value.float(), rtol=0, atol=0)
+    labels = torch.load(tmp_path / "head" / LABELS, weights_only=True)
+    assert len(labels["token_ids"]) == len(labels["exit_states"]) == summary["sequences"]
     # resume continues from the checkpoint and refuses changed settings
     longer = TrainConfig(**{**config.__dict__, "steps": 70})
     assert train_exit_head(target, corpus, tmp_path / "head", longer, resume=True, log=lambda *_: None)["steps"] == 70
@@ -195,6 +208,41 @@ def test_training_lowers_the_held_out_kl(tmp_path):
     changed = TrainConfig(**{**config.__dict__, "draft_vocab": 30})
     with pytest.raises(ConfigError, match="different settings"):
         train_exit_head(target, corpus, tmp_path / "head", changed, resume=True, log=lambda *_: None)
+
+
+class RunsCodeWhenUnpickled:
+    """Unpickling it opens (creates) `path`: the kind of object a tampered training file carries."""
+
+    def __init__(self, path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        return open, (self.path, "w")
+
+
+@pytest.mark.parametrize("tampered", ["checkpoint", "labels"])
+def test_training_files_with_other_pickled_objects_are_refused(tmp_path, tampered):
+    from dataclasses import asdict
+
+    from verispec.train.exit_head import CHECKPOINT, LABELS, TrainConfig, train_exit_head
+
+    target = helpers.make_target("gemma3", seed=2, tokenizer=helpers.char_tokenizer())
+    corpus, out, marker = tmp_path / "corpus.jsonl", tmp_path / "head", tmp_path / "code-ran"
+    write_word_corpus(corpus, documents=4)
+    config = TrainConfig(exit_layer=1, draft_vocab=24, sequence_length=48, steps=2, eval_tokens=16)
+    out.mkdir()
+    # a well-formed checkpoint of plain values, so that a tampered labels file is reached
+    checkpoint = {"head": {}, "optimizer": {}, "step": 0, "vocab": [], "config": asdict(config), "before": {}}
+    if tampered == "checkpoint":
+        checkpoint["vocab"] = RunsCodeWhenUnpickled(marker)
+    else:
+        torch.save({"exit_states": [RunsCodeWhenUnpickled(marker)], "final_states": [], "token_ids": []},
+                   out / LABELS)
+    torch.save(checkpoint, out / CHECKPOINT)
+    with pytest.raises(ConfigError, match="refusing to load") as refused:
+        train_exit_head(target, corpus, out, config, resume=True, log=lambda *_: None)
+    assert (CHECKPOINT if tampered == "checkpoint" else LABELS) in str(refused.value)
+    assert not marker.exists()  # refused, not executed
 
 
 class SkippingController:

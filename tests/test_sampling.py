@@ -148,12 +148,21 @@ def test_sample_point_mass_and_last_entry():
 
 
 def test_seeded_generator_is_reproducible():
-    config = SamplingConfig(temperature=1.0, seed=42)
-    probs = torch.full((10,), 0.1)
-    a = [sample(probs, config.generator()) for _ in range(5)]
-    g1, g2 = config.generator(), config.generator()
-    assert [sample(probs, g1) for _ in range(20)] == [sample(probs, g2) for _ in range(20)]
-    assert len(a) == 5
+    """Each generator() of a seeded config starts the same stream, one seeded with `seed` itself;
+    another seed, or no seed, gives another stream (20 draws from 100 tokens: equal by chance
+    with probability 1e-40)."""
+    probs = torch.full((100,), 0.01)
+
+    def draws(generator: torch.Generator) -> list[int]:
+        return [sample(probs, generator) for _ in range(20)]
+
+    seeded = SamplingConfig(temperature=1.0, seed=42)
+    first = draws(seeded.generator())
+    assert draws(seeded.generator()) == first
+    assert draws(torch.Generator().manual_seed(42)) == first
+    assert draws(SamplingConfig(temperature=1.0, seed=43).generator()) != first
+    unseeded = SamplingConfig(temperature=1.0)
+    assert draws(unseeded.generator()) != draws(unseeded.generator())
 
 
 @pytest.mark.parametrize(
@@ -185,6 +194,16 @@ def test_config_error_is_a_value_error_and_names_the_option():
         SamplingConfig(temperature=-2)
 
 
-@pytest.mark.parametrize("kwargs", [dict(), dict(temperature=0.7, top_k=50, top_p=0.9, seed=0), dict(top_p=1)])
-def test_sampling_config_accepts_valid_values(kwargs):
-    SamplingConfig(**kwargs)
+@pytest.mark.parametrize(
+    "kwargs,expected",
+    [
+        # expected: (temperature, top_k, top_p, seed, greedy); dict() shows the defaults
+        (dict(), (0.0, 0, 1.0, None, True)),
+        (dict(temperature=0.7, top_k=50, top_p=0.9, seed=0), (0.7, 50, 0.9, 0, False)),
+        (dict(top_p=1), (0.0, 0, 1, None, True)),
+        (dict(temperature=2, top_k=1, top_p=1e-6, seed=2**40), (2, 1, 1e-6, 2**40, False)),
+    ],
+)
+def test_sampling_config_accepts_valid_values(kwargs, expected):
+    config = SamplingConfig(**kwargs)
+    assert (config.temperature, config.top_k, config.top_p, config.seed, config.greedy) == expected

@@ -105,3 +105,67 @@ def test_engine_fills_stats_consistently(llama_target):
     assert stats.mean_accepted_tokens == pytest.approx(30 / stats.target_forwards)
     assert stats.prefill_s > 0 and stats.decode_s > 0
     assert stats.stop_reason == "length"
+
+
+def test_drafts_and_accepted_per_position_have_vllms_meaning():
+    stats = GenerationStats(method="anpd")
+    for drafted, accepted in [(4, 4), (4, 0), (3, 1), (0, 0), (6, 4), (2, 2)]:
+        stats.record_step(drafted, accepted)
+    assert stats.drafts == 5  # the step that drafted nothing is not a draft
+    # position i counts the drafts that accepted more than i tokens; positions drafted but never
+    # accepted (4 and 5, drafted only by the (6, 4) step) count 0
+    assert stats.accepted_per_position == [4, 3, 2, 2, 0, 0]
+    assert sum(stats.accepted_per_position) == stats.accepted == 11
+    assert stats.mean_acceptance_length == pytest.approx(1 + 11 / 5)
+    assert stats.mean_accepted_tokens != stats.mean_acceptance_length  # forwards include the empty step
+
+
+def test_mean_acceptance_length_without_drafts():
+    stats = GenerationStats()
+    stats.record_step(0, 0)
+    stats.record_step(0, 0)
+    assert stats.drafts == 0 and stats.accepted_per_position == []
+    assert stats.mean_acceptance_length is None
+    assert stats.to_dict()["mean_acceptance_length"] is None
+    none_accepted = GenerationStats()
+    none_accepted.record_step(3, 0)
+    assert none_accepted.mean_acceptance_length == 1.0
+    assert none_accepted.accepted_per_position == [0, 0, 0]
+
+
+def test_record_step_refuses_more_accepted_than_drafted():
+    stats = GenerationStats()
+    with pytest.raises(ValueError):
+        stats.record_step(2, 3)
+    with pytest.raises(ValueError):
+        stats.record_step(2, -1)
+    assert stats.target_forwards == 0 and stats.drafts == 0
+
+
+def test_merge_and_to_dict_carry_drafts_and_positions():
+    a, b = GenerationStats(method="pld"), GenerationStats(method="pld")
+    for drafted, accepted in [(3, 3), (3, 1)]:
+        a.record_step(drafted, accepted)
+    for drafted, accepted in [(5, 2), (0, 0)]:
+        b.record_step(drafted, accepted)
+    merged = a.merge(b)
+    assert merged.drafts == 3
+    assert merged.accepted_per_position == [3, 2, 1, 0, 0]
+    assert merged.mean_acceptance_length == pytest.approx(1 + 6 / 3)
+    data = json.loads(json.dumps(merged.to_dict()))
+    assert data["drafts"] == 3 and data["accepted_per_position"] == [3, 2, 1, 0, 0]
+    assert data["mean_acceptance_length"] == pytest.approx(3.0)
+    assert a.accepted_per_position == [2, 1, 1]  # merge leaves its inputs alone
+
+
+def test_engine_counts_drafts_and_positions(llama_target):
+    prompt = helpers.repetitive_prompt(128, 1, period=5, repeats=4)
+    reference = helpers.run(llama_target, build("ar", llama_target), prompt, 30)[0]
+    drafter = helpers.ScriptedDrafter(reference, "random", llama_target.vocab_size, seed=5)
+    _, stats, _ = helpers.run(llama_target, helpers.scripted_recipe(drafter, 4), prompt, 30)
+    # what the engine told the drafter at each step: (committed tokens, drafts verified)
+    steps = [(len(committed) - 1, drafted) for committed, drafted, _ in drafter.commits if drafted]
+    assert stats.drafts == len(steps) > 0
+    assert stats.accepted_per_position == [sum(1 for accepted, _ in steps if accepted > i)
+                                           for i in range(max(drafted for _, drafted in steps))]
+    assert stats.mean_acceptance_length == pytest.approx(1 + sum(a for a, _ in steps) / len(steps))

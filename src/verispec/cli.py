@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import platform
 import sys
-from typing import List, Optional
+from typing import List, Optional, Sequence
 
 import typer
 from rich.console import Console
@@ -60,7 +60,10 @@ def _quiet_transformers() -> None:
 
 
 def _fail(message: str, code: int = 2) -> None:
-    err.print(f"[bold red]error:[/] {message}", highlight=False)
+    """One `error:` line on stderr (never wrapped; the message is not read as markup), then exit."""
+    from rich.markup import escape
+
+    err.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
     raise typer.Exit(code)
 
 
@@ -69,6 +72,49 @@ def _load(model: Optional[str], dtype: str, fast: bool = True, block_kernel: boo
 
     _quiet_transformers()
     return load(model, dtype, fast=fast, block_kernel=block_kernel)
+
+
+def _read_stdin() -> str:
+    """Standard input as UTF-8 text, whatever the locale; a ConfigError at the first byte that is
+    not UTF-8."""
+    from .text import checked_text, decode_utf8
+
+    raw = getattr(sys.stdin, "buffer", None)
+    if raw is None:  # a text-only stream
+        return checked_text(sys.stdin.read(), "standard input")
+    return decode_utf8(raw.read(), "standard input")
+
+
+def _refuse_unused_options(methods: Sequence[str], *, draft_length: Optional[int] = None,
+                           controller: Optional[str] = None, exit_head: Optional[str] = None,
+                           draft_model: Optional[str] = None, beams: Optional[int] = None,
+                           tau: Optional[float] = None, draft_model_peers: Sequence[str] = ()) -> None:
+    """A ConfigError for an option that none of `methods` uses, or for a draft length given twice
+    (--draft-length and --controller NAME:K): a silently ignored option makes a run, a benchmark
+    above all, measure something other than what was asked. Users: --beams, --tau: mtad;
+    --draft-model: sps, mtad (and `draft_model_peers`); --exit-head: eesd, and sps and mtad when
+    they draft with the head (no --draft-model); --draft-length, --controller: every method that
+    drafts (all but ar)."""
+    from .errors import ConfigError
+    from .methods import METHODS
+
+    drafting = [name for name, method in METHODS.items() if method.default_length > 0]
+    head_users, head_note = ["eesd", "sps", "mtad"], ""
+    if draft_model is not None:
+        head_users, head_note = ["eesd"], " (sps and mtad draft with --draft-model, not with the exit head)"
+    for option, value, users, note in (
+        ("--beams", beams, ["mtad"], ""),
+        ("--tau", tau, ["mtad"], ""),
+        ("--draft-model", draft_model, ["sps", "mtad", *draft_model_peers], ""),
+        ("--exit-head", exit_head, head_users, head_note),
+        ("--draft-length", draft_length, drafting, ""),
+        ("--controller", controller, drafting, ""),
+    ):
+        if value is not None and not set(users) & set(methods):
+            raise ConfigError(f"{option} is used only by {', '.join(users)}, not by {', '.join(methods)}{note}")
+    if draft_length is not None and controller is not None and ":" in controller:
+        raise ConfigError(f"--draft-length {draft_length} and --controller {controller} both set the draft length; "
+                          f"give only one")
 
 
 def _stats_table(results: dict) -> Table:
@@ -120,8 +166,8 @@ def generate(
     controller: Optional[str] = CONTROLLER_OPTION,
     exit_head: Optional[str] = EXIT_HEAD_OPTION,
     draft_model: Optional[str] = typer.Option(None, "--draft-model", help="Auxiliary draft model for sps and mtad (same tokenizer; default: the EESD exit head)."),
-    beams: int = typer.Option(4, help="mtad: beam width W."),
-    tau: float = typer.Option(0.5, help="mtad: joint-likelihood threshold."),
+    beams: Optional[int] = typer.Option(None, help="mtad only: beam width W (default: 4)."),
+    tau: Optional[float] = typer.Option(None, help="mtad only: joint-likelihood threshold (default: 0.5)."),
     perplexity: bool = typer.Option(False, "--perplexity", help="Also score the generated tokens' perplexity under the target (temperature 1, no top-k/top-p)."),
     prompt_format: str = typer.Option("raw", help="raw: the prompt as given; chat: chat template or plain Q/A template."),
     stream: bool = typer.Option(False, "--stream", help="Print text as it is generated."),
@@ -132,18 +178,23 @@ def generate(
     from .api import make_request, sampling_for, stream as stream_text
     from .engine import DecodeConfig
     from .methods import MethodOptions, get_method
+    from .text import checked_text
 
-    if prompt == "-":
-        prompt = sys.stdin.read()
     try:
         # Everything that needs no model is checked before the model is loaded.
+        prompt = _read_stdin() if prompt == "-" else checked_text(prompt, "the prompt")
         if not prompt.strip():
             _fail("the prompt is empty")
+        for text in stop:
+            checked_text(text, "--stop")
         get_method(method)
         sampling = sampling_for(method, temperature, top_k, top_p, seed)  # --compare's ar samples alike
         DecodeConfig(max_new_tokens, sampling)
+        mtad_knobs = {name: value for name, value in (("beams", beams), ("tau", tau)) if value is not None}
         options = MethodOptions(draft_length=draft_length, controller=controller, exit_head=exit_head,
-                                draft_model=draft_model, beams=beams, tau=tau)
+                                draft_model=draft_model, **mtad_knobs)
+        _refuse_unused_options([method], draft_length=draft_length, controller=controller, exit_head=exit_head,
+                               draft_model=draft_model, beams=beams, tau=tau)
         target = _load(model, dtype, fast, block_kernel)
         request_args = dict(
             max_new_tokens=max_new_tokens, temperature=sampling.temperature, top_k=sampling.top_k,
@@ -275,6 +326,10 @@ def bench(
                       draft_model=draft_model)
         if controller:
             parse_controller(controller, draft_length or 1)
+        _refuse_unused_options([parse_variant(name)[0] for name in method_names] + peer_names,
+                               draft_length=draft_length, controller=controller, exit_head=exit_head,
+                               draft_model=draft_model,
+                               draft_model_peers=[name for name in peer_names if get_peer(name).needs_draft_model])
         path, questions = datasets.load_dataset(dataset, _names(categories or ""), per_category)
         settings = runner.BenchSettings(
             model=_resolved_path_or_id(model),
@@ -412,7 +467,7 @@ def serve(
     port: int = typer.Option(8000, help="TCP port (0 = any free port)."),
     api_key: Optional[str] = typer.Option(None, "--api-key", envvar="VERISPEC_API_KEY", show_envvar=True,
                                           help="Require 'Authorization: Bearer KEY' (except on /health)."),
-    max_queue: int = typer.Option(16, "--max-queue", help="Requests that may wait for the worker; more get 429."),
+    max_queue: int = typer.Option(64, "--max-queue", help="Requests that may wait for the worker; more get 429."),
     request_timeout: float = typer.Option(300.0, "--request-timeout", help="Seconds a request may take from arrival, queue wait included (0 = no limit)."),
     max_tokens_limit: int = typer.Option(1024, "--max-tokens-limit", help="Largest max_tokens a request may ask for (also the default)."),
     model_id: Optional[str] = typer.Option(None, "--model-id", help="Model id clients send (default: verispec-default, or the model path's basename)."),
@@ -421,10 +476,14 @@ def serve(
     from .methods import get_method
     from .model import resolve_dtype
     from .server import ServerSettings, create_app, default_model_id
+    from .text import checked_text
 
     try:
         # Everything that needs no model is checked before the model is loaded.
         get_method(method)
+        for option, value in (("--api-key", api_key), ("--model-id", model_id)):
+            if value is not None:
+                checked_text(value, option)
         resolve_dtype(dtype)
         if not 0 <= port <= 65535:
             _fail(f"--port must be in 0..65535, got {port}")
@@ -481,6 +540,7 @@ def train_exit(
 
     from .train.corpus import CORPUS_PATH, PROMPTS_PATH, check_generation, generate_corpus as make_corpus, read_prompts
     from .train.exit_head import TrainConfig, train_exit_head
+    from .text import decode_utf8
 
     try:
         config = TrainConfig(exit_layer=exit_layer, init_layer=init_layer, draft_vocab=draft_vocab, sequence_length=sequence_length,
@@ -488,8 +548,15 @@ def train_exit(
                              checkpoint_every=checkpoint_every, seed=seed)
         directory = Path(out_dir)
         corpus_path = Path(corpus) if corpus else CORPUS_PATH
+        if corpus and generate_corpus:
+            _fail("--corpus and --generate-corpus each choose the training text; give only one")
         if corpus and not corpus_path.is_file():
             _fail(f"corpus file not found: {corpus}")
+        if corpus:
+            try:
+                decode_utf8(corpus_path.read_bytes(), f"corpus file {corpus}")
+            except OSError as error:
+                _fail(f"cannot read corpus file {corpus}: {error.strerror or error}")
         if generate_corpus:
             check_generation(corpus_tokens, corpus_samples)
         target = _load(model, "float32")

@@ -6,6 +6,11 @@ that could still become a stop string, is held back until the next tokens decide
 string appears, the text ends just before it, and the ids are cut after the token that completed
 it (anything accepted after it in the same step is dropped).
 
+Text must be valid Unicode: a lone surrogate (which no tokenizer can encode) is refused with a
+ConfigError by `checked_text`. Python turns bytes that are not UTF-8 into lone surrogates when it
+decodes command-line arguments or a stream with `surrogateescape`; for those the error names the
+byte and its offset in the UTF-8 input (`decode_utf8` decodes raw bytes the same way).
+
 Prompt formats: `raw` encodes the prompt as given (with the tokenizer's special tokens such as
 BOS); `chat` applies the tokenizer's chat template when it has one, and otherwise the plain
 template `PLAIN_TEMPLATE` (documented in README), which suits base models.
@@ -21,10 +26,33 @@ PLAIN_TEMPLATE = "Question: {prompt}\n\nAnswer:"
 PROMPT_FORMATS = ("raw", "chat")
 
 
+def checked_text(text: str, what: str) -> str:
+    """`text` itself if UTF-8 can encode it; else a ConfigError naming `what` and the first lone
+    surrogate: as the byte that is not UTF-8 and its byte offset when the surrogate stands for one
+    (U+DC80..U+DCFF, Python's surrogateescape), else as the code point and its character index."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        code = ord(text[error.start])
+        if 0xDC80 <= code <= 0xDCFF:
+            offset = len(text[: error.start].encode("utf-8"))
+            raise ConfigError(f"{what} is not valid UTF-8: byte 0x{code - 0xDC00:02x} at byte offset {offset}"
+                              ) from None
+        raise ConfigError(f"{what} is not valid Unicode text: a lone surrogate \\u{code:04x} at character "
+                          f"{error.start}") from None
+    return text
+
+
+def decode_utf8(data: bytes, what: str) -> str:
+    """UTF-8 bytes -> text; a ConfigError naming `what`, the first invalid byte and its offset."""
+    return checked_text(data.decode("utf-8", "surrogateescape"), what)
+
+
 def encode_prompt(tokenizer, prompt: str, prompt_format: str = "raw") -> list[int]:
-    """Prompt text -> token ids; raises ConfigError for an empty prompt or unknown format."""
+    """Prompt text -> token ids; raises ConfigError for an empty or invalid prompt or unknown format."""
     if not isinstance(prompt, str) or not prompt.strip():
         raise ConfigError("the prompt is empty")
+    checked_text(prompt, "the prompt")
     if prompt_format not in PROMPT_FORMATS:
         raise ConfigError(f"unknown prompt format {prompt_format!r}; choose one of {', '.join(PROMPT_FORMATS)}")
     if prompt_format == "chat":
@@ -43,6 +71,9 @@ def encode_messages(tokenizer, messages: Sequence[dict]) -> list[int]:
     """Chat messages -> ids, with the chat template or a plain "Role: content" fallback."""
     if not messages:
         raise ConfigError("messages must not be empty")
+    for message in messages:
+        if isinstance(message.get("content"), str):
+            checked_text(message["content"], "a message")
     if getattr(tokenizer, "chat_template", None):
         ids = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True)
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):
@@ -58,6 +89,8 @@ class TextAssembler:
     def __init__(self, tokenizer, stop_strings: Sequence[str] = ()):
         if any(not isinstance(s, str) or not s for s in stop_strings):
             raise ConfigError("stop strings must be non-empty strings")
+        for stop in stop_strings:
+            checked_text(stop, "a stop string")
         self.tokenizer = tokenizer
         self.stop_strings = tuple(stop_strings)
         self._hold = max((len(s) for s in self.stop_strings), default=1) - 1

@@ -10,10 +10,16 @@ Owns the FastAPI app (`create_app(target, settings)`), the endpoints
   GET  /metrics                      Prometheus text format
 
 the OpenAI error shape `{"error": {"message", "type", "param", "code"}}` for every failure
-(400 invalid request, 401 API key, 404 unknown model or route, 429 queue full, 503 shutting down
-or timed out while waiting, 500 internal), optional Bearer-key authentication, and server-sent
-events for `stream: true`. Every completion carries the request's speculation metrics in the
-extension field `verispec` (in a stream: the final chunk before `data: [DONE]`).
+(400 invalid request, 401 API key, 404 unknown model or route, 429 queue full with a Retry-After
+estimated from the queue, 503 shutting down or timed out while waiting, 500 internal), optional
+Bearer-key authentication, and server-sent events for `stream: true`. Every completion carries
+the request's speculation metrics in the extension field `verispec` (in a stream: the final
+chunk before `data: [DONE]`).
+
+No exception leaves the app (`_ErrorGuard`): an unexpected one is logged and answered with a
+complete 500 in the error shape, so the connection stays usable (the server would otherwise close
+it without a word after the answer); in a stream that has begun, it becomes a final error event
+followed by `data: [DONE]`. Error bodies are always valid UTF-8 JSON, whatever text they quote.
 
 Does not own generation: a validated request is handed to `worker.Worker`, whose single thread
 owns the Target and serves requests one at a time in arrival order. The event loop never runs
@@ -32,6 +38,8 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import logging
+import math
 import time
 import uuid
 from contextlib import asynccontextmanager
@@ -44,6 +52,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from ..api import Request as GenerationRequest
 from ..errors import ConfigError, VerispecError
@@ -56,6 +65,8 @@ from .schemas import ChatCompletionRequest, CompletionRequest
 from .worker import (DONE, QUEUED, Delta, Event, Failed, Finished, Job, QueueFull, QueueTimeout, Started, Worker,
                      WorkerStopped)
 
+
+log = logging.getLogger("verispec.server")
 
 DEFAULT_MODEL_ID = "verispec-default"
 OPEN_PATHS = frozenset({"/health"})  # reachable without the API key
@@ -83,7 +94,7 @@ class ServerSettings:
     model_id: str = DEFAULT_MODEL_ID
     default_method: str = "anpd"
     api_key: str | None = None
-    max_queue: int = 16
+    max_queue: int = 64
     request_timeout: float | None = 300.0
     max_tokens_limit: int = 1024
 
@@ -109,11 +120,33 @@ class ServerSettings:
 
 # -- errors ------------------------------------------------------------------------------------
 
+def _printable(text: str) -> str:
+    """`text` with lone surrogates (which UTF-8 cannot encode) written as \\udXXX escapes."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def _json_text(payload) -> str:
+    """JSON for a response body or event: UTF-8 characters as they are, but any lone surrogate in
+    quoted input as a JSON escape (json.dumps would otherwise yield text that UTF-8 cannot encode)."""
+    text = json.dumps(payload, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        text = json.dumps(payload, ensure_ascii=True, allow_nan=False, separators=(",", ":"))
+    return text
+
+
+class _JSON(JSONResponse):
+    def render(self, content) -> bytes:
+        return _json_text(content).encode("utf-8")
+
+
 class APIError(Exception):
     """An error answered in OpenAI's shape."""
 
     def __init__(self, status: int, message: str, type: str = "invalid_request_error",
                  param: str | None = None, code: str | None = None, headers: dict | None = None):
+        message, param = _printable(message), None if param is None else _printable(param)
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
         self.headers = headers
@@ -122,7 +155,11 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+        return _JSON(self.body(), status_code=self.status, headers=self.headers)
+
+
+def _internal_error(exc: BaseException) -> APIError:
+    return APIError(500, f"internal server error: {type(exc).__name__}", "server_error", code="internal_error")
 
 
 def _invalid(message: str, param: str | None = None, code: str | None = "invalid_value") -> APIError:
@@ -145,11 +182,13 @@ def _field_path(loc) -> list[str]:
 
 
 def _validation_error(exc: RequestValidationError) -> APIError:
-    """FastAPI/pydantic's list of errors -> one 400 naming the first offending parameter."""
+    """FastAPI/pydantic's list of errors -> one 400 naming the first offending parameter (the
+    first range or text error if there is one: a value that fails one member of a union such as
+    `prompt` by its content also fails the others by its type, and the content is the news)."""
     errors = exc.errors()
     if not errors:
         return _invalid("invalid request body")
-    first = errors[0]
+    first = next((e for e in errors if e.get("type") == "value_error"), errors[0])
     kind = first.get("type", "")
     loc = _field_path(first.get("loc", ()))
     if kind == "json_invalid":
@@ -164,10 +203,24 @@ def _validation_error(exc: RequestValidationError) -> APIError:
     where = ".".join(loc)
     if kind == "missing":
         return _invalid(f"missing required parameter: '{where}'", param=param, code="missing_required_parameter")
-    others = {".".join(_field_path(e.get("loc", ()))) for e in errors[1:]} - {where}
+    others = {path[0] for e in errors if (path := _field_path(e.get("loc", ())))} - {param}
     more = f" (and {len(others)} more invalid field{'s' if len(others) > 1 else ''})" if others else ""
+    if kind == "value_error":  # a range or text check of schemas.py: its message names the range
+        detail = str((first.get("ctx") or {}).get("error", first.get("msg", "is invalid")))
+        return _invalid(f"'{where}' {detail}{more}", param=param)
     return _invalid(f"invalid value for '{where}': {first.get('msg', 'invalid')}{more}", param=param,
                     code="invalid_type")
+
+
+def _body_parse_error(cause: BaseException | None) -> APIError:
+    """FastAPI's 400 "There was an error parsing the body", with the reason."""
+    if isinstance(cause, UnicodeDecodeError):
+        return _invalid(f"the request body is not valid UTF-8: byte 0x{cause.object[cause.start]:02x} at "
+                        f"offset {cause.start}", code="invalid_json")
+    if isinstance(cause, RecursionError):
+        return _invalid("the request body's JSON is nested too deeply", code="invalid_json")
+    reason = f": {str(cause).split(';')[0]}" if isinstance(cause, ValueError) else ""  # no "use sys.set_..." hint
+    return _invalid(f"the request body could not be read as JSON{reason}", code="invalid_json")
 
 
 # -- ASGI middlewares (pure ASGI: they must not buffer or break streaming responses) -----------
@@ -201,6 +254,41 @@ class _MetricsMiddleware:
             await self.app(scope, receive, send_status)
         finally:
             self.metrics.request(_endpoint_label(scope["path"]), status, time.perf_counter() - started)
+
+
+class _ErrorGuard:
+    """The outermost layer: an exception that escaped every handler is logged and answered with
+    a complete 500 (or, when a complete answer already went out, only logged), so that it never
+    reaches the server, which would drop the connection without a `Connection: close`. Only a
+    response cut off halfway is left to the server to end by closing the connection."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = complete = False
+
+        async def tracking_send(message):
+            nonlocal started, complete
+            if message["type"] == "http.response.start":
+                started = True
+            elif message["type"] == "http.response.body" and not message.get("more_body", False):
+                complete = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracking_send)
+        except ClientDisconnect:
+            return  # the client left while its body was being read: nobody to answer
+        except Exception as exc:
+            where = f"{scope.get('method', '')} {_printable(scope.get('path', ''))}"
+            log.error("unexpected error answering %s", where, exc_info=exc)
+            if started and not complete:
+                raise
+            if not started:
+                await _internal_error(exc).response()(scope, receive, send)
 
 
 class _AuthMiddleware:
@@ -261,7 +349,8 @@ def create_app(target: Target, settings: ServerSettings | None = None) -> FastAP
     app.state.worker, app.state.metrics, app.state.settings, app.state.target = worker, metrics, settings, target
     if settings.api_key:
         app.add_middleware(_AuthMiddleware, api_key=settings.api_key)
-    app.add_middleware(_MetricsMiddleware, metrics=metrics)  # added last = outermost: counts 401s too
+    app.add_middleware(_MetricsMiddleware, metrics=metrics)  # counts 401s too
+    app.add_middleware(_ErrorGuard)  # added last = outermost: nothing escapes it
 
     # -- error handlers ------------------------------------------------------------------------
     @app.exception_handler(APIError)
@@ -278,15 +367,16 @@ def create_app(target: Target, settings: ServerSettings | None = None) -> FastAP
             message = f"unknown route: {request.method} {request.url.path}"
         else:
             message = str(exc.detail)
+        if exc.status_code == 400 and exc.__cause__ is not None:  # FastAPI could not parse the body
+            return _body_parse_error(exc.__cause__).response()
         kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
         return APIError(exc.status_code, message, kind, code=code, headers=getattr(exc, "headers", None)).response()
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception):
-        # Starlette re-raises the exception after this answer, so the server logs its traceback.
-        return APIError(500, f"internal server error: {type(exc).__name__}", "server_error",
-                        code="internal_error").response()
+        # Reached only by an error in _ErrorGuard's own answer; Starlette then re-raises it.
+        return _internal_error(exc).response()
 
     # -- info routes ---------------------------------------------------------------------------
     def model_card() -> dict:
@@ -308,7 +398,7 @@ def create_app(target: Target, settings: ServerSettings | None = None) -> FastAP
         alive = worker.alive
         body = {"status": "ok" if alive else "unavailable", "model": settings.model_id,
                 "busy": worker.busy, "queue_length": worker.queue_length, "max_queue": settings.max_queue}
-        return JSONResponse(body, status_code=200 if alive else 503)
+        return _JSON(body, status_code=200 if alive else 503)
 
     @app.get("/metrics")
     async def prometheus_metrics():
@@ -324,7 +414,7 @@ def create_app(target: Target, settings: ServerSettings | None = None) -> FastAP
     async def completions(body: CompletionRequest, request: Request):
         _check_common(body)
         ids = await _encode(lambda: _completion_ids(body), "prompt")
-        generation = _generation_request(body, ids, body.max_tokens, "prompt")
+        generation = _generation_request(body, ids, body.max_tokens, "max_tokens", "prompt")
         return await _respond(request, body, generation, chat=False)
 
     @app.post("/v1/chat/completions")
@@ -334,8 +424,11 @@ def create_app(target: Target, settings: ServerSettings | None = None) -> FastAP
             raise _invalid("messages must not be empty", param="messages", code="empty_array")
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         ids = await _encode(lambda: encode_messages(target.tokenizer, messages), "messages")
-        generation = _generation_request(body, ids, body.token_budget(), "messages")
+        generation = _generation_request(body, ids, body.token_budget(), body.token_budget_param(), "messages")
         return await _respond(request, body, generation, chat=True)
+
+    def _method_of(body) -> str:
+        return settings.default_method if body.method is None else body.method  # "" is no method
 
     def _check_common(body) -> None:
         _check_model(body.model)
@@ -345,9 +438,8 @@ def create_app(target: Target, settings: ServerSettings | None = None) -> FastAP
         if problems:
             param, message = problems[0]
             raise _invalid(message, param=param, code="unsupported_parameter")
-        method = body.method or settings.default_method
         try:
-            get_method(method)
+            get_method(_method_of(body))
         except ConfigError as error:
             raise _invalid(str(error), param="method", code="unknown_method") from None
         for stop in body.stop_strings():
@@ -389,20 +481,21 @@ def create_app(target: Target, settings: ServerSettings | None = None) -> FastAP
                            f"which leaves no room to generate", param=param, code="context_length_exceeded")
         return ids
 
-    def _generation_request(body, ids: list[int], max_tokens: int | None, prompt_param: str) -> GenerationRequest:
+    def _generation_request(body, ids: list[int], max_tokens: int | None, budget_param: str,
+                            prompt_param: str) -> GenerationRequest:
+        """The library request; max_tokens (>= 1 by the schema) is checked against the server's
+        limit and the room the prompt leaves in the context."""
         room = target.max_length - len(ids)
         if max_tokens is None:
             max_tokens = min(settings.max_tokens_limit, room)
-        elif max_tokens < 1:
-            raise _invalid(f"max_tokens must be >= 1, got {max_tokens}", param="max_tokens")
         elif max_tokens > settings.max_tokens_limit:
-            raise _invalid(f"max_tokens ({max_tokens}) exceeds this server's limit of {settings.max_tokens_limit}",
-                           param="max_tokens")
+            raise _invalid(f"{budget_param} ({max_tokens}) exceeds this server's limit of "
+                           f"{settings.max_tokens_limit}", param=budget_param)
         elif max_tokens > room:
             raise _invalid(
                 f"this model's context is {target.max_length} tokens, but {len(ids) + max_tokens} were requested "
-                f"({len(ids)} in the {prompt_param}, {max_tokens} for the completion); lower max_tokens",
-                param="max_tokens", code="context_length_exceeded")
+                f"({len(ids)} in the {prompt_param}, {max_tokens} for the completion); lower {budget_param}",
+                param=budget_param, code="context_length_exceeded")
         temperature = 1.0 if body.temperature is None else body.temperature
         top_p = 1.0 if body.top_p is None else body.top_p
         top_k = 0 if body.top_k is None else body.top_k
@@ -412,7 +505,7 @@ def create_app(target: Target, settings: ServerSettings | None = None) -> FastAP
             param = next((p for p in ("temperature", "top_k", "top_p", "seed") if str(error).startswith(p)), None)
             raise _invalid(str(error), param=param) from None
         try:
-            return GenerationRequest(tuple(ids), body.method or settings.default_method, max_tokens, sampling,
+            return GenerationRequest(tuple(ids), _method_of(body), max_tokens, sampling,
                                      body.stop_strings(), MethodOptions())
         except ConfigError as error:
             raise _invalid(str(error)) from None
@@ -429,8 +522,9 @@ def create_app(target: Target, settings: ServerSettings | None = None) -> FastAP
         try:
             worker.submit(job)
         except QueueFull as error:
-            raise APIError(429, f"the server is busy: {error}; retry later", "rate_limit_error",
-                           code="queue_full", headers={"Retry-After": "1"}) from None
+            wait = max(1, math.ceil(worker.estimated_wait()))
+            raise APIError(429, f"the server is busy: {error}; retry in about {wait} s", "rate_limit_error",
+                           code="queue_full", headers={"Retry-After": str(wait)}) from None
         except WorkerStopped as error:
             raise APIError(503, str(error), "server_error", code="unavailable") from None
 
@@ -442,7 +536,7 @@ def create_app(target: Target, settings: ServerSettings | None = None) -> FastAP
                     if event is None:
                         return Response(status_code=499)  # the client went away; nobody reads this
                     if isinstance(event, Finished):
-                        return JSONResponse(shape.completion(event))
+                        return _JSON(shape.completion(event))
                     if isinstance(event, Failed):
                         raise _failure(event)
             # Streaming: the headers go out with the first text, so that a failure before any text
@@ -462,21 +556,27 @@ def create_app(target: Target, settings: ServerSettings | None = None) -> FastAP
 
         async def sse() -> AsyncIterator[str]:
             event: Event | None = first
-            if chat:
-                yield shape.sse(shape.chunk({"role": "assistant", "content": ""}))
-            while event is not None:
-                if isinstance(event, Delta):
-                    yield shape.sse(shape.chunk(event.text))
-                elif isinstance(event, Finished):
-                    for chunk in shape.final_chunks(event, include_usage):
-                        yield shape.sse(chunk)
-                    yield "data: [DONE]\n\n"
-                    return
-                elif isinstance(event, Failed):
-                    yield shape.sse(_failure(event).body())
-                    yield "data: [DONE]\n\n"
-                    return
-                event = await _next_event(request, job, events)
+            try:
+                if chat:
+                    yield shape.sse(shape.chunk({"role": "assistant", "content": ""}))
+                while event is not None:
+                    if isinstance(event, Delta):
+                        yield shape.sse(shape.chunk(event.text))
+                    elif isinstance(event, Finished):
+                        for chunk in shape.final_chunks(event, include_usage):
+                            yield shape.sse(chunk)
+                        yield "data: [DONE]\n\n"
+                        return
+                    elif isinstance(event, Failed):
+                        yield shape.sse(_failure(event).body())
+                        yield "data: [DONE]\n\n"
+                        return
+                    event = await _next_event(request, job, events)
+            except Exception as exc:  # the stream has begun: the error can only be its last event
+                if not isinstance(exc, APIError):
+                    log.error("unexpected error in a stream", exc_info=exc)
+                yield shape.sse((exc if isinstance(exc, APIError) else _internal_error(exc)).body())
+                yield "data: [DONE]\n\n"
 
         return _JobStreamingResponse(
             sse(), on_close=lambda: worker.cancel(job, "cancelled") if job.state != DONE else None,
@@ -569,4 +669,4 @@ class _Shape:
 
     @staticmethod
     def sse(payload: dict) -> str:
-        return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+        return f"data: {_json_text(payload)}\n\n"

@@ -16,8 +16,18 @@ Metric names (all prefixed `verispec_`):
   accepted_tokens_total{method}              draft tokens accepted by the target
   target_forwards_total{method}              target forward passes (prefill included)
   generations_total{method,outcome}          eos | stop | length | timeout | cancelled | error | invalid
+  spec_decode_num_drafts_total{method}       drafts: steps that verified at least one draft token
+  spec_decode_num_draft_tokens_total{method}     = drafted_tokens_total, under vLLM's name
+  spec_decode_num_accepted_tokens_total{method}  = accepted_tokens_total, under vLLM's name
+  spec_decode_num_accepted_tokens_per_pos_total{method,position}
+                                             drafts whose token at 0-based `position` was accepted
   queue_length                               requests waiting (the running one not included)
   worker_busy                                1 while a request is being generated
+
+The spec_decode_* names are vLLM's (`vllm:` replaced by `verispec_`) with vLLM's meaning, so its
+dashboards work unchanged apart from the prefix: mean acceptance length =
+1 + rate(spec_decode_num_accepted_tokens_total) / rate(spec_decode_num_drafts_total); acceptance
+rate at position i = rate(..._per_pos_total{position="i"}) / rate(spec_decode_num_drafts_total).
 """
 
 from __future__ import annotations
@@ -59,6 +69,17 @@ class ServerMetrics:
                                 ["method"], registry=r)
         self.generations = Counter("verispec_generations", "Generations by how they ended.",
                                    ["method", "outcome"], registry=r)
+        self.drafts = Counter("verispec_spec_decode_num_drafts",
+                              "Drafts: verification steps that verified at least one draft token.",
+                              ["method"], registry=r)
+        self.draft_tokens = Counter("verispec_spec_decode_num_draft_tokens",
+                                    "Draft tokens verified (vLLM's name for drafted_tokens).", ["method"], registry=r)
+        self.accepted_draft_tokens = Counter("verispec_spec_decode_num_accepted_tokens",
+                                             "Draft tokens accepted (vLLM's name for accepted_tokens).",
+                                             ["method"], registry=r)
+        self.accepted_per_position = Counter("verispec_spec_decode_num_accepted_tokens_per_pos",
+                                             "Drafts whose token at this 0-based position was accepted.",
+                                             ["method", "position"], registry=r)
         self.queue_length = Gauge("verispec_queue_length", "Requests waiting for the worker.", registry=r)
         self.queue_length.set_function(queue_length)
         self.busy = Gauge("verispec_worker_busy", "1 while the worker generates a request.", registry=r)
@@ -75,6 +96,11 @@ class ServerMetrics:
         self.drafted.labels(method).inc(stats.drafted)
         self.accepted.labels(method).inc(stats.accepted)
         self.forwards.labels(method).inc(stats.target_forwards)
+        self.drafts.labels(method).inc(stats.drafts)
+        self.draft_tokens.labels(method).inc(stats.drafted)
+        self.accepted_draft_tokens.labels(method).inc(stats.accepted)
+        for position, count in enumerate(stats.accepted_per_position):
+            self.accepted_per_position.labels(method, str(position)).inc(count)
         self.generations.labels(method, reason).inc()
 
     def failed(self, method: str, user_error: bool) -> None:

@@ -9,13 +9,69 @@ e.g. `user` or `metadata`.
 
 Extension fields (not in OpenAI's API): `method` (a registered verispec method; default: the
 server's `--method`) and `top_k` (0 = off).
+
+Ranges (docs/server.md lists them): every number must be finite (Python's json reads NaN and
+Infinity) and in its field's range, given by the annotations below (OpenAI's ranges where OpenAI
+has one); an integer field takes only integers (not 2.0, not true); a text field must be valid
+Unicode (JSON can carry lone UTF-16 surrogates such as "\\ud800", which no tokenizer can encode).
+A range error names the field and its range.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+import math
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+
+from ..sampling import MAX_SEED  # seeds are unsigned 64-bit integers (torch generators)
+
+
+def _show(value) -> str:
+    """A number for an error message; a huge integer by its size, not its thousands of digits."""
+    if isinstance(value, int) and abs(value) >= 10**24:
+        return f"an integer of {len(str(abs(value)))} digits"
+    return repr(value)
+
+
+def _number(low: float, high: float, low_open: bool = False) -> AfterValidator:
+    """A finite float in [low, high] (or (low, high] with low_open)."""
+    interval = f"{'(' if low_open else '['}{low:g}, {high:g}]"
+
+    def check(value: float) -> float:
+        above_low = value > low if low_open else value >= low
+        if not (math.isfinite(value) and above_low and value <= high):  # NaN fails every comparison
+            raise ValueError(f"must be a finite number in {interval}, got {_show(value)}")
+        return value
+
+    return AfterValidator(check)
+
+
+def _integer(low: int, high: int | None = None, note: str = "") -> AfterValidator:
+    """An integer in [low, high] (no upper bound when high is None)."""
+    interval = f"from {low} to {high}" if high is not None else f">= {low}"
+
+    def check(value: int) -> int:
+        if value < low or (high is not None and value > high):
+            raise ValueError(f"must be an integer {interval}{note}, got {_show(value)}")
+        return value
+
+    return AfterValidator(check)
+
+
+def _valid_text(value: str) -> str:
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as error:
+        code = ord(value[error.start])
+        raise ValueError(f"is not valid Unicode text: a lone surrogate \\u{code:04x} at character {error.start}"
+                         ) from None
+    return value
+
+
+Text = Annotated[str, AfterValidator(_valid_text)]
+TokenBudget = Annotated[int, _integer(1, note=" (and at most the server's limit and the room left in the context)")]
+Penalty = Annotated[float, _number(-2, 2)]
 
 
 class _Body(BaseModel):
@@ -29,20 +85,20 @@ class StreamOptions(_Body):
 class _Sampling(_Body):
     """Fields shared by both endpoints."""
 
-    model: str | None = None  # OpenAI requires it; omitted here means the served model
-    max_tokens: int | None = None
-    temperature: float | None = None  # default 1.0 as in OpenAI's API; 0 = greedy
-    top_p: float | None = None
-    top_k: int | None = None  # extension
-    seed: int | None = None
-    stop: str | list[str] | None = None
+    model: Text | None = None  # OpenAI requires it; omitted here means the served model
+    max_tokens: TokenBudget | None = None
+    temperature: Annotated[float, _number(0, 2)] | None = None  # default 1.0 as in OpenAI's API; 0 = greedy
+    top_p: Annotated[float, _number(0, 1, low_open=True)] | None = None
+    top_k: Annotated[int, _integer(0, note=" (0 = off)")] | None = None  # extension
+    seed: Annotated[int, _integer(0, MAX_SEED, " (2**64 - 1)")] | None = None
+    stop: Text | list[Text] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int | None = None
-    method: str | None = None  # extension
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    n: int | None = None  # only 1 (checked by the app)
+    method: Text | None = None  # extension
+    presence_penalty: Penalty | None = None  # only 0
+    frequency_penalty: Penalty | None = None  # only 0
+    logit_bias: dict[str, Annotated[float, _number(-100, 100)]] | None = None  # only empty
 
     def stop_strings(self) -> tuple[str, ...]:
         if self.stop is None:
@@ -64,11 +120,11 @@ class _Sampling(_Body):
 class CompletionRequest(_Sampling):
     """POST /v1/completions. `prompt`: a string, a list holding one string, or a list of token ids."""
 
-    prompt: str | list[str] | list[int]
+    prompt: Text | list[Text] | list[int]
     echo: bool = False
-    logprobs: int | None = None
-    best_of: int | None = None
-    suffix: str | None = None
+    logprobs: int | None = None  # only null
+    best_of: int | None = None  # only 1
+    suffix: Text | None = None  # only empty
 
     def unsupported(self) -> list[tuple[str, str]]:
         problems = super().unsupported()
@@ -85,13 +141,13 @@ class CompletionRequest(_Sampling):
 
 class TextPart(_Body):
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class Message(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart]
-    name: str | None = None
+    content: Text | list[TextPart]
+    name: Text | None = None
 
     def text(self) -> str:
         if isinstance(self.content, str):
@@ -103,14 +159,17 @@ class ChatCompletionRequest(_Sampling):
     """POST /v1/chat/completions."""
 
     messages: list[Message] = Field(...)
-    max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens; wins if both
-    logprobs: bool | None = None
-    top_logprobs: int | None = None
-    tools: list[dict] | None = None
-    response_format: dict | None = None
+    max_completion_tokens: TokenBudget | None = None  # OpenAI's newer name for max_tokens; wins if both
+    logprobs: bool | None = None  # only false
+    top_logprobs: int | None = None  # only 0
+    tools: list[dict] | None = None  # only empty
+    response_format: dict | None = None  # only {"type": "text"}
 
     def token_budget(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def token_budget_param(self) -> str:
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
 
     def unsupported(self) -> list[tuple[str, str]]:
         problems = super().unsupported()
@@ -120,6 +179,6 @@ class ChatCompletionRequest(_Sampling):
             problems.append(("top_logprobs", "top_logprobs are not supported"))
         if self.tools:
             problems.append(("tools", "tools (function calling) are not supported"))
-        if self.response_format and self.response_format.get("type", "text") != "text":
+        if self.response_format is not None and self.response_format.get("type") != "text":
             problems.append(("response_format", "only response_format {\"type\": \"text\"} is supported"))
         return problems

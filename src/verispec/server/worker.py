@@ -1,10 +1,12 @@
 """The server's generation worker: a bounded queue and ONE thread that owns the Target.
 
-Owns: admission (a bounded FIFO of waiting jobs; a full queue refuses at once), running jobs one
-at a time on a single worker thread, cancellation (a per-job flag checked between text deltas),
-the per-request timeout, and turning every outcome (finished, timed out, cancelled, failed) into
-an event for whoever submitted the job. Does not own HTTP, JSON, validation or prompt encoding:
-the app encodes and validates a request into a `verispec.api.Request` before submitting it here.
+Owns: admission (a bounded FIFO of waiting jobs; a full queue refuses at once, and
+`estimated_wait` tells a refused client when the queue should have drained, from the run times
+of the recent jobs), running jobs one at a time on a single worker thread, cancellation (a
+per-job flag checked between text deltas), the per-request timeout, and turning every outcome
+(finished, timed out, cancelled, failed) into an event for whoever submitted the job. Does not
+own HTTP, JSON, validation or prompt encoding: the app encodes and validates a request into a
+`verispec.api.Request` before submitting it here.
 
 Why one thread: a `Target` holds a single per-request KV cache, so one Target serves one request
 at a time; and generation is CPU-bound torch code (which releases the GIL inside its kernels), so
@@ -45,6 +47,7 @@ from ..stats import GenerationStats
 log = logging.getLogger("verispec.server")
 
 QUEUED, RUNNING, DONE = "queued", "running", "done"
+RECENT_JOBS = 32  # run times kept for the wait estimate of a refused request
 
 
 # -- events ------------------------------------------------------------------------------------
@@ -153,6 +156,9 @@ class Worker:
         self.observer = observer or _NoObserver()
         self._waiting: collections.deque[Job] = collections.deque()
         self._current: Job | None = None
+        self._current_started = 0.0
+        # Seconds the last RECENT_JOBS jobs held the worker (queue wait not included).
+        self.recent_run_s: collections.deque[float] = collections.deque(maxlen=RECENT_JOBS)
         self._lock = threading.Condition()
         self._stopping = False
         self._thread: threading.Thread | None = None
@@ -170,6 +176,16 @@ class Worker:
     @property
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
+
+    def estimated_wait(self) -> float:
+        """Seconds until the jobs waiting and running now are done: their number times the mean
+        run time of the recent jobs (before any job finished, the running job's time so far)."""
+        with self._lock:
+            ahead = len(self._waiting) + (self._current is not None)
+            recent = list(self.recent_run_s)
+            running_for = time.monotonic() - self._current_started if self._current is not None else 0.0
+        mean = sum(recent) / len(recent) if recent else running_for
+        return ahead * mean
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self) -> None:
@@ -237,6 +253,7 @@ class Worker:
                 job = self._waiting.popleft()
                 job.state = RUNNING
                 self._current = job
+                self._current_started = time.monotonic()
             try:
                 self._serve(job)
             except BaseException:  # never let one request take the worker down
@@ -245,6 +262,7 @@ class Worker:
                 job.state = DONE
                 with self._lock:
                     self._current = None
+                    self.recent_run_s.append(time.monotonic() - self._current_started)
 
     def _serve(self, job: Job) -> None:
         started = time.monotonic()

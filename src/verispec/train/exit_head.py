@@ -11,9 +11,12 @@ forward KL bounds through Pinsker's inequality, and greedy acceptance follows fr
 mode. Held-out estimates are computed against the target's full-vocabulary distribution:
 greedy acceptance P(argmax q == argmax p) and sampled acceptance E[sum min(p, q)].
 
-Runs on CPU with a progress bar, checkpoints (`checkpoint.pt`: head, optimiser, step, data
-split) every `checkpoint_every` steps and at the end, and resumes from them (`resume=True`); the
-labelled corpus is cached as `labels.pt` next to the checkpoint so a resume does not relabel.
+Runs on CPU with a progress bar, checkpoints (`checkpoint.pt`: head, optimiser, step, draft
+vocabulary, settings) every `checkpoint_every` steps and at the end, and resumes from them
+(`resume=True`); the labelled corpus is cached as `labels.pt` next to the checkpoint so a resume
+does not relabel. Both files hold only tensors and plain values (dicts, lists, numbers, strings)
+and are read with `torch.load(weights_only=True)`: a file holding any other pickled object is
+refused with a ConfigError, never unpickled (unpickling can run arbitrary code).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import pickle
 import random
 import time
 from collections import Counter
@@ -37,6 +41,7 @@ from .corpus import read_corpus, token_sequences
 
 CHECKPOINT = "checkpoint.pt"
 LABELS = "labels.pt"
+CHECKPOINT_KEYS = ("head", "optimizer", "step", "vocab", "config", "before")
 
 
 @dataclass(frozen=True)
@@ -72,6 +77,46 @@ class Labels:
     exit_states: list[torch.Tensor]  # per sequence [T, hidden]: residual after N layers
     final_states: list[torch.Tensor]  # per sequence [T, hidden]: final-normed hidden states
     token_ids: list[list[int]]
+
+    def to_dict(self) -> dict:
+        """Plain containers of tensors and ints, as `labels.pt` stores them."""
+        return {"exit_states": self.exit_states, "final_states": self.final_states, "token_ids": self.token_ids}
+
+
+def _load_tensors(path: Path, what: str, allowed: tuple = ()):
+    """`torch.load(path, weights_only=True)`: tensors, plain containers and numbers only (and the
+    classes in `allowed`). Anything else, or an unreadable file, is a ConfigError naming `what`."""
+    try:
+        with torch.serialization.safe_globals(list(allowed)):
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as error:
+        found = [line.strip() for line in str(error).splitlines() if "GLOBAL" in line or "Unsupported" in line]
+        raise ConfigError(f"refusing to load {what} {path}: it holds objects other than tensors and plain values, "
+                          f"and unpickling those could run code" + (f" ({found[0]})" if found else "")) from None
+    except (OSError, RuntimeError, EOFError, ValueError) as error:
+        first_line = (str(error).splitlines() or [type(error).__name__])[0]
+        raise ConfigError(f"cannot read {what} {path}: {first_line}") from None
+
+
+def _load_checkpoint(path: Path) -> dict:
+    checkpoint = _load_tensors(path, "training checkpoint")
+    if not isinstance(checkpoint, dict) or any(key not in checkpoint for key in CHECKPOINT_KEYS):
+        raise ConfigError(f"{path} is not an exit-head training checkpoint (it needs {', '.join(CHECKPOINT_KEYS)})")
+    return checkpoint
+
+
+def _load_labels(path: Path, sequences: list[list[int]]) -> Labels:
+    """The cached labels of `sequences`; a ConfigError when the file labels other sequences.
+    (`Labels` objects, as earlier versions pickled them, are allowed too.)"""
+    data = _load_tensors(path, "labels file", allowed=(Labels,))
+    if isinstance(data, dict) and set(data) == {"exit_states", "final_states", "token_ids"}:
+        data = Labels(**data)
+    if not isinstance(data, Labels):
+        raise ConfigError(f"{path} is not a labels file; delete it to label the corpus again")
+    if data.token_ids != sequences or not len(data.exit_states) == len(data.final_states) == len(sequences):
+        raise ConfigError(f"{path} labels other sequences than this corpus and sequence length; delete it to "
+                          f"label the corpus again")
+    return data
 
 
 @torch.inference_mode()
@@ -164,7 +209,7 @@ def train_exit_head(target, corpus_path: Path, out_dir: Path, config: TrainConfi
         raise ConfigError(f"nothing to resume: {checkpoint_path} does not exist")
     torch.manual_seed(config.seed)
     rng = random.Random(config.seed)
-    checkpoint = torch.load(checkpoint_path, weights_only=False) if resume else None
+    checkpoint = _load_checkpoint(checkpoint_path) if resume else None
     if checkpoint is not None and checkpoint["config"] != asdict(config):
         changed = {k for k, v in asdict(config).items() if checkpoint["config"].get(k) != v} - {"steps", "max_minutes", "checkpoint_every"}
         if changed:
@@ -181,7 +226,7 @@ def train_exit_head(target, corpus_path: Path, out_dir: Path, config: TrainConfi
 
     labels_path = out_dir / LABELS
     if resume and labels_path.exists():
-        labels = torch.load(labels_path, weights_only=False)
+        labels = _load_labels(labels_path, sequences)
         log(f"labels: reused {labels_path}")
     else:
         log(f"labelling {len(sequences)} sequences ({sum(map(len, sequences))} tokens) with the target")
@@ -189,7 +234,7 @@ def train_exit_head(target, corpus_path: Path, out_dir: Path, config: TrainConfi
         labels = label(target, sequences, config.exit_layer, bar.update if bar else None)
         if bar:
             bar.close()
-        torch.save(labels, labels_path)
+        torch.save(labels.to_dict(), labels_path)
 
     always = set(target.eos_token_ids)
     vocab = checkpoint["vocab"] if checkpoint else draft_vocabulary(
