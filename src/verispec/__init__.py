@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # what type checkers and editors see; at run time each name loads on first use
     from .api import GenerationResult, TextStream, generate, stream
     from .errors import ConfigError, ModelLoadError, VerispecError
+    from .hf_generate import transformers_generate
     from .methods import METHODS, MethodOptions, method_names
     from .model import Target, load
     from .sampling import SamplingConfig
@@ -25,6 +26,7 @@ if TYPE_CHECKING:  # what type checkers and editors see; at run time each name l
 _EXPORTS = {
     "GenerationResult": "api", "TextStream": "api", "generate": "api", "stream": "api",
     "ConfigError": "errors", "ModelLoadError": "errors", "VerispecError": "errors",
+    "transformers_generate": "hf_generate",
     "METHODS": "methods", "MethodOptions": "methods", "method_names": "methods",
     "Target": "model", "load": "model",
     "SamplingConfig": "sampling",
