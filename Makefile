@@ -1,12 +1,14 @@
 # Everything runs in a virtual environment at .venv with pinned dependencies.
 # `make demo`: generate on the embedded default model, comparing `ar` with `anpd`.
 # `make test`: the whole test suite (CI runs exactly this).
+# `make test-quick`: the unit tests on tiny models (no real model, no statistical or end-to-end
+# tests), for a fast inner loop.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: demo test install llamacpp clean
+.PHONY: demo test test-quick install llamacpp clean
 
 install: $(STAMP)
 
@@ -22,6 +24,9 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
+
+test-quick: $(STAMP)
+	$(BIN)/python -m pytest -q -x -m "not slow and not long"
 
 # Optional peer for `verispec bench --peers llamacpp-ar,llamacpp-pld`: llama-cpp-python built from
 # source (19 minutes here on 2 cores, alongside a test run). Not native: a native build crashed with an illegal

@@ -193,6 +193,7 @@ def test_speculative_sample_empty_draft_samples_from_p():
 ALPHA = 1e-4  # per-test false-positive rate of each chi-square goodness-of-fit check below
 
 
+@pytest.mark.long
 def test_speculative_sample_output_is_distributed_as_p():
     """Seeded Monte-Carlo: draft d_i ~ q_i independently, run speculative sampling, and compare
     (a) the first emitted token with p_1 and (b) given d_1 was accepted, the second emitted token

@@ -18,6 +18,8 @@ from typer.testing import CliRunner
 from verispec.bench import report, runner
 from verispec.cli import app
 
+pytestmark = pytest.mark.long
+
 METHODS = ["ar", "pld", "anpd"]
 PEERS = ["hf-ar", "hf-pld"]
 PROMPTS = 2

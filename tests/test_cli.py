@@ -318,6 +318,7 @@ def _subprocess(*args: str) -> subprocess.CompletedProcess:
                           timeout=120, env=env)
 
 
+@pytest.mark.long
 def test_real_process_exit_code():
     """One real `python -m verispec.cli` process (each costs seconds of imports on 2 cores)."""
     empty = _subprocess("generate", "")
@@ -326,6 +327,7 @@ def test_real_process_exit_code():
     assert "Traceback" not in empty.stderr + empty.stdout
 
 
+@pytest.mark.long
 def test_real_process_refuses_bytes_that_are_not_utf8():
     """In a real process stdin and argv are decoded by Python itself (surrogateescape under a
     UTF-8 locale), not by the test runner."""
@@ -339,6 +341,7 @@ def test_real_process_refuses_bytes_that_are_not_utf8():
     assert argument.stderr.decode().strip() == "error: the prompt is not valid UTF-8: byte 0xe9 at byte offset 2"
 
 
+@pytest.mark.long
 def test_help_answers_without_loading_torch():
     """`import verispec` and `verispec --help` do not import torch or transformers (about 7 s here
     before anything needs them); the public names still resolve on first use."""

@@ -90,6 +90,7 @@ def test_eesd_needs_the_fast_path():
         EarlyExitDrafter(target, ExitHead(target.model, 1, [0, 1, 2]))
 
 
+@pytest.mark.long
 def test_speculative_sampling_with_the_head_is_lossless():
     micro = Target(helpers.make_model(helpers.micro_llama_config(8, init=0.3), seed=0), None, name="micro")
     prompt = [1, 2, 3, 1, 2, 3, 1, 2]

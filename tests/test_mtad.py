@@ -75,6 +75,7 @@ def test_greedy_sps_with_a_draft_model_equals_ar(arch, tmp_path):
     assert drafted > 0 and options.draft_model == str(tmp_path)
 
 
+@pytest.mark.long
 def test_sps_is_lossless_under_sampling(micro, micro_draft):
     sampling = SamplingConfig(temperature=1.0)
     exact = helpers.exact_sequence_distribution(micro.model, PROMPT, 3, sampling)
@@ -83,6 +84,7 @@ def test_sps_is_lossless_under_sampling(micro, micro_draft):
     assert_fits(outcomes, exact, "sps")
 
 
+@pytest.mark.long
 def test_mtad_with_an_impassable_tau_is_autoregressive_sampling(micro, micro_draft):
     sampling = SamplingConfig(temperature=1.0)
     exact = helpers.exact_sequence_distribution(micro.model, PROMPT, 3, sampling)

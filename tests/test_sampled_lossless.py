@@ -36,6 +36,8 @@ from verispec.methods import MethodOptions, build
 from verispec.model import Target
 from verispec.sampling import SamplingConfig, probabilities, sample
 
+pytestmark = pytest.mark.long
+
 ALPHA = 1e-4
 VOCAB = 8
 PROMPT = [1, 2, 3, 1, 2, 3, 1, 2]

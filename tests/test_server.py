@@ -824,6 +824,7 @@ def test_a_request_reports_drafts_and_acceptance_by_position(main_server, client
     assert [a - b for a, b in zip(after["per_pos"], before["per_pos"])] == per_pos + [0] * (16 - len(per_pos))
 
 
+@pytest.mark.long
 def test_fifty_concurrent_requests_are_complete_and_unmixed(main_server, client):
     words = [a + b for a in "bcdfghklmnprstvw" for b in "aeiou"][:50]
     prompts = [f"{word} {word[::-1]} and {word}" for word in words]
@@ -889,6 +890,7 @@ def test_serve_refuses_a_busy_port_before_loading(monkeypatch, main_server):
     assert result.stderr.startswith("error:") and "cannot listen" in result.stderr
 
 
+@pytest.mark.long
 def test_serve_command_end_to_end(tmp_path, tokenizer):
     """`verispec serve` as a process: loads a saved model, prints its URL, answers with the key,
     and stops cleanly on SIGINT."""

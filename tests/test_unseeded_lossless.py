@@ -35,6 +35,8 @@ from verispec.methods import MethodOptions, build
 from verispec.model import Target, load
 from verispec.sampling import SamplingConfig, probabilities
 
+pytestmark = pytest.mark.long
+
 ALPHA = 1e-4
 VOCAB = 8
 PROMPT = [1, 2, 3, 1, 2, 3, 1, 2]
