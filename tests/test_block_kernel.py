@@ -111,6 +111,20 @@ def test_kernel_equals_float64_reference(kernel, rows, block, affine, inputs, th
     assert float((y.double() - reference).abs().max()) <= 1e-5 * float(reference.abs().max())
 
 
+@pytest.mark.parametrize("block,affine,inputs", [(32, False, 192), (16, True, 208), (48, False, 144), (32, True, 640)])
+def test_portable_build_equals_float64_reference(block, affine, inputs):
+    """The portable build's float32-activation loop (CPUs without AVX2/FMA, or forced with
+    VERISPEC_KERNEL_ISA=portable): the same product, up to float32 rounding."""
+    portable, why = blockmm.load_variant("portable")
+    assert portable is not None and portable.compiled_isa == "portable", why
+    torch.manual_seed(inputs + block)
+    form = helpers.block_quantize(torch.randn(67, inputs), block, affine)
+    x = torch.randn(5, inputs)
+    y = portable.matmul(x, form.codes, form.scales, form.offsets, form.block)
+    reference = x.double() @ form.dequantize().double().T
+    assert float((y.double() - reference).abs().max()) <= 1e-5 * float(reference.abs().max())
+
+
 @pytest.mark.parametrize("rows", [2, 3, 9, 10, 11])
 @pytest.mark.parametrize("block,affine", [(32, False), (32, True), (16, True)])
 def test_up_to_three_rows_equal_one_row_calls_bit_for_bit(kernel, rows, block, affine):
@@ -143,8 +157,9 @@ def test_kernel_refuses_unsupported_blocks(kernel):
 def test_blocks_paths_run_every_linear_on_the_kernel(tiny_targets, arch):
     target = tiny_targets[f"{arch}-blocks"]
     layers = target.config.num_hidden_layers
-    assert target.block_kernel_summary == (f"the LM head and {4 * layers} of {4 * layers} layer linears (exact int8 "
-                                           f"blocks); {layers} of {layers} layers in C, one call per forward")
+    assert target.block_kernel_summary == (
+        f"the LM head and {4 * layers} of {4 * layers} layer linears (exact int8 blocks, float32 activations, "
+        f"{blockmm.kernel_isa()} build); {layers} of {layers} layers in C, one call per forward")
     assert tiny_targets[arch].block_kernel_summary == "off"
 
 

@@ -7,6 +7,8 @@ loaded once for the module.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import pytest
 import torch
 
@@ -82,14 +84,26 @@ def test_anpd_equals_ar_and_accepts_drafts(real_target):
     assert default.token_ids == ar.token_ids
 
 
+@contextmanager
+def fp32_numerics(target):
+    """The target's block kernel on float32 activations for the duration (int8 again after)."""
+    target._fast.numerics = "fp32"
+    try:
+        yield target
+    finally:
+        target._fast.numerics = "int8"
+
+
 def test_fast_path_is_used_and_eager_path_agrees(real_target):
-    """The default model runs the fast path; the eager path (same weights) gives the same ids."""
+    """The default model runs the fast path; the eager path (same weights) gives the same ids as
+    the fast path in fp32 numerics (the same function, up to float32 rounding)."""
     from verispec.model import Target
 
     assert real_target.fast
     eager = Target(real_target.model, real_target.tokenizer, name="eager", fast=False)
     assert not eager.fast
-    fast_ids = verispec.generate(real_target, PROMPT, method="anpd", max_new_tokens=32).token_ids
+    with fp32_numerics(real_target):
+        fast_ids = verispec.generate(real_target, PROMPT, method="anpd", max_new_tokens=32).token_ids
     eager_ar = verispec.generate(eager, PROMPT, method="ar", max_new_tokens=32).token_ids
     eager_anpd = verispec.generate(eager, PROMPT, method="anpd", max_new_tokens=32,
                                    options=MethodOptions(controller="constant:8")).token_ids
@@ -98,23 +112,51 @@ def test_fast_path_is_used_and_eager_path_agrees(real_target):
 
 def test_block_kernel_covers_every_linear_and_keeps_the_output(real_target):
     """Every linear of the GGUF model (LM head included) has an exact int8 block form, and the
-    fast path on the block kernel gives the same ids as the fast path on float32 weights."""
+    fast path on the block kernel in fp32 numerics gives the same ids as the fast path on float32
+    weights (int8 numerics compute another function: see the next test)."""
+    from verispec import blockmm
     from verispec.model import Target
 
-    assert real_target.block_kernel_summary == ("the LM head and 72 of 72 layer linears (exact int8 blocks); "
-                                                "18 of 18 layers in C, one call per forward")
+    assert real_target.numerics == "int8"  # the default of `load` for a block-kernel target
+    assert real_target.block_kernel_summary == (
+        f"the LM head and 72 of 72 layer linears (exact int8 blocks, int8 activations, {blockmm.kernel_isa()} "
+        "build); 18 of 18 layers in C, one call per forward")
     dense = Target(real_target.model, real_target.tokenizer, name="dense", fast=True)
-    assert dense.fast and dense.block_kernel_summary == "off"
+    assert dense.fast and dense.block_kernel_summary == "off" and dense.numerics == "fp32"
     assert verispec.load(None, dtype="float32", block_kernel=False).block_kernel_summary == "off"
-    for method in ("ar", "anpd"):
-        blocks_ids = verispec.generate(real_target, PROMPT, method=method, max_new_tokens=32).token_ids
-        assert blocks_ids == verispec.generate(dense, PROMPT, method=method, max_new_tokens=32).token_ids, method
-        real_target._fast.use_native = False  # the same block-kernel layers in PyTorch instead of one C call
-        try:
-            python_ids = verispec.generate(real_target, PROMPT, method=method, max_new_tokens=32).token_ids
-        finally:
-            real_target._fast.use_native = True
-        assert blocks_ids == python_ids, method
+    with fp32_numerics(real_target):
+        for method in ("ar", "anpd"):
+            blocks_ids = verispec.generate(real_target, PROMPT, method=method, max_new_tokens=32).token_ids
+            assert blocks_ids == verispec.generate(dense, PROMPT, method=method, max_new_tokens=32).token_ids, method
+            real_target._fast.use_native = False  # the same block-kernel layers in PyTorch instead of one C call
+            try:
+                python_ids = verispec.generate(real_target, PROMPT, method=method, max_new_tokens=32).token_ids
+            finally:
+                real_target._fast.use_native = True
+            assert blocks_ids == python_ids, method
+
+
+def test_int8_numerics_are_batch_invariant_on_the_real_model(real_target):
+    """In int8 numerics each position's logits are the same bits whether the positions are run
+    one per forward or together (widths 2 to 16), on both threads; int8 logits stay close to the
+    float32 ones (same argmax on this prompt), and anpd equals ar token for token."""
+    ids = real_target.tokenizer(PROMPT).input_ids
+    prompt, rest = ids[:-16], ids[-16:]
+    real_target.reset()
+    real_target.forward(prompt)
+    single = torch.cat([real_target.forward([token]) for token in rest])  # [16, vocab]
+    for width in (2, 3, 5, 8, 16):
+        real_target.crop(len(prompt))
+        assert torch.equal(real_target.forward(rest[:width]), single[:width]), width
+    with fp32_numerics(real_target):
+        real_target.crop(len(prompt))
+        fp32 = real_target.forward(rest)
+    assert not torch.equal(fp32, single)
+    assert torch.equal(fp32.argmax(-1), single.argmax(-1))
+    ar = verispec.generate(real_target, PROMPT, method="ar", max_new_tokens=32)
+    anpd = verispec.generate(real_target, PROMPT, method="anpd", max_new_tokens=32,
+                             options=MethodOptions(controller="constant:8"))
+    assert anpd.token_ids == ar.token_ids and anpd.stats.accepted > 0
 
 
 def test_auto_dtype_runs_the_default_model_on_the_block_kernel(monkeypatch):

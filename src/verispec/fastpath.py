@@ -24,7 +24,7 @@ eager forward on CPU, with the same weights and the same per-layer math:
 Everything else (sampling, drafting, text) is elsewhere. `FastDecoder.supports(model)` says
 whether a model can use it, and why not; `model.Target` falls back to the eager forward with a
 message for any other model. Exactness: greedy decoding on this path equals transformers'
-`generate()` on the tiny models of every tested architecture (tests/test_fastpath.py).
+`generate()` on the tiny models of every tested architecture (tests/test_equivalence.py).
 """
 
 from __future__ import annotations
@@ -117,20 +117,30 @@ class FusedNorm:
         return module
 
 
+def _check_numerics(value: str) -> None:
+    """Refuse numerics other than `blockmm.NUMERICS`."""
+    from .blockmm import NUMERICS
+
+    if value not in NUMERICS:
+        raise ValueError(f"numerics {value!r}: choose one of {', '.join(NUMERICS)}")
+
+
 class BlockLinear:
     """A `Linear` whose weight also has an exact int8 block form (`gguf_blocks.BlockWeights`):
     inputs of at most `max_rows` rows are multiplied by the block kernel (`blockmm`), which
-    reads a quarter of the bytes; wider inputs (prompt processing), where both are compute-bound,
-    by the float32 `Linear` and its tuned oneDNN matmul."""
+    reads a quarter of the bytes, in `numerics` ("int8": activations quantized per block,
+    batch-invariant; "fp32": float32 activations); wider inputs (prompt processing), where both
+    are compute-bound, by the float32 `Linear` and its tuned oneDNN matmul."""
 
-    def __init__(self, blocks, dense: Linear, kernel, max_rows: int):
+    def __init__(self, blocks, dense: Linear, kernel, max_rows: int, numerics: str = "fp32"):
         self.blocks, self.dense, self.kernel, self.max_rows = blocks, dense, kernel, max_rows
+        self.numerics = numerics
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] > self.max_rows:
             return self.dense(x)
         b = self.blocks
-        y = self.kernel.matmul(x, b.codes, b.scales, b.offsets, b.block)  # [n, out]
+        y = self.kernel.matmul(x, b.codes, b.scales, b.offsets, b.block, self.numerics)  # [n, out]
         return y if self.dense.bias is None else y + self.dense.bias
 
 
@@ -180,14 +190,20 @@ class FastDecoder:
             return "an MLP without gate/up/down projections"
         return None
 
-    def __init__(self, model, blocks: dict | None = None, kernel=None):
+    def __init__(self, model, blocks: dict | None = None, kernel=None, numerics: str = "fp32"):
         """blocks: {nn.Linear: BlockWeights} exact block forms of some of the model's linears
-        (`gguf_blocks`); with a `kernel` (`blockmm.kernel()`), those run on the block kernel."""
+        (`gguf_blocks`); with a `kernel` (`blockmm.kernel()`), those run on the block kernel, in
+        `numerics` ("int8" or "fp32", see `blockmm`; changeable later through `numerics`)."""
         reason = self.supports(model)
         assert reason is None, reason
+        _check_numerics(numerics)
         self.config = model.config
         self.blocks = blocks if (blocks and kernel is not None) else {}  # the forms actually in use
         self._kernel = kernel
+        self._numerics = numerics
+        from weakref import WeakSet
+
+        self._on_kernel = WeakSet()  # every BlockLinear and NativeLayer built here (their numerics follow ours)
         body = model.get_decoder()
         self.embed_tokens = body.embed_tokens
         self.norm = FusedNorm.of(body.norm)
@@ -228,8 +244,25 @@ class FastDecoder:
             rope_layer_type=rope_type,
         )
         if self.blocks and self.dtype == torch.float32:
-            wrapped.native = NativeLayer.of(wrapped, self.heads, self.kv_heads, self.head_dim, self._kernel)
+            wrapped.native = NativeLayer.of(wrapped, self.heads, self.kv_heads, self.head_dim, self._kernel,
+                                            self._numerics)
+            if wrapped.native is not None:
+                self._on_kernel.add(wrapped.native)
         return wrapped
+
+    @property
+    def numerics(self) -> str:
+        """How the block kernel multiplies ("int8" or "fp32"): every `BlockLinear` and C layer
+        built by this decoder (its layers, the LM head, an exit head's layer and projection)
+        follows it; setting it switches them all."""
+        return self._numerics
+
+    @numerics.setter
+    def numerics(self, value: str) -> None:
+        _check_numerics(value)
+        self._numerics = value
+        for part in self._on_kernel:
+            part.numerics = value
 
     def linear(self, *modules: torch.nn.Linear, blocks: dict | None = None, rarely_wide: bool = False
                ) -> "Linear | BlockLinear":
@@ -245,7 +278,11 @@ class FastDecoder:
 
     def on_blocks(self, dense: Linear, blocks: "BlockWeights | None") -> "Linear | BlockLinear":
         """`dense` on the block kernel where `blocks` (its weight's exact block form) is given."""
-        return dense if blocks is None else BlockLinear(blocks, dense, self._kernel, BLOCK_KERNEL_MAX_ROWS)
+        if blocks is None:
+            return dense
+        linear = BlockLinear(blocks, dense, self._kernel, BLOCK_KERNEL_MAX_ROWS, self._numerics)
+        self._on_kernel.add(linear)
+        return linear
 
     @property
     def native_layers(self) -> int:

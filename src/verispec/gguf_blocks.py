@@ -4,8 +4,9 @@ Owns: reading the per-block scales (and offsets) of a GGUF file's Q8_0, Q5_0, Q4
 tensors, turning a float32 weight that was dequantized from such a tensor back into int8 codes
 (`BlockWeights`), and proving the result exact: a block form is kept only if
 `fl(scale * code) - offset` rebuilds the model's float32 weight bit for bit, which is also how the
-kernel (`blockmm`) rebuilds it for several rows of input (for one row it applies the scale once
-per block: the same weights, float32 rounding in another order). So the block form is not an
+kernel (`blockmm`, fp32 numerics) rebuilds it for several rows of input (for one row it applies the
+scale once per block: the same weights, float32 rounding in another order); in int8 numerics the
+kernel multiplies these codes with int8 activations and applies scale and offset per block. So the block form is not an
 approximation of the model: it is the model's own weights, stored in 1 byte plus a shared scale
 per block instead of 4 bytes each.
 

@@ -1,7 +1,8 @@
 """Loading a target model, and running it over chunks of tokens with its KV cache.
 
 Owns: where a model comes from (the embedded default Gemma 3 270M, a transformers directory, a
-`.gguf` file, or a hub id already in the local cache; never the network), the dtype choice, the
+`.gguf` file, or a hub id already in the local cache; never the network), the dtype choice and the
+block kernel's numerics (`load(numerics=...)`: int8 activations by default, batch-invariant), the
 one-time conversion cache for GGUF files, and `Target`, the per-request forward/crop interface the
 engine and drafters use. Does not own decoding, sampling or text handling beyond holding the
 tokenizer.
@@ -175,6 +176,7 @@ def load(
     fast: bool = True,
     cache_dir: Path | None = None,
     block_kernel: bool = True,
+    numerics: str = "int8",
 ) -> "Target":
     """Load a causal LM as a `Target`.
 
@@ -183,8 +185,14 @@ def load(
     fast: use the fast forward path where the architecture supports it (see `Target`).
     block_kernel: for a GGUF model in float32 on the fast path, run the linears whose quantized
     blocks rebuild the float32 weights exactly on the int8 block kernel (`blockmm`).
+    numerics: how the block kernel multiplies ("int8": activations quantized per block, every
+    position's logits independent of how many share its forward, which is what keeps a verify
+    exact against `ar`; "fp32": float32 activations, `x @ W^T` up to float32 rounding).
+    Targets without the block kernel compute in float32 whatever this says (`Target.numerics`).
     """
     resolve_dtype(dtype)  # a bad dtype is refused before anything is read
+    if numerics not in blockmm.NUMERICS:
+        raise ModelLoadError(f"unsupported numerics {numerics!r}; choose one of {', '.join(blockmm.NUMERICS)}")
     source, extra, name, gguf_path = _resolve_source(model, cache_dir or cache_root())
     torch_dtype = resolve_dtype(
         dtype, block_kernel_model=gguf_path is not None and _block_kernel_available(fast, block_kernel))
@@ -213,8 +221,8 @@ def load(
         raise ModelLoadError(f"cannot load the tokenizer of {name}: {error}") from error
     blocks = None
     if fast and block_kernel and gguf_path is not None and loaded.dtype == torch.float32:
-        blocks = _gguf_blocks(gguf_path, Path(source), loaded)
-    return Target(loaded, tokenizer, name=name, fast=fast, blocks=blocks)
+        blocks = _gguf_blocks(gguf_path, Path(source), loaded, numerics)
+    return Target(loaded, tokenizer, name=name, fast=fast, blocks=blocks, numerics=numerics)
 
 
 def _load_tokenizer(source: str, extra: dict, embedded: bool):
@@ -231,17 +239,22 @@ def _load_tokenizer(source: str, extra: dict, embedded: bool):
     return AutoTokenizer.from_pretrained(source, **extra)
 
 
-def _gguf_blocks(gguf_path: Path, converted: Path, model) -> dict | None:
+def _gguf_blocks(gguf_path: Path, converted: Path, model, numerics: str = "int8") -> dict | None:
     """The exact int8 block forms of a GGUF model's linears ({nn.Linear: BlockWeights}), or None
-    (with the reason on stderr) when the block kernel cannot run here."""
+    (with the reason on stderr) when the block kernel cannot run here, or would run float32
+    activations on its portable scalar build only (slower than PyTorch's float32 linears)."""
     from .blockmm import kernel
     from .gguf_blocks import cached_gguf_blocks
 
     if FastDecoder.supports(model) is not None:
         return None
-    _, why = kernel()
+    found, why = kernel()
     if why is not None:
         _log(f"block kernel not used: {why}; the fast path runs float32 weights")
+        return None
+    if numerics == "fp32" and found.isa == "portable":
+        _log("block kernel not used for fp32 numerics: only its portable build runs on this CPU (no AVX2/FMA); "
+             "the fast path runs float32 weights")
         return None
     cache_file = converted / "blocks.safetensors"
     if not cache_file.exists():
@@ -296,10 +309,15 @@ class Target:
     when the architecture supports it, and otherwise says why on stderr and uses transformers'
     eager forward with a DynamicCache; fast=False always uses the eager forward. blocks
     ({nn.Linear: gguf_blocks.BlockWeights}, exact block forms) puts those linears, the LM head
-    included, on the int8 block kernel on the fast path.
+    included, on the int8 block kernel on the fast path, multiplying in `numerics` ("int8" or
+    "fp32", see `load`; "fp32" here, "int8" by default through `load`). `numerics` holds what
+    the target really computes: "fp32" where the block kernel is not used.
     """
 
-    def __init__(self, model, tokenizer, name: str = "", fast: bool = True, blocks: dict | None = None):
+    def __init__(self, model, tokenizer, name: str = "", fast: bool = True, blocks: dict | None = None,
+                 numerics: str = "fp32"):
+        if numerics not in blockmm.NUMERICS:
+            raise ValueError(f"numerics {numerics!r}: choose one of {', '.join(blockmm.NUMERICS)}")
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.name = name or getattr(model.config, "_name_or_path", "") or type(model).__name__
@@ -313,10 +331,15 @@ class Target:
         if fast:
             reason = FastDecoder.supports(model)
             if reason is None:
-                self._fast = FastDecoder(model, blocks, blockmm.kernel()[0] if blocks else None)
+                self._fast = FastDecoder(model, blocks, blockmm.kernel()[0] if blocks else None, numerics)
             else:
                 _log(f"fast path not available for {self.name}: {reason}; using the eager forward")
         self._head = self._head_if_exact()
+
+    @property
+    def numerics(self) -> str:
+        """"int8" or "fp32": how the block-kernel linears multiply ("fp32" without the kernel)."""
+        return self._fast.numerics if self._fast is not None and self._fast.blocks else "fp32"
 
     # -- facts about the model -------------------------------------------------------------
     @property
@@ -448,6 +471,9 @@ class Target:
             return None
         ours = self._fast.linear(head, rarely_wide=True) if self._fast is not None else _ChunkedHead.of(head.weight)
         probe = torch.arange(3, 3 + min(4, self.vocab_size - 3), dtype=torch.long).unsqueeze(0)
+        numerics = self._fast.numerics if self._fast is not None else None
+        if numerics is not None:
+            self._fast.numerics = "fp32"  # the check is of the map (hidden @ W^T), at float32 tolerance
         try:
             reference = self.model(input_ids=probe, use_cache=False).logits[0].float()  # [4, vocab]
             if self._fast is not None:
@@ -459,6 +485,9 @@ class Target:
             _log(f"own LM head disabled for {self.name}: {error}")
             self._fast = None
             return None
+        finally:
+            if numerics is not None and self._fast is not None:
+                self._fast.numerics = numerics
         scale = reference.abs().max().clamp_min(1.0)
         tolerance = 1e-4 if self.dtype == torch.float32 else 3e-2
         if bool(((logits - reference).abs().max() / scale) < tolerance):
@@ -491,4 +520,7 @@ class Target:
         head = "the LM head and " if isinstance(self._head, BlockLinear) else ""
         total = 4 * len(self._fast.layers)
         native = f"; {self._fast.native_layers} of {len(self._fast.layers)} layers in C, one call per forward"
-        return f"{head}{self._fast.block_linears} of {total} layer linears (exact int8 blocks){native}"
+        activations = "int8 activations" if self.numerics == "int8" else "float32 activations"
+        isa = self._fast._kernel.isa
+        return (f"{head}{self._fast.block_linears} of {total} layer linears (exact int8 blocks, {activations}, "
+                f"{isa} build){native}")

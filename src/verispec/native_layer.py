@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 ACTIVATIONS = {"gelu_tanh": 0, "silu": 1}  # the C enum
+NUMERICS = {"int8": 0, "fp32": 1}  # the C enum: blockmm_int8.c or blockmm.c for the layer's linears
 
 
 class _CLinear(ctypes.Structure):
@@ -36,7 +37,7 @@ class _CLayer(ctypes.Structure):
                 ("post_attention", _CNorm), ("pre_mlp", _CNorm), ("post_mlp", _CNorm),
                 ("hidden", ctypes.c_int64), ("heads", ctypes.c_int64), ("kv_heads", ctypes.c_int64),
                 ("head_dim", ctypes.c_int64), ("intermediate", ctypes.c_int64), ("window", ctypes.c_int64),
-                ("scaling", ctypes.c_float), ("act", ctypes.c_int)]
+                ("scaling", ctypes.c_float), ("act", ctypes.c_int), ("numerics", ctypes.c_int)]
 
 
 @torch.inference_mode()
@@ -115,8 +116,9 @@ class NativeLayer:
         self._function, self._run_many = functions  # decoder_layer, decoder_layers
 
     @staticmethod
-    def of(layer, heads: int, kv_heads: int, head_dim: int, kernel) -> "NativeLayer | None":
-        """The C form of fast-path `layer` (`fastpath._Layer`), or None (`why_not` says why)."""
+    def of(layer, heads: int, kv_heads: int, head_dim: int, kernel, numerics: str = "fp32") -> "NativeLayer | None":
+        """The C form of fast-path `layer` (`fastpath._Layer`), or None (`why_not` says why);
+        its linears multiply in `numerics` ("int8" or "fp32", see `blockmm`)."""
         if why_not(layer, kernel, heads, kv_heads, head_dim) is not None:
             return None
         keep: list = []
@@ -142,7 +144,17 @@ class NativeLayer:
         struct.hidden, struct.heads, struct.kv_heads, struct.head_dim = hidden, heads, kv_heads, head_dim
         struct.intermediate, struct.window = intermediate, layer.window or 0
         struct.scaling, struct.act = layer.scaling, ACTIVATIONS[recognise_activation(layer.act)]
+        struct.numerics = NUMERICS[numerics]
         return NativeLayer(struct, keep, _bind(kernel.library))
+
+    @property
+    def numerics(self) -> str:
+        """"int8" or "fp32": how the layer's linears multiply (settable)."""
+        return next(name for name, value in NUMERICS.items() if value == self._struct.numerics)
+
+    @numerics.setter
+    def numerics(self, value: str) -> None:
+        self._struct.numerics = NUMERICS[value]
 
     def __call__(self, x: torch.Tensor, start: int, cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor,
                  values: torch.Tensor, slots: torch.Tensor | None = None, visible: torch.Tensor | None = None

@@ -13,16 +13,18 @@
  *
  * x [M, K] float32, codes [N, K] int8, scales and offsets [N, K / B] float32 (offsets may be
  * NULL), y [M, N] float32. B divides K and is a multiple of 16. Rows n are split over `threads`
- * OpenMP threads. */
+ * OpenMP threads. The vector code needs AVX2 and FMA (compiled in only where the build enables
+ * both, blockmm.py); otherwise a portable loop computes the rows_few arithmetic in scalar C. */
 #include <stdint.h>
 #include <stdlib.h>
-#ifdef __AVX2__
+#if defined(__AVX2__) && defined(__FMA__)
+#define BLOCKMM_SIMD 1
 #include <immintrin.h>
 #endif
 
 #define ROWS_PER_TASK 64
 
-#ifdef __AVX2__
+#ifdef BLOCKMM_SIMD
 static inline __m256 widen8(const int8_t *p) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
 }
@@ -180,22 +182,45 @@ static void rows(const float *x, const float *xsum, int64_t M, int64_t K, const 
     }
 }
 #else
+/* Portable C (no AVX2/FMA build): per output and row, each block's sum of code * x, scaled once
+ * per block, the offsets subtracted at the end as on the rows_few path (the same real number). */
 static void rows(const float *x, const float *xsum, int64_t M, int64_t K, const int8_t *codes, const float *scales,
                  const float *offsets, int64_t N, int64_t B, float *y, int64_t first, int64_t last) {
     const int64_t nb = K / B;
     for (int64_t n = first; n < last; n++) {
+        const int8_t *c = codes + n * K;
+        const float *s = scales + n * nb, *o = offsets ? offsets + n * nb : NULL;
         for (int64_t m = 0; m < M; m++) {
+            const float *xm = x + m * K;
             float total = 0.0f;
-            for (int64_t k = 0; k < K; k++) {
-                float w = scales[n * nb + k / B] * (float)codes[n * K + k];
-                if (offsets != NULL) w -= offsets[n * nb + k / B];
-                total += w * x[m * K + k];
+            for (int64_t b = 0; b < nb; b++) {
+                float t = 0.0f;
+                for (int64_t i = b * B; i < (b + 1) * B; i++) t += (float)c[i] * xm[i];
+                total += s[b] * t;
+            }
+            if (o) {
+                float shift = 0.0f;
+                for (int64_t b = 0; b < nb; b++) shift += o[b] * xsum[m * nb + b];
+                total -= shift;
             }
             y[m * N + n] = total;
         }
     }
 }
 #endif
+
+/* Which instruction-set variant this library was compiled as (blockmm.py checks it). */
+const char *blockmm_isa(void) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return "avx512vnni";
+#elif defined(__AVXVNNI__)
+    return "avxvnni";
+#elif defined(BLOCKMM_SIMD)
+    return "avx2";
+#else
+    return "portable";
+#endif
+}
 
 /* Returns 0 on success, -1 for unsupported shapes. */
 int blockmm(const float *x, int64_t M, int64_t K, const int8_t *codes, const float *scales,

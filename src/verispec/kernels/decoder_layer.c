@@ -16,20 +16,31 @@
  * fastpath.FusedNorm verified against the model's module); the cos/sin tables come from the
  * model's own rotary module. Sums of squares and softmax denominators are accumulated in double;
  * everything else is float32, so results differ from PyTorch's only in the rounding of sums and of
- * the transcendental functions. Built with -ffp-contract=off like blockmm.c. */
+ * the transcendental functions. Built with -ffp-contract=off like blockmm.c.
+ *
+ * Batch invariance: every step works row by row (norms, rotary, activation) or, in the
+ * attention, on chunks of keys at fixed boundaries (see attention()), and with the layer's
+ * numerics int8 the linears are blockmm_int8.c's, so a token's output does not depend on how
+ * many tokens share the call nor on the thread count. The portable build (no AVX2/FMA) performs
+ * the vector paths' operations lane by lane (fmaf for the FMA chains, exp1 for exp8), so it
+ * gives the same bits as the AVX2 build. */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#ifdef __AVX2__
+#if defined(__AVX2__) && defined(__FMA__)
+#define LAYER_SIMD 1
 #include <immintrin.h>
 #endif
 
 int blockmm(const float *x, int64_t M, int64_t K, const int8_t *codes, const float *scales,
             const float *offsets, int64_t N, int64_t B, float *y, int threads);
+int blockmm_int8(const float *x, int64_t M, int64_t K, const int8_t *codes, const float *scales,
+                 const float *offsets, int64_t N, int64_t B, float *y, int threads);
 
 enum { QKV = 0, O = 1, GATE_UP = 2, DOWN = 3 };
 enum { ACT_GELU_TANH = 0, ACT_SILU = 1 };
+enum { NUMERICS_INT8 = 0, NUMERICS_FP32 = 1 }; /* blockmm_int8.c or blockmm.c for the linears */
 
 typedef struct {
     const int8_t *codes;
@@ -49,10 +60,13 @@ typedef struct {
     int64_t window; /* 0: full attention */
     float scaling;
     int act;
+    int numerics; /* NUMERICS_INT8 or NUMERICS_FP32 */
 } Layer;
 
-static int linear(const BlockLinear *l, const float *x, int64_t n, float *y, int threads) {
-    if (blockmm(x, n, l->in, l->codes, l->scales, l->offsets, l->out, l->block, y, threads) != 0) return -1;
+static int linear(const BlockLinear *l, int numerics, const float *x, int64_t n, float *y, int threads) {
+    int (*multiply)(const float *, int64_t, int64_t, const int8_t *, const float *, const float *, int64_t, int64_t,
+                    float *, int) = numerics == NUMERICS_INT8 ? blockmm_int8 : blockmm;
+    if (multiply(x, n, l->in, l->codes, l->scales, l->offsets, l->out, l->block, y, threads) != 0) return -1;
     if (l->bias)
         for (int64_t r = 0; r < n; r++)
             for (int64_t j = 0; j < l->out; j++) y[r * l->out + j] += l->bias[j];
@@ -75,7 +89,7 @@ static void rms_norm(const Norm *norm, const float *x, float *out, int64_t rows,
 static float dot(const float *a, const float *b, int64_t size) {
     int64_t i = 0;
     float total = 0.0f;
-#ifdef __AVX2__
+#ifdef LAYER_SIMD
     __m256 s0 = _mm256_setzero_ps(), s1 = s0;
     for (; i + 16 <= size; i += 16) {
         s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
@@ -84,6 +98,14 @@ static float dot(const float *a, const float *b, int64_t size) {
     float lanes[8];
     _mm256_storeu_ps(lanes, _mm256_add_ps(s0, s1));
     for (int j = 0; j < 8; j++) total += lanes[j];
+#else
+    float s0[8] = {0}, s1[8] = {0};
+    for (; i + 16 <= size; i += 16)
+        for (int j = 0; j < 8; j++) {
+            s0[j] = fmaf(a[i + j], b[i + j], s0[j]);
+            s1[j] = fmaf(a[i + 8 + j], b[i + 8 + j], s1[j]);
+        }
+    for (int j = 0; j < 8; j++) total += s0[j] + s1[j];
 #endif
     for (; i < size; i++) total += a[i] * b[i];
     return total;
@@ -97,7 +119,7 @@ static float dot(const float *a, const float *b, int64_t size) {
 static void scores_of(const float *q, int64_t heads, const float *keys, int64_t count, int64_t d, float *s,
                       int64_t stride) {
     int64_t j = 0;
-#ifdef __AVX2__
+#ifdef LAYER_SIMD
     if (d % 8 == 0) {
         for (; j + 8 <= count; j += 8) {
             const float *k = keys + j * d;
@@ -122,26 +144,39 @@ static void scores_of(const float *q, int64_t heads, const float *keys, int64_t 
             }
         }
     }
+#else
+    if (d % 8 == 0) { /* the vector path's operations, lane by lane */
+        for (; j + 8 <= count; j += 8)
+            for (int64_t g = 0; g < heads; g++)
+                for (int64_t t = 0; t < 8; t++) {
+                    const float *k = keys + (j + t) * d, *qg = q + g * d;
+                    float a[8] = {0};
+                    for (int64_t i = 0; i < d; i += 8)
+                        for (int l = 0; l < 8; l++) a[l] = fmaf(k[i + l], qg[i + l], a[l]);
+                    s[g * stride + j + t] = ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));
+                }
+    }
 #endif
     for (; j < count; j++)
         for (int64_t g = 0; g < heads; g++) s[g * stride + j] = dot(q + g * d, keys + j * d, d);
 }
 
 /* out_g[i] = sum_j p_g[j] * values[j * d + i] for i < d, j < count and each of `heads` heads
- * (p_g = p + g * stride, out_g = out + g * stride): one FMA chain per output over j in order, in
+ * (p_g = p + g * p_stride, out_g = out + g * out_stride): one FMA chain per output over j in order, in
  * the first d / 64 * 64 outputs, and a plain multiply-add after them. Sixteen outputs of up to
  * four heads at a time in registers, so that each row of values is read once for the heads that
  * share it instead of once per head. */
-static void weighted_sum(const float *p, int64_t heads, const float *values, int64_t count, int64_t d, float *out,
-                         int64_t stride) {
+static void weighted_sum(const float *p, int64_t p_stride, int64_t heads, const float *values, int64_t count,
+                         int64_t d, float *out, int64_t out_stride) {
     const int64_t fused = d / 64 * 64; /* outputs computed with FMA (what is left of d: multiply-add) */
+    (void)fused; /* unused without the vector path */
     for (int64_t g0 = 0; g0 < heads; g0 += 4) {
         const int64_t hs = heads - g0 < 4 ? heads - g0 : 4;
         const float *pg[4];
         float *og[4];
-        for (int64_t h = 0; h < hs; h++) pg[h] = p + (g0 + h) * stride, og[h] = out + (g0 + h) * stride;
+        for (int64_t h = 0; h < hs; h++) pg[h] = p + (g0 + h) * p_stride, og[h] = out + (g0 + h) * out_stride;
         int64_t c = 0;
-#ifdef __AVX2__
+#ifdef LAYER_SIMD
         for (; c < fused; c += 16) {
             __m256 a[4][2];
             for (int h = 0; h < 4; h++) a[h][0] = a[h][1] = _mm256_setzero_ps();
@@ -158,6 +193,13 @@ static void weighted_sum(const float *p, int64_t heads, const float *values, int
                 _mm256_storeu_ps(og[h] + c + 8, a[h][1]);
             }
         }
+#else
+        for (; c < fused; c++)
+            for (int64_t h = 0; h < hs; h++) {
+                float a = 0.0f;
+                for (int64_t j = 0; j < count; j++) a = fmaf(pg[h][j], values[j * d + c], a);
+                og[h][c] = a;
+            }
 #endif
         for (int64_t h = 0; h < hs; h++) {
             for (int64_t i = c; i < d; i++) og[h][i] = 0.0f;
@@ -178,7 +220,7 @@ static void rotate(float *v, const float *cos_row, const float *sin_row, int64_t
     }
 }
 
-#ifdef __AVX2__
+#ifdef LAYER_SIMD
 /* e^x for 8 floats: Cephes' expf (range reduction by ln 2 in two parts, degree-6 polynomial,
  * scaling by 2^n through the exponent bits); relative error about 1e-7, like expf. */
 static inline __m256 exp8(__m256 x) {
@@ -199,12 +241,31 @@ static inline __m256 exp8(__m256 x) {
 }
 #endif
 
+/* exp8 lane by lane: the same float32 operations in the same order. */
+static inline float exp1(float x) {
+    x = x > -87.3f ? x : -87.3f;
+    x = x < 88.3f ? x : 88.3f;
+    const float n = floorf(x * 1.44269504088896341f + 0.5f);
+    x = x - n * 0.693359375f;
+    x = x - n * -2.12194440e-4f;
+    const float z = x * x;
+    float y = 1.9875691500e-4f;
+    y = y * x + 1.3981999507e-3f;
+    y = y * x + 8.3334519073e-3f;
+    y = y * x + 4.1665795894e-2f;
+    y = y * x + 1.6666665459e-1f;
+    y = y * x + 5.0000001201e-1f;
+    y = (y * z + x) + 1.0f;
+    union { int32_t i; float f; } scale = {.i = ((int32_t)n + 127) << 23};
+    return y * scale.f;
+}
+
 /* p[i] = act(g[i]) * u[i] for i < size. Both activations are g * sigmoid(z): SiLU with z = g;
  * gelu-tanh, 0.5 g (1 + tanh(c)) with c = sqrt(2/pi) (g + 0.044715 g^3), with z = 2c (the same
  * function: 1 + tanh(c) = 2 / (1 + e^(-2c)), written without the cancellation near tanh = -1). */
 static void activation_product(int act, const float *g, const float *u, float *p, int64_t size) {
     int64_t i = 0;
-#ifdef __AVX2__
+#ifdef LAYER_SIMD
     const __m256 one = _mm256_set1_ps(1.0f), c0 = _mm256_set1_ps(2.0f * 0.7978845608028654f);
     const __m256 c1 = _mm256_set1_ps(0.044715f), minus = _mm256_set1_ps(-0.0f);
     for (; i + 8 <= size; i += 8) {
@@ -215,6 +276,12 @@ static void activation_product(int act, const float *g, const float *u, float *p
         const __m256 e = exp8(_mm256_xor_ps(z, minus)); /* e^(-z) */
         const __m256 a = _mm256_div_ps(x, _mm256_add_ps(one, e));
         _mm256_storeu_ps(p + i, _mm256_mul_ps(a, _mm256_loadu_ps(u + i)));
+    }
+#else
+    for (; i < size / 8 * 8; i++) { /* the vector path's operations (exp1: exp8's) where it would run */
+        const float x = g[i];
+        const float z = act == ACT_GELU_TANH ? (2.0f * 0.7978845608028654f) * (x + 0.044715f * ((x * x) * x)) : x;
+        p[i] = x / (1.0f + exp1(-z)) * u[i];
     }
 #endif
     for (; i < size; i++) {
@@ -228,7 +295,7 @@ static void activation_product(int act, const float *g, const float *u, float *p
 static double exp_shifted(float *row, int64_t size, float best) {
     int64_t j = 0;
     double total = 0.0;
-#ifdef __AVX2__
+#ifdef LAYER_SIMD
     const __m256 shift = _mm256_set1_ps(best);
     float lanes[8];
     for (; j + 8 <= size; j += 8) {
@@ -236,6 +303,11 @@ static double exp_shifted(float *row, int64_t size, float best) {
         _mm256_storeu_ps(row + j, e);
         _mm256_storeu_ps(lanes, e);
         for (int k = 0; k < 8; k++) total += lanes[k];
+    }
+#else
+    for (; j < size / 8 * 8; j++) { /* exp1: exp8's operations, where the vector path would run */
+        row[j] = exp1(row[j] - best);
+        total += row[j];
     }
 #endif
     for (; j < size; j++) {
@@ -245,83 +317,115 @@ static double exp_shifted(float *row, int64_t size, float best) {
     return total;
 }
 
-/* Attention of the chunk's n queries over the cache, into attended [n, heads * d]. The work is
- * split into tasks of (query row, key/value head, part of its key range): a task scores its keys
- * for the `group` query heads that share the key/value head and keeps, per head, the maximum
- * score, the sum of exponentials and the unnormalised sum of values; the parts are merged
- * afterwards (the split flash-decoding uses). A one-token step thus runs on every thread while
- * each thread reads only its share of the keys and values. */
+/* The first and last key (or slot) query row r may see: contiguous, low..position (causal, within
+ * the window); tree, slots 0..slot_count-1 where visible[r] says so (the mask includes the window). */
+static void key_range(const Layer *L, int64_t r, int64_t start, const uint8_t *visible, int64_t slot_count,
+                      int64_t *low, int64_t *high) {
+    const int64_t position = start + r;
+    *low = visible ? 0 : L->window > 0 && position - L->window + 1 > 0 ? position - L->window + 1 : 0;
+    *high = visible ? slot_count - 1 : position;
+}
+
+/* Attention of the chunk's n queries over the cache, into attended [n, heads * d]. Each query's
+ * keys are cut at fixed absolute boundaries, multiples of KEY_CHUNK (key index, or slot for a
+ * tree), into chunks; a task (query row, key/value head, chunk) scores its keys for the `group`
+ * query heads that share the key/value head and keeps, per head, the maximum score, the sum of
+ * exponentials and the unnormalised sum of values; the chunks are then merged in their order
+ * (the split flash-decoding uses). Threads only distribute the tasks: what a query computes
+ * depends on its position (and window) alone, not on n or the thread count, so for a contiguous
+ * chunk a position's output is the same bits however many positions share the call (for a tree:
+ * the same for the same slots and mask). A one-token step still runs on every thread once the
+ * context has more than one chunk of keys. */
+#define KEY_CHUNK 64
 static int attention(const Layer *L, const float *qkv, int64_t qkv_width, int64_t n, int64_t start,
                      const uint8_t *visible, int64_t slot_count, const float *kcache, const float *vcache,
                      int64_t capacity, float *attended, int threads) {
     const int64_t d = L->head_dim, heads = L->heads, kvh = L->kv_heads, group = heads / kvh;
-    const int64_t parts = n * kvh >= threads ? 1 : (threads < 64 ? threads : 64), tasks = n * kvh * parts;
-    const int64_t span = visible ? slot_count : start + n; /* the most keys a query can see */
-    const int64_t per_part = (span + parts - 1) / parts, per_head = 2 + d + per_part;
-    float *work = malloc(sizeof(float) * tasks * group * per_head); /* per task and head: max, sum, out[d], scores */
-    if (!work) return -1;
-#pragma omp parallel for num_threads(threads) schedule(static) if (tasks > 1)
-    for (int64_t task = 0; task < tasks; task++) {
-        const int64_t part = task % parts, r = task / parts / kvh, kv = task / parts % kvh, position = start + r;
-        /* contiguous: keys low..position (causal, within the window); tree: slots 0..slot_count-1
-         * where visible[r] says so (the caller's mask includes the window) */
-        const int64_t low = visible ? 0 : L->window > 0 && position - L->window + 1 > 0 ? position - L->window + 1 : 0;
-        const int64_t count = visible ? slot_count : position + 1 - low;
-        const uint8_t *seen = visible ? visible + r * slot_count : NULL;
-        const int64_t first = low + part * count / parts, size = low + (part + 1) * count / parts - first;
-        float *states = work + task * group * per_head; /* head g: states + g * per_head */
-        for (int64_t g = 0; g < group; g++) states[g * per_head] = -INFINITY, states[g * per_head + 1] = 0.0f;
-        if (size == 0) continue;
-        scores_of(qkv + r * qkv_width + kv * group * d, group, kcache + (kv * capacity + first) * d, size, d,
-                  states + 2 + d, per_head);
-        for (int64_t g = 0; g < group; g++) {
-            float *state = states + g * per_head, *row = state + 2 + d;
-            float best = -INFINITY;
-            for (int64_t j = 0; j < size; j++) {
-                row[j] *= L->scaling;
-                if ((!seen || seen[first + j]) && row[j] > best) best = row[j];
-            }
-            if (best == -INFINITY) { /* no visible key in this part: weigh nothing (its sum is never read) */
-                for (int64_t j = 0; j < size; j++) row[j] = 0.0f;
-                continue;
-            }
-            double total = exp_shifted(row, size, best);
-            if (seen) { /* hidden keys weigh exactly nothing */
-                total = 0.0;
-                for (int64_t j = 0; j < size; j++) {
-                    if (!seen[first + j]) row[j] = 0.0f;
-                    total += row[j];
-                }
-            }
-            state[0] = best;
-            state[1] = (float)total;
-        }
-        weighted_sum(states + 2 + d, group, vcache + (kv * capacity + first) * d, size, d, states + 2, per_head);
+    int64_t parts = 1; /* the most chunks a query sees */
+    for (int64_t r = 0; r < n; r++) {
+        int64_t low, high;
+        key_range(L, r, start, visible, slot_count, &low, &high);
+        if (high / KEY_CHUNK - low / KEY_CHUNK + 1 > parts) parts = high / KEY_CHUNK - low / KEY_CHUNK + 1;
     }
-    for (int64_t r = 0; r < n; r++)
-        for (int64_t head = 0; head < heads; head++) {
-            const int64_t kv = head / group, g = head % group;
-            const float *states[64];
-            float best = -INFINITY;
-            for (int64_t part = 0; part < parts; part++) {
-                states[part] = work + (((r * kvh + kv) * parts + part) * group + g) * per_head;
-                if (states[part][1] > 0.0f && states[part][0] > best) best = states[part][0];
-            }
-            float weights[64];
-            double total = 0.0;
-            for (int64_t part = 0; part < parts; part++) {
-                weights[part] = states[part][1] > 0.0f ? expf(states[part][0] - best) : 0.0f;
-                total += (double)weights[part] * states[part][1];
-            }
-            float *dst = attended + (r * heads + head) * d;
-            const float denominator = (float)total;
-            for (int64_t i = 0; i < d; i++) {
-                float sum = 0.0f;
-                for (int64_t part = 0; part < parts; part++)
-                    if (weights[part] > 0.0f) sum += weights[part] * states[part][2 + i];
-                dst[i] = sum / denominator;
-            }
+    const int64_t tasks = n * kvh * parts, per_head = 2 + d;
+    float *work = malloc(sizeof(float) * tasks * group * per_head); /* per task and head: max, sum, out[d] */
+    if (!work) return -1;
+    int failed = 0;
+#pragma omp parallel num_threads(threads) if (tasks > 1)
+    {
+        float *scores = malloc(sizeof(float) * group * KEY_CHUNK); /* head g: scores + g * KEY_CHUNK */
+        if (!scores) {
+#pragma omp atomic write
+            failed = 1;
         }
+#pragma omp for schedule(static)
+        for (int64_t task = 0; task < tasks; task++) {
+            const int64_t part = task % parts, r = task / parts / kvh, kv = task / parts % kvh;
+            int64_t low, high;
+            key_range(L, r, start, visible, slot_count, &low, &high);
+            const uint8_t *seen = visible ? visible + r * slot_count : NULL;
+            const int64_t chunk = low / KEY_CHUNK + part;
+            const int64_t first = chunk * KEY_CHUNK > low ? chunk * KEY_CHUNK : low;
+            const int64_t last = (chunk + 1) * KEY_CHUNK - 1 < high ? (chunk + 1) * KEY_CHUNK - 1 : high;
+            const int64_t size = last - first + 1;
+            float *states = work + task * group * per_head; /* head g: states + g * per_head */
+            for (int64_t g = 0; g < group; g++) states[g * per_head] = -INFINITY, states[g * per_head + 1] = 0.0f;
+            if (size <= 0 || !scores) continue;
+            scores_of(qkv + r * qkv_width + kv * group * d, group, kcache + (kv * capacity + first) * d, size, d,
+                      scores, KEY_CHUNK);
+            for (int64_t g = 0; g < group; g++) {
+                float *state = states + g * per_head, *row = scores + g * KEY_CHUNK;
+                float best = -INFINITY;
+                for (int64_t j = 0; j < size; j++) {
+                    row[j] *= L->scaling;
+                    if ((!seen || seen[first + j]) && row[j] > best) best = row[j];
+                }
+                if (best == -INFINITY) { /* no visible key in this chunk: weigh nothing (its sum is never read) */
+                    for (int64_t j = 0; j < size; j++) row[j] = 0.0f;
+                    continue;
+                }
+                double total = exp_shifted(row, size, best);
+                if (seen) { /* hidden keys weigh exactly nothing */
+                    total = 0.0;
+                    for (int64_t j = 0; j < size; j++) {
+                        if (!seen[first + j]) row[j] = 0.0f;
+                        total += row[j];
+                    }
+                }
+                state[0] = best;
+                state[1] = (float)total;
+            }
+            weighted_sum(scores, KEY_CHUNK, group, vcache + (kv * capacity + first) * d, size, d, states + 2, per_head);
+        }
+        free(scores);
+    }
+    if (failed) {
+        free(work);
+        return -1;
+    }
+#pragma omp parallel for num_threads(threads) schedule(static) if (n * heads > 1)
+    for (int64_t row_head = 0; row_head < n * heads; row_head++) {
+        const int64_t r = row_head / heads, head = row_head % heads, kv = head / group, g = head % group;
+        const float *states = work + (r * kvh + kv) * parts * group * per_head + g * per_head; /* chunk p: + p * group * per_head */
+        const int64_t step = group * per_head;
+        float best = -INFINITY;
+        for (int64_t part = 0; part < parts; part++)
+            if (states[part * step + 1] > 0.0f && states[part * step] > best) best = states[part * step];
+        double total = 0.0;
+        for (int64_t part = 0; part < parts; part++) {
+            const float weight = states[part * step + 1] > 0.0f ? expf(states[part * step] - best) : 0.0f;
+            total += (double)weight * states[part * step + 1];
+        }
+        float *dst = attended + (r * heads + head) * d;
+        for (int64_t i = 0; i < d; i++) dst[i] = 0.0f;
+        for (int64_t part = 0; part < parts; part++) {
+            const float weight = states[part * step + 1] > 0.0f ? expf(states[part * step] - best) : 0.0f;
+            if (weight > 0.0f)
+                for (int64_t i = 0; i < d; i++) dst[i] += weight * states[part * step + 2 + i];
+        }
+        const float denominator = (float)total;
+        for (int64_t i = 0; i < d; i++) dst[i] = dst[i] / denominator;
+    }
     free(work);
     return 0;
 }
@@ -349,7 +453,7 @@ int decoder_layer(const Layer *L, float *x, int64_t n, int64_t start, const int6
 
     /* attention block */
     rms_norm(&L->input, x, h, n, H, H);
-    status |= linear(&L->linear[QKV], h, n, qkv, threads);
+    status |= linear(&L->linear[QKV], L->numerics, h, n, qkv, threads);
     for (int64_t r = 0; r < n; r++) {
         float *q = qkv + r * qkv_width, *k = q + heads * d, *v = k + kvh * d;
         if (L->q.weight) rms_norm(&L->q, q, q, heads, d, d);
@@ -363,16 +467,16 @@ int decoder_layer(const Layer *L, float *x, int64_t n, int64_t start, const int6
         }
     }
     status |= attention(L, qkv, qkv_width, n, start, visible, slot_count, kcache, vcache, capacity, attended, threads);
-    status |= linear(&L->linear[O], attended, n, projected, threads);
+    status |= linear(&L->linear[O], L->numerics, attended, n, projected, threads);
     if (L->post_attention.weight) rms_norm(&L->post_attention, projected, projected, n, H, H);
     for (int64_t i = 0; i < n * H; i++) x[i] = x[i] + projected[i];
 
     /* MLP block */
     rms_norm(&L->pre_mlp, x, h, n, H, H);
-    status |= linear(&L->linear[GATE_UP], h, n, gate_up, threads);
+    status |= linear(&L->linear[GATE_UP], L->numerics, h, n, gate_up, threads);
     float *product = gate_up; /* act(gate) * up, written over the gate half row by row */
     for (int64_t r = 0; r < n; r++) activation_product(L->act, gate_up + r * 2 * I, gate_up + r * 2 * I + I, product + r * I, I);
-    status |= linear(&L->linear[DOWN], product, n, projected, threads);
+    status |= linear(&L->linear[DOWN], L->numerics, product, n, projected, threads);
     if (L->post_mlp.weight) rms_norm(&L->post_mlp, projected, projected, n, H, H);
     for (int64_t i = 0; i < n * H; i++) x[i] = x[i] + projected[i];
     free(scratch);

@@ -1,0 +1,284 @@
+"""The int8-activation block kernel (`kernels/blockmm_int8.c`, numerics "int8") and the choice of
+the kernel's instruction-set build (`blockmm` variants).
+
+The int8 product must equal, bit for bit, a numpy emulation of its definition (activations
+quantized per row and block, exact integer sums, then the documented fixed sequence of float32
+operations), on every build this CPU runs (the portable C and the SIMD ones); a row's result must
+not depend on the other rows of the call nor on the thread count; a build forced through
+`VERISPEC_KERNEL_ISA` that the CPU cannot run, or no working compiler, must be refused with a
+message, not crash.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import helpers
+from verispec import blockmm
+from verispec.gguf_blocks import BlockWeights
+
+F32 = np.float32
+LANE_GROUPS = (0, 1, 4, 5, 2, 3, 6, 7)  # lane j of a step of 64 inputs sums the 8 inputs of group LANE_GROUPS[j]
+
+
+def tree8(lanes: np.ndarray) -> np.ndarray:
+    """((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7)) over the last axis, in float32."""
+    l = [lanes[..., j] for j in range(8)]
+    return ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]))
+
+
+def quantize_rows(x: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray]:
+    """x [M, K] float32 -> (codes [M, K] int32 in -127..127, scales [M, K / block] float32):
+    scale = max |x| / 127 per row and block, code = round-half-even(x / scale)."""
+    m, k = x.shape
+    grouped = x.reshape(m, k // block, block)
+    scales = (np.abs(grouped).max(-1) / F32(127)).astype(F32)  # [M, nb]
+    safe = np.where(scales > 0, scales, F32(1))[..., None]
+    codes = np.clip(np.rint(grouped / safe), -127, 127)
+    codes = np.where(scales[..., None] > 0, codes, 0).astype(np.int32)
+    return codes.reshape(m, k), scales
+
+
+def reference_int8(x: torch.Tensor, form: BlockWeights) -> torch.Tensor:
+    """The kernel's definition (blockmm_int8.c's header) emulated in numpy: [M, N] float32."""
+    x = x.numpy().astype(F32)
+    codes, scales = form.codes.numpy().astype(np.int32), form.scales.numpy()
+    block, (m, k), n = form.block, x.shape, codes.shape[0]
+    nb = k // block
+    q, xs = quantize_rows(x, block)
+    groups = (q[:, None, :] * codes[None, :, :]).reshape(m, n, k // 8, 8).sum(-1)  # exact int sums [M, N, K/8]
+    group_block = np.arange(k // 8) * 8 // block  # [K/8]
+    scale = (xs[:, None, group_block] * scales[None, :, group_block]).astype(F32)  # [M, N, K/8]
+    terms = (groups.astype(F32) * scale).astype(F32)
+    acc = np.zeros((m, n, 8), dtype=F32)
+    for step in range(0, k // 8, 8):  # 64 inputs; lane j takes the 8 inputs at 32 * ((j >> 1) & 1) + 16 * (j >> 2) + 8 * (j & 1)
+        for lane, group in enumerate(LANE_GROUPS):
+            if step + group < k // 8:
+                acc[..., lane] = acc[..., lane] + terms[..., step + group]
+    total = tree8(acc)
+    if form.offsets is not None:
+        offsets = form.offsets.numpy()
+        xo = (xs * q.reshape(m, nb, block).sum(-1).astype(F32)).astype(F32)  # [M, nb]
+        products = (offsets[None, :, :] * xo[:, None, :]).astype(F32)  # [M, N, nb]
+        t = np.zeros((m, n, 8), dtype=F32)
+        whole = nb // 8 * 8
+        for b in range(0, whole, 8):
+            t = t + products[..., b : b + 8]
+        shift = tree8(t)
+        for b in range(whole, nb):
+            shift = shift + products[..., b]
+        total = total - shift
+    return torch.from_numpy(np.ascontiguousarray(total.astype(F32)))
+
+
+def variants_here() -> list[str]:
+    return blockmm.supported_variants()
+
+
+def kernel_of(variant: str) -> blockmm.Kernel:
+    found, why = blockmm.load_variant(variant)
+    assert found is not None, why  # every variant this CPU reports must build and load
+    assert found.compiled_isa == variant  # the build really is that variant
+    return found
+
+
+def wide_form(outputs: int, inputs: int, block: int, affine: bool, seed: int) -> BlockWeights:
+    """A block form with the extremes a GGUF file may hold: codes over all of -128..127 (not only
+    the +-127 a quantizer makes), negative scales (Q6_K's int8 sub-scales), all-zero blocks."""
+    generator = torch.Generator().manual_seed(seed)
+    form = helpers.block_quantize(torch.randn(outputs, inputs, generator=generator), block, affine)
+    codes = form.codes.clone() if affine else torch.randint(-128, 128, (outputs, inputs), generator=generator,
+                                                            dtype=torch.int8)
+    scales = form.scales.clone()
+    if not affine:
+        scales[::3] = -scales[::3]
+        codes[0, :block] = -128  # the largest products: |-128| * 127, twice per int16 pair
+    scales[1, 0] = 0.0
+    return BlockWeights(codes.contiguous(), scales.contiguous(), form.offsets, block)
+
+
+def run(kernel, x, form, threads: int = 1) -> torch.Tensor:
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return kernel.matmul(x, form.codes, form.scales, form.offsets, form.block, "int8")
+    finally:
+        torch.set_num_threads(previous)
+
+
+def activations(rows: int, inputs: int, seed: int) -> torch.Tensor:
+    """Random rows with the cases quantization must get right: an all-zero block, a block with
+    one value (scale from it alone), exact ties x / scale = k + 1/2, huge and tiny magnitudes."""
+    x = torch.randn(rows, inputs, generator=torch.Generator().manual_seed(seed))
+    x[0, :16] = 0.0
+    if rows > 1:
+        x[1, 16:32] = 0.0
+        x[1, 20] = -3.0
+    if rows > 2:
+        x[2, :16] = torch.tensor([127.0, 0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 63.5] * 2)  # scale 1: ties to even
+    if rows > 3:
+        x[3] *= 1e4
+        x[4 % rows] *= 1e-4
+    return x
+
+
+@pytest.mark.parametrize("variant", ["portable", "avx2"])
+@pytest.mark.parametrize("block,affine,inputs", [
+    (32, False, 640), (16, False, 208), (32, True, 192), (16, True, 304), (64, True, 256), (48, False, 144),
+])
+@pytest.mark.parametrize("rows", [1, 3, 4, 9])
+def test_int8_product_equals_its_numpy_definition(variant, block, affine, inputs, rows):
+    if variant not in variants_here():  # the portable build runs everywhere; AVX2 is required on x86 CI
+        pytest.fail(f"this CPU does not run the {variant} build: {blockmm.load_variant(variant)[1]}")
+    form = wide_form(37, inputs, block, affine, seed=inputs + block + rows)
+    x = activations(rows, inputs, seed=rows)
+    got = run(kernel_of(variant), x, form)
+    expected = reference_int8(x, form)
+    assert got.shape == (rows, 37)
+    assert torch.equal(got, expected), float((got - expected).abs().max())
+    # and it is a good approximation of x @ W^T: activations lose about 1/254 of a block's largest
+    exact = x.double() @ form.dequantize().double().T
+    error = (got.double() - exact).abs().max().item()
+    assert error <= 0.03 * exact.abs().max().item(), error
+
+
+def test_reference_emulation_would_see_a_different_order():
+    """The emulation is strict: summing the lanes in another order changes some bits, so the
+    equality above really checks the kernel's fixed order (not a tolerance in disguise)."""
+    form = wide_form(64, 640, 32, False, seed=3)
+    x = activations(8, 640, seed=3)
+    lanes_reversed = reference_int8(x, form)
+    q, xs = quantize_rows(x.numpy(), 32)
+    codes, scales = form.codes.numpy().astype(np.int32), form.scales.numpy()
+    sums = (q[:, None, :] * codes[None]).reshape(8, 64, 20, 32).sum(-1).astype(F32)  # per block
+    blockwise = (sums * (xs[:, None, :] * scales[None]).astype(F32)).astype(F32)
+    sequential = np.zeros((8, 64), dtype=F32)
+    for b in range(20):
+        sequential = sequential + blockwise[..., b]
+    assert not torch.equal(torch.from_numpy(sequential), lanes_reversed)
+    assert torch.allclose(torch.from_numpy(sequential), lanes_reversed, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("variant", ["portable", "avx2"])
+@pytest.mark.parametrize("block,affine", [(32, False), (32, True), (16, False)])
+def test_a_rows_result_does_not_depend_on_the_other_rows_or_threads(variant, block, affine):
+    """Row r of a call with M rows (any M from 1 to 64, the other rows random) equals row r of
+    a one-row call, bit for bit, at 1 and 2 threads."""
+    kernel = kernel_of(variant)
+    form = wide_form(133, 320, block, affine, seed=block)  # 133 outputs: tasks of uneven size
+    row = activations(1, 320, seed=99)
+    alone = run(kernel, row, form, threads=1)
+    generator = torch.Generator().manual_seed(7)
+    for m in range(1, 65):
+        x = torch.randn(m, 320, generator=generator) * float(torch.rand(1, generator=generator)) * 10
+        at = int(torch.randint(0, m, (1,), generator=generator))
+        x[at] = row[0]
+        for threads in (1, 2):
+            assert torch.equal(run(kernel, x, form, threads)[at], alone[0]), (m, at, threads)
+
+
+def test_fp32_numerics_are_not_batch_invariant_but_int8_are():
+    """What the int8 path is for: the float32-activation kernel groups 4 to 8 rows differently
+    from a one-row call (other roundings), the int8 one does not."""
+    kernel = kernel_of(variants_here()[0])
+    form = wide_form(256, 640, 32, False, seed=11)
+    x = torch.randn(8, 640, generator=torch.Generator().manual_seed(11))
+    one = lambda numerics: torch.cat([kernel.matmul(x[i : i + 1], form.codes, form.scales, None, 32, numerics)  # noqa: E731
+                                      for i in range(8)])
+    together = lambda numerics: kernel.matmul(x, form.codes, form.scales, None, 32, numerics)  # noqa: E731
+    if kernel.isa != "portable":
+        assert not torch.equal(together("fp32"), one("fp32"))
+    assert torch.equal(together("int8"), one("int8"))
+
+
+@pytest.mark.parametrize("variant", list(blockmm.VARIANTS))
+def test_every_variant_builds_and_those_this_cpu_runs_equal_the_portable_build(variant):
+    """Every variant compiles here (the VNNI ones need only the compiler, not the CPU); the ones
+    this CPU can run give the portable build's bits; the others are refused with the flags the
+    CPU lacks."""
+    assert blockmm.build_variant(variant).is_file()
+    if variant in variants_here():
+        form = wide_form(97, 656, 16, False, seed=5)  # 41 blocks of 16: the 16-input tail too
+        x = activations(11, 656, seed=5)
+        portable = run(kernel_of("portable"), x, form)
+        for threads in (1, 2):
+            assert torch.equal(run(kernel_of(variant), x, form, threads), portable), threads
+        affine = wide_form(97, 640, 32, True, seed=6)
+        x = activations(5, 640, seed=6)
+        assert torch.equal(run(kernel_of(variant), x, affine), run(kernel_of("portable"), x, affine))
+    else:
+        found, why = blockmm.load_variant(variant)
+        assert found is None and "cannot run" in why and "lacks" in why
+
+
+def test_variant_choice_follows_the_cpu_flags():
+    assert blockmm.supported_variants(frozenset()) == ["portable"]
+    avx2 = frozenset({"avx2", "fma", "f16c", "sse4_2"})
+    assert blockmm.supported_variants(avx2) == ["avx2", "portable"]
+    assert blockmm.supported_variants(avx2 - {"fma"}) == ["portable"]  # AVX2 without FMA: portable
+    assert blockmm.supported_variants(avx2 | {"avx_vnni"}) == ["avxvnni", "avx2", "portable"]
+    zen4 = avx2 | {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"}
+    assert blockmm.supported_variants(zen4)[0] == "avx512vnni"
+
+
+@pytest.fixture
+def fresh_kernel_state(monkeypatch):
+    """blockmm's caches emptied for the test (and restored after it)."""
+    monkeypatch.setattr(blockmm, "_state", dict(blockmm._state))
+    blockmm._state.pop("kernel", None)
+    monkeypatch.setattr(blockmm, "_variants", {})
+    return monkeypatch
+
+
+def test_forced_variant_is_used(fresh_kernel_state):
+    fresh_kernel_state.setenv(blockmm.ISA_ENV, "portable")
+    found, why = blockmm.kernel()
+    assert why is None and found.isa == "portable" == found.compiled_isa
+    assert blockmm.kernel_isa() == "portable"
+
+
+@pytest.mark.parametrize("forced", ["sse9", "unavailable"])
+def test_forced_variant_the_cpu_cannot_run_is_refused_with_a_message(fresh_kernel_state, forced):
+    if forced == "unavailable":
+        missing = [name for name in blockmm.VARIANTS if name not in variants_here()]
+        forced = missing[0] if missing else "not-a-variant"  # a CPU with every variant: an unknown name
+    fresh_kernel_state.setenv(blockmm.ISA_ENV, forced)
+    found, why = blockmm.kernel()
+    assert found is None and blockmm.kernel_isa() is None
+    assert why.startswith(f"{blockmm.ISA_ENV}={forced}: ")
+    assert ("unknown kernel variant" in why) or ("cannot run" in why)
+
+
+def test_a_broken_compiler_gives_a_reason_and_the_fast_path_keeps_float32(fresh_kernel_state, capsys, tmp_path):
+    from verispec import model as model_module
+
+    fresh_kernel_state.setenv("CC", str(tmp_path / "no-such-cc"))
+    fresh_kernel_state.setenv("XDG_CACHE_HOME", str(tmp_path))  # nothing cached: it must compile
+    found, why = blockmm.kernel()
+    assert found is None and "could not build the block kernel" in why
+    model = helpers.make_model(helpers.make_config("llama"), seed=2)
+    assert model_module._gguf_blocks(tmp_path / "m.gguf", tmp_path, model) is None
+    assert "block kernel not used: could not build" in capsys.readouterr().err
+
+
+def test_fp32_numerics_on_a_portable_build_keep_pytorch_linears(fresh_kernel_state, capsys, tmp_path):
+    """Float32 activations on the portable scalar loop would be slower than PyTorch's float32
+    linears: the blocks are not used, with a message."""
+    from verispec import model as model_module
+
+    fresh_kernel_state.setenv(blockmm.ISA_ENV, "portable")
+    model = helpers.make_model(helpers.make_config("llama"), seed=2)
+    assert model_module._gguf_blocks(tmp_path / "m.gguf", tmp_path, model, "fp32") is None
+    assert "portable build" in capsys.readouterr().err
+
+
+def test_the_compiled_probe_agrees_with_proc_cpuinfo():
+    """Where /proc/cpuinfo is missing the flags come from a compiled `__builtin_cpu_supports`
+    probe; here both exist, and they must agree on every flag the variants need."""
+    probed = blockmm._probe_flags()
+    needed = {flag for _, flags in blockmm.VARIANTS.values() for flag in flags}
+    compared = needed - {"avx_vnni"}  # the probe knows AVX-VNNI only when built by GCC 11 or later
+    assert probed & compared == blockmm.cpu_flags() & compared
+    assert "avx2" in probed  # x86 CI and this machine have AVX2: the probe really ran
