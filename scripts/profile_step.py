@@ -97,9 +97,9 @@ NATIVE_LABEL = "native decoder layer"
 def label_block_kernel(vocab: int) -> None:
     """Make the block kernel's calls and the C decoder layer's (ctypes, invisible to the
     profiler) show up as events."""
-    from verispec import fastpath
-    from verispec.fastpath import BlockLinear
-    from verispec.native_layer import NativeLayer
+    from verispec.runtime import fastpath
+    from verispec.runtime.fastpath import BlockLinear
+    from verispec.runtime.native_layer import NativeLayer
 
     unlabelled_layer = NativeLayer.__call__
 

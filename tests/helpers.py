@@ -18,7 +18,7 @@ from verispec.acceptance import verify_lossless
 from verispec.control import ConstantLength
 from verispec.drafters.base import Draft
 from verispec.engine import DecodeConfig, Recipe, decode
-from verispec.gguf_blocks import BlockWeights
+from verispec.runtime.gguf_blocks import BlockWeights
 from verispec.model import Target
 from verispec.sampling import SamplingConfig, probabilities
 from verispec.stats import GenerationStats

@@ -113,7 +113,7 @@ def test_the_c_attention_does_not_depend_on_threads_for_one_token():
 
 
 def _tree(context: int, beams: int, depth: int):
-    from verispec.fastpath import Tree
+    from verispec.cache import Tree
 
     n = beams * depth
     positions = torch.tensor([context + step for _ in range(beams) for step in range(depth)])
@@ -169,7 +169,7 @@ def test_the_portable_build_gives_the_simd_builds_logits(arch, monkeypatch):
     verify widths, a prompt in C) on the forced portable build equals the best build this CPU
     runs (its C layers emulate the vector paths' operations lane by lane: FMA chains, the
     vectorised exp, the int8 kernel's lanes)."""
-    from verispec import blockmm
+    from verispec.runtime import blockmm
 
     best = blockmm.supported_variants()[0]
     assert best != "portable", "this CPU runs no SIMD build: nothing to compare"

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 import helpers
-from verispec import blockmm
-from verispec.gguf_blocks import BlockWeights, _module_for, block_scales, exact_blocks, quantize_blocks
+from verispec.runtime import blockmm
+from verispec.runtime.gguf_blocks import BlockWeights, _module_for, block_scales, exact_blocks, quantize_blocks
 from verispec.methods import build
 from verispec.model import Target
 
@@ -166,7 +166,7 @@ def test_blocks_paths_run_every_linear_on_the_kernel(tiny_targets, arch):
 def test_lm_head_float32_form_is_packed_only_for_wide_inputs():
     """Behind the block kernel the LM head's float32 form is packed on first use (logits of more
     than BLOCK_KERNEL_MAX_ROWS rows), and gives what an eagerly packed one gives."""
-    from verispec.fastpath import BLOCK_KERNEL_MAX_ROWS, Linear
+    from verispec.runtime.fastpath import BLOCK_KERNEL_MAX_ROWS, Linear
 
     model = helpers.make_model(helpers.make_config("llama"), seed=5)
     target = Target(model, None, fast=True, blocks=helpers.blockify(model))

@@ -297,7 +297,7 @@ def test_head_layer_on_int8_forms_runs_in_c_and_stays_lossless(arch):
     still fully accepted (zeroed projections quantize to zeros), and `head_int8=False` keeps the
     float32 layer."""
     from verispec.drafters.early_exit import PreparedHead
-    from verispec.fastpath import BlockLinear
+    from verispec.runtime.fastpath import BlockLinear
 
     target = helpers.make_target_for_path(f"{arch}-blocks", seed=1, init=0.3)
     prompt = helpers.repetitive_prompt(target.vocab_size, 0, period=5, repeats=4)
@@ -324,7 +324,7 @@ def test_int8_head_drafts_match_the_float_head_closely():
     """The int8 head approximates the float32 head: same logits to a small relative error on a
     real context, computed by the C layer and by the PyTorch layer on the same int8 forms alike."""
     from verispec.drafters.early_exit import ExitHeadLM, PreparedHead
-    from verispec.fastpath import Tree
+    from verispec.cache import Tree
 
     target = helpers.make_target_for_path("gemma3-blocks", seed=2)
     head = ExitHead(target.model, 1, list(range(target.vocab_size)))

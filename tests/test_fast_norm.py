@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import helpers
-from verispec.fastpath import FusedNorm
+from verispec.runtime.fastpath import FusedNorm
 
 
 @pytest.mark.parametrize("arch", helpers.FAST_ARCHITECTURES)

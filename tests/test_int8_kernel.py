@@ -16,8 +16,8 @@ import pytest
 import torch
 
 import helpers
-from verispec import blockmm
-from verispec.gguf_blocks import BlockWeights
+from verispec.runtime import blockmm
+from verispec.runtime.gguf_blocks import BlockWeights
 
 F32 = np.float32
 LANE_GROUPS = (0, 1, 4, 5, 2, 3, 6, 7)  # lane j of a step of 64 inputs sums the 8 inputs of group LANE_GROUPS[j]

@@ -17,7 +17,7 @@ import helpers
 from verispec.acceptance import joint_likelihood
 from verispec.drafters.model import AuxLM, BeamDrafter, beam_step, check_same_tokenizer, tree_for_beams
 from verispec.errors import ConfigError
-from verispec.fastpath import Tree
+from verispec.cache import Tree
 from verispec.methods import MethodOptions, build
 from verispec.model import Target
 from verispec.sampling import SamplingConfig

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from helpers import FAST_ARCHITECTURES, SLIDING_WINDOW, make_target_for_path
-from verispec import blockmm, fastpath
-from verispec.fastpath import BLOCK_KERNEL_MAX_ROWS, FastDecoder, Linear, Tree
-from verispec.native_layer import NativeLayer, recognise_activation, why_not
+from verispec.runtime import blockmm, fastpath
+from verispec.runtime.fastpath import BLOCK_KERNEL_MAX_ROWS, FastDecoder, Linear, Tree
+from verispec.runtime.native_layer import NativeLayer, recognise_activation, why_not
 
 # No skip without a compiler: the project needs `cc` (README), so a missing kernel fails here.
 

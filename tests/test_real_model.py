@@ -114,7 +114,7 @@ def test_block_kernel_covers_every_linear_and_keeps_the_output(real_target):
     """Every linear of the GGUF model (LM head included) has an exact int8 block form, and the
     fast path on the block kernel in fp32 numerics gives the same ids as the fast path on float32
     weights (int8 numerics compute another function: see the next test)."""
-    from verispec import blockmm
+    from verispec.runtime import blockmm
     from verispec.model import Target
 
     assert real_target.numerics == "int8"  # the default of `load` for a block-kernel target

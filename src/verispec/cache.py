@@ -1,4 +1,6 @@
-"""The only KV-cache rollback code: transformers' DynamicCache (eager path) and `StaticKV` (fast path).
+"""KV caches and their rollback: transformers' DynamicCache (eager path), `StaticKV` (fast path),
+and `Tree`, where a chunk's tokens sit in a cache (contiguous, or a tree of drafts in scratch slots).
+The only rollback code.
 
 A `transformers` DynamicCache built from the model's config holds one layer per decoder layer;
 Gemma 3's sliding-window layers keep only the last `sliding_window - 1` positions. Speculative
@@ -10,6 +12,9 @@ window. After `crop_to(cache, n)` the cache is exactly the cache of the first n 
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
@@ -83,3 +88,72 @@ class StaticKV:
     def crop(self, length: int) -> None:
         assert 0 <= length <= self.length, f"cannot crop a cache of {self.length} positions to {length}"
         self.length = length
+
+
+@dataclass(frozen=True)
+class Tree:
+    """Where a chunk's tokens sit: their logical positions (for rotary embeddings and windows),
+    the cache slots their keys/values are written to, and which slots each may attend to.
+
+    The usual case is `contiguous`: a continuation at positions start..start+n-1, written to the
+    same slots, attending causally. Beam and tree drafts place several alternative continuations
+    side by side in scratch slots past the committed context: `visible[i, s]` says whether token
+    i sees slot s (its ancestors and itself), `slot_positions[s]` is the logical position of
+    slot s; sliding-window layers additionally hide slots outside their window.
+    """
+
+    positions: torch.Tensor  # [n] long
+    slots: torch.Tensor | None = None  # [n] long; None: slots == positions (contiguous)
+    visible: torch.Tensor | None = None  # [n, S] bool over slots 0..S-1
+    slot_positions: torch.Tensor | None = None  # [S] long
+
+    @staticmethod
+    def contiguous(start: int, n: int) -> "Tree":
+        return Tree(torch.arange(start, start + n))
+
+    @property
+    def end(self) -> int:
+        """One past the largest slot written or read."""
+        if self.slots is None:
+            return int(self.positions[-1]) + 1
+        return max(int(self.slots.max()) + 1, self.visible.shape[1])
+
+    def attend(self, cache: StaticKV, layer: int, keys: torch.Tensor, values: torch.Tensor, window: int | None):
+        """Write this chunk's keys/values [kv, n, d]; return the keys/values it reads [kv, L, d]
+        and the boolean attention mask [n, L] (None: every query sees every key)."""
+        n = keys.shape[1]
+        if self.slots is None:  # contiguous: read only the visible range, mask only if n > 1
+            start = self.start
+            cache.write(layer, start, keys, values)
+            low = 0 if window is None else max(0, start - window + 1)
+            all_keys, all_values = cache.read(layer, low, start + n)
+            if n == 1:
+                return all_keys, all_values, None
+            query = self.positions.unsqueeze(1)  # [n, 1]
+            key = torch.arange(low, start + n).unsqueeze(0)  # [1, L]
+            mask = key <= query
+            if window is not None:
+                mask &= key > query - window
+            return all_keys, all_values, mask
+        cache.write_slots(layer, self.slots, keys, values)
+        all_keys, all_values = cache.read(layer, 0, self.visible.shape[1])
+        return all_keys, all_values, self.slot_mask(window)
+
+    @cached_property
+    def start(self) -> int:
+        """The first token's position (read once per forward, not once per layer)."""
+        return int(self.positions[0])
+
+    @cached_property
+    def _masks(self) -> dict:
+        return {}
+
+    def slot_mask(self, window: int | None) -> torch.Tensor:
+        """Which slots each token attends to, [n, S] bool (placed chunks): `visible`, and for a
+        sliding-window layer only slots within the window of the token's position. Built once
+        per window and forward (every layer of a kind shares it)."""
+        if window is None:
+            return self.visible
+        if window not in self._masks:
+            self._masks[window] = self.visible & (self.slot_positions.unsqueeze(0) > self.positions.unsqueeze(1) - window)
+        return self._masks[window]

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, NamedTuple, Sequence
+from typing import TYPE_CHECKING, Callable, Iterator, NamedTuple, Sequence
 
 import torch
 
@@ -22,9 +22,11 @@ from .acceptance import Verdict
 from .control import Controller
 from .drafters.base import EMPTY_DRAFT, Draft, Drafter
 from .errors import ConfigError
-from .model import Target
 from .sampling import SamplingConfig
 from .stats import GenerationStats
+
+if TYPE_CHECKING:  # the loop needs only the Target interface (reset, forward, crop)
+    from .model import Target
 
 Rule = Callable[[Draft, torch.Tensor, SamplingConfig, torch.Generator], Verdict]
 

@@ -32,7 +32,6 @@ exposes hidden states to drafters. It is used only for models whose logits are e
 from __future__ import annotations
 
 import hashlib
-import os
 import shutil
 import sys
 import tempfile
@@ -45,8 +44,10 @@ import torch
 
 from .cache import StaticKV, cache_length, crop_to, new_cache
 from .errors import ModelLoadError
-from . import blockmm
-from .fastpath import BlockLinear, FastDecoder, Linear
+from .paths import cache_root
+from .runtime import blockmm
+from .runtime.fastpath import FastDecoder
+from .runtime.linear import BlockLinear, Linear
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DTYPE_CHOICES = ("auto", *DTYPES)
@@ -91,14 +92,9 @@ def runs_on_block_kernel(model: str | None, *, fast: bool = True, block_kernel: 
 
 
 def _block_kernel_available(fast: bool, block_kernel: bool) -> bool:
-    from .blockmm import kernel
+    from .runtime.blockmm import kernel
 
     return fast and block_kernel and kernel()[1] is None
-
-
-def cache_root() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "verispec"
 
 
 def _log(message: str) -> None:
@@ -243,8 +239,8 @@ def _gguf_blocks(gguf_path: Path, converted: Path, model, numerics: str = "int8"
     """The exact int8 block forms of a GGUF model's linears ({nn.Linear: BlockWeights}), or None
     (with the reason on stderr) when the block kernel cannot run here, or would run float32
     activations on its portable scalar build only (slower than PyTorch's float32 linears)."""
-    from .blockmm import kernel
-    from .gguf_blocks import cached_gguf_blocks
+    from .runtime.blockmm import kernel
+    from .runtime.gguf_blocks import cached_gguf_blocks
 
     if FastDecoder.supports(model) is not None:
         return None

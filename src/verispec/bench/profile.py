@@ -56,7 +56,7 @@ def draft_step_seconds(target, prepared, context: list[int], repeats: int = 15) 
     """Median seconds of one EESD draft token (layers 1..N of the target, the head's layer, norm
     and the draft-vocabulary projection) after `context`; `prepared`: a `PreparedHead`."""
     from ..drafters.early_exit import ExitHeadLM
-    from ..fastpath import Tree
+    from ..cache import Tree
 
     target.reset()
     target.forward(context, last_only=True)

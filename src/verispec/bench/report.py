@@ -31,7 +31,7 @@ NOT_MEASURED = "not measured"
 
 
 def machine_info() -> dict:
-    """CPU model, logical cores, RAM and OS of this machine."""
+    """CPU model, logical cores, noted instruction sets, RAM and OS of this machine."""
     cpu = platform.processor() or platform.machine()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -48,7 +48,27 @@ def machine_info() -> dict:
                 break
     except (OSError, ValueError, IndexError):
         pass
-    return {"cpu": cpu, "cores": os.cpu_count(), "ram_gib": ram_gib, "os": platform.platform()}
+    return {"cpu": cpu, "cores": os.cpu_count(), "instruction_sets": instruction_sets(), "ram_gib": ram_gib,
+            "os": platform.platform()}
+
+
+# The CPU features that decide which kernel path runs and how fast (from /proc/cpuinfo's names).
+NOTED_FEATURES = ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_bf16", "amx_int8")
+
+
+def instruction_sets() -> str:
+    """The noted CPU features this machine reports, e.g. 'avx2 fma avx512f avx512_vnni'."""
+    from ..runtime.blockmm import cpu_flags
+
+    return " ".join(f for f in NOTED_FEATURES if f in cpu_flags()) or "none of " + " ".join(NOTED_FEATURES)
+
+
+def kernel_info() -> str:
+    """Which instruction-set path the block kernel runs here, or why it does not run."""
+    from ..runtime.blockmm import kernel
+
+    found, why = kernel()
+    return found.isa if found is not None else f"not used ({why})"
 
 
 def versions() -> dict:
@@ -284,7 +304,9 @@ def render_markdown(summary: dict, config: dict, energy_meter: str, plots: Seque
         "## Setup",
         "",
         f"- Model: {info.get('model_name') or settings.get('model')}",
-        f"- dtype: {settings['dtype']} (requested: {info.get('dtype_requested', settings['dtype'])})",
+        f"- dtype: {settings['dtype']} (requested: {info.get('dtype_requested', settings['dtype'])}); "
+        f"numerics: {info.get('numerics_run', settings.get('numerics', '-'))}; "
+        f"block kernel: {info.get('kernel', '-')}",
         f"- Dataset: `{settings['dataset']}`{' (' + info['dataset_path'] + ')' if info.get('dataset_path') and info['dataset_path'] != settings['dataset'] else ''} "
         f"(sha256 {settings['dataset_sha256'][:12]}); "
         f"categories: {', '.join(summary['categories']) or '-'}; "
@@ -300,7 +322,7 @@ def render_markdown(summary: dict, config: dict, energy_meter: str, plots: Seque
         "",
         "## Machine",
         "",
-        f"- CPU: {machine.get('cpu')}; cores: {machine.get('cores')}; RAM: {ram}",
+        f"- CPU: {machine.get('cpu')}; cores: {machine.get('cores')}; instruction sets: {machine.get('instruction_sets', 'not recorded')}; RAM: {ram}",
         f"- OS: {machine.get('os')}",
         f"- python {soft.get('python')}, torch {soft.get('torch')} ({soft.get('torch_threads')} threads), "
         f"transformers {soft.get('transformers')}, verispec {soft.get('verispec')}",

@@ -42,9 +42,8 @@ from typing import Sequence
 import torch
 from safetensors.torch import load_file, save_file
 
-from ..cache import StaticKV
+from ..cache import StaticKV, Tree
 from ..errors import ConfigError, ModelLoadError
-from ..fastpath import Tree
 from ..sampling import SamplingConfig
 from .model import SampledDrafter
 

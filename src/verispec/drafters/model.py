@@ -30,9 +30,8 @@ from typing import Protocol, Sequence
 
 import torch
 
-from ..cache import StaticKV
+from ..cache import StaticKV, Tree
 from ..errors import ConfigError
-from ..fastpath import Tree
 from ..sampling import DRAFT_STREAM, SamplingConfig, probabilities, sample
 from .base import EMPTY_DRAFT, Draft, Keep, keep_all
 

@@ -53,7 +53,7 @@ _variants: dict = {}  # variant name -> Kernel, or the reason it is unavailable 
 
 
 def _cache_dir() -> Path:
-    from .model import cache_root  # model imports this module
+    from ..paths import cache_root
 
     return cache_root() / "kernels"
 
@@ -126,7 +126,7 @@ def build_variant(variant: str, compiler: str | None = None) -> Path:
     compiler = compiler or _compiler()
     if compiler is None:
         raise RuntimeError("no C compiler (cc) found")
-    folder = resources.files("verispec.kernels")
+    folder = resources.files("verispec.runtime.kernels")
     sources = {name: folder.joinpath(name).read_text() for name in SOURCES}
     flags = (*FLAGS, *VARIANTS[variant][0])
     key = hashlib.sha256("|".join([*sources.values(), compiler, *flags]).encode()).hexdigest()[:16]

@@ -32,116 +32,19 @@ from __future__ import annotations
 import inspect
 import sys
 from dataclasses import dataclass
-from functools import cached_property
 
 import torch
 import torch.nn.functional as F
 
-from .cache import StaticKV
+from ..cache import StaticKV, Tree
 from .gguf_blocks import BlockWeights, quantize_blocks
+from .linear import BlockLinear, FusedNorm, Linear, _check_numerics, _mkldnn_packing_available  # noqa: F401 - re-exported
 from .native_layer import NativeLayer, run_layers
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "gemma3_text")
-_PACK_HINT = 16  # oneDNN packs for this batch size; measured fastest across widths 1..16
 # Widest input sent to the block kernel: it beat prepacked float32 on whole steps of 1, 2, 4, 8,
 # 16, 24 and 32 tokens here (e.g. 32 tokens: 304 vs 319 ms); wider chunks (prompts) use float32.
 BLOCK_KERNEL_MAX_ROWS = 64
-
-
-def _mkldnn_packing_available(dtype: torch.dtype) -> bool:
-    return dtype == torch.float32 and torch.backends.mkldnn.is_available()
-
-
-class Linear:
-    """y = x W^T (+ b) for x [n, in]; prepacked for oneDNN in float32 where available, at
-    construction or, with `lazy`, at the first call (for a weight that may never be multiplied
-    here: the LM head's float32 form behind the block kernel, 0.67 GB and about a second to pack
-    for the default model, is needed only for logits of more than 64 rows)."""
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, lazy: bool = False):
-        self.weight, self.bias = weight.detach(), None if bias is None else bias.detach()
-        self._packable = _mkldnn_packing_available(weight.dtype)
-        self._packed = None
-        if not lazy:
-            self._pack()
-
-    def _pack(self) -> torch.Tensor | None:
-        """The oneDNN-packed weight (packed once, here), or None where packing is unavailable."""
-        if self._packable and self._packed is None:
-            self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, _PACK_HINT)
-        return self._packed
-
-    @staticmethod
-    def fused(*linears: torch.nn.Linear) -> "Linear":
-        """One Linear computing several nn.Linear layers on the same input (outputs concatenated)."""
-        weight = torch.cat([lin.weight.detach() for lin in linears], dim=0)
-        biases = [lin.bias for lin in linears]
-        bias = None if all(b is None for b in biases) else torch.cat(
-            [b.detach() if b is not None else torch.zeros(lin.out_features, dtype=weight.dtype)
-             for b, lin in zip(biases, linears)]
-        )
-        return Linear(weight, bias)
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        packed = self._packed if self._packed is not None else self._pack()  # a call only until packed
-        if packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, "none", [], "")
-        return F.linear(x, self.weight, self.bias)
-
-
-class FusedNorm:
-    """An RMSNorm module of transformers as one `F.rms_norm` call (half the time of the module's
-    six elementwise ops, measured on [1, 640]). `of` returns the module itself unless the fused call
-    is bit-identical to it on random inputs, so the math stays the model's."""
-
-    def __init__(self, weight: torch.Tensor, eps: float):
-        self.weight, self.eps, self.shape = weight, eps, (weight.shape[0],)
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, self.shape, self.weight, self.eps)
-
-    @staticmethod
-    @torch.inference_mode()
-    def of(module):
-        weight = getattr(module, "weight", None)
-        eps = getattr(module, "eps", getattr(module, "variance_epsilon", None))
-        if not isinstance(weight, torch.Tensor) or weight.dim() != 1 or not isinstance(eps, float):
-            return module
-        probe = torch.randn(3, 5, weight.shape[0], generator=torch.Generator().manual_seed(0)).to(weight.dtype)
-        expected = module(probe)
-        for candidate in (weight.detach(), 1.0 + weight.detach()):  # Llama/Qwen2 scale by w, Gemma by 1 + w
-            fused = FusedNorm(candidate.contiguous(), eps)
-            got = fused(probe)
-            if got.dtype == expected.dtype and torch.equal(got, expected):
-                return fused
-        return module
-
-
-def _check_numerics(value: str) -> None:
-    """Refuse numerics other than `blockmm.NUMERICS`."""
-    from .blockmm import NUMERICS
-
-    if value not in NUMERICS:
-        raise ValueError(f"numerics {value!r}: choose one of {', '.join(NUMERICS)}")
-
-
-class BlockLinear:
-    """A `Linear` whose weight also has an exact int8 block form (`gguf_blocks.BlockWeights`):
-    inputs of at most `max_rows` rows are multiplied by the block kernel (`blockmm`), which
-    reads a quarter of the bytes, in `numerics` ("int8": activations quantized per block,
-    batch-invariant; "fp32": float32 activations); wider inputs (prompt processing), where both
-    are compute-bound, by the float32 `Linear` and its tuned oneDNN matmul."""
-
-    def __init__(self, blocks, dense: Linear, kernel, max_rows: int, numerics: str = "fp32"):
-        self.blocks, self.dense, self.kernel, self.max_rows = blocks, dense, kernel, max_rows
-        self.numerics = numerics
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] > self.max_rows:
-            return self.dense(x)
-        b = self.blocks
-        y = self.kernel.matmul(x, b.codes, b.scales, b.offsets, b.block, self.numerics)  # [n, out]
-        return y if self.dense.bias is None else y + self.dense.bias
 
 
 @dataclass
@@ -415,72 +318,3 @@ class FastDecoder:
         if layer.post_mlp_norm is not None:
             mlp = layer.post_mlp_norm(mlp)
         return x + mlp
-
-
-@dataclass(frozen=True)
-class Tree:
-    """Where a chunk's tokens sit: their logical positions (for rotary embeddings and windows),
-    the cache slots their keys/values are written to, and which slots each may attend to.
-
-    The usual case is `contiguous`: a continuation at positions start..start+n-1, written to the
-    same slots, attending causally. Beam and tree drafts place several alternative continuations
-    side by side in scratch slots past the committed context: `visible[i, s]` says whether token
-    i sees slot s (its ancestors and itself), `slot_positions[s]` is the logical position of
-    slot s; sliding-window layers additionally hide slots outside their window.
-    """
-
-    positions: torch.Tensor  # [n] long
-    slots: torch.Tensor | None = None  # [n] long; None: slots == positions (contiguous)
-    visible: torch.Tensor | None = None  # [n, S] bool over slots 0..S-1
-    slot_positions: torch.Tensor | None = None  # [S] long
-
-    @staticmethod
-    def contiguous(start: int, n: int) -> "Tree":
-        return Tree(torch.arange(start, start + n))
-
-    @property
-    def end(self) -> int:
-        """One past the largest slot written or read."""
-        if self.slots is None:
-            return int(self.positions[-1]) + 1
-        return max(int(self.slots.max()) + 1, self.visible.shape[1])
-
-    def attend(self, cache: StaticKV, layer: int, keys: torch.Tensor, values: torch.Tensor, window: int | None):
-        """Write this chunk's keys/values [kv, n, d]; return the keys/values it reads [kv, L, d]
-        and the boolean attention mask [n, L] (None: every query sees every key)."""
-        n = keys.shape[1]
-        if self.slots is None:  # contiguous: read only the visible range, mask only if n > 1
-            start = self.start
-            cache.write(layer, start, keys, values)
-            low = 0 if window is None else max(0, start - window + 1)
-            all_keys, all_values = cache.read(layer, low, start + n)
-            if n == 1:
-                return all_keys, all_values, None
-            query = self.positions.unsqueeze(1)  # [n, 1]
-            key = torch.arange(low, start + n).unsqueeze(0)  # [1, L]
-            mask = key <= query
-            if window is not None:
-                mask &= key > query - window
-            return all_keys, all_values, mask
-        cache.write_slots(layer, self.slots, keys, values)
-        all_keys, all_values = cache.read(layer, 0, self.visible.shape[1])
-        return all_keys, all_values, self.slot_mask(window)
-
-    @cached_property
-    def start(self) -> int:
-        """The first token's position (read once per forward, not once per layer)."""
-        return int(self.positions[0])
-
-    @cached_property
-    def _masks(self) -> dict:
-        return {}
-
-    def slot_mask(self, window: int | None) -> torch.Tensor:
-        """Which slots each token attends to, [n, S] bool (placed chunks): `visible`, and for a
-        sliding-window layer only slots within the window of the token's position. Built once
-        per window and forward (every layer of a kind shares it)."""
-        if window is None:
-            return self.visible
-        if window not in self._masks:
-            self._masks[window] = self.visible & (self.slot_positions.unsqueeze(0) > self.positions.unsqueeze(1) - window)
-        return self._masks[window]

@@ -85,7 +85,7 @@ def _bind(library):
 
 def why_not(layer, kernel, heads: int, kv_heads: int, head_dim: int) -> str | None:
     """None if fast-path `layer` (`fastpath._Layer`) can run as the C layer, else the reason."""
-    from .fastpath import BlockLinear, FusedNorm
+    from .linear import BlockLinear, FusedNorm
 
     if getattr(getattr(kernel, "library", None), "decoder_layer", None) is None:
         return "the kernel library has no decoder_layer"
