@@ -201,3 +201,170 @@ def test_prompts_use_the_chat_template_or_the_plain_template():
     chat = _Tokenizer(chat_template="{{ messages }}")
     assert datasets.encode_question(chat, question) == [1, 2, 3]
     assert chat.seen == [{"role": "user", "content": "How are you?"}]
+
+
+# -- multi-request sets ------------------------------------------------------------------------
+
+
+def test_conversations_become_chained_turns(tmp_path):
+    path = write_lines(tmp_path / "q.jsonl", [
+        q(1, "math", ["Only one turn."]),
+        q(81, "writing", ["Write a poem.", "Now shorten it.", "Now translate it."]),
+        q("x", "coding", ["Write f.", "Add a test."]),
+    ])
+    turns = datasets.read_conversations(path)
+    assert [t.question_id for t in turns] == ["81-1", "81-2", "81-3", "x-1", "x-2"]
+    assert turns[0] == Question("81-1", "writing", "Write a poem.")
+    assert turns[1] == Question("81-2", "writing", "Now shorten it.", ("Write a poem.",), "81-1")
+    assert turns[2] == Question("81-3", "writing", "Now translate it.", ("Write a poem.", "Now shorten it."), "81-2")
+    assert turns[4].follows == "x-1" and turns[4].earlier == ("Write f.",)
+    # the single-turn reading is unchanged: one question per line, the first turn
+    assert [x.key for x in read_questions(path)] == ["1", "81", "x"]
+
+
+def test_conversation_errors(tmp_path):
+    bad = write_lines(tmp_path / "bad.jsonl", [q(1), q(2, "writing", ["Fine.", "  "])])
+    with pytest.raises(DatasetError, match=r"line 2: turn 2 must be a non-empty string"):
+        datasets.read_conversations(bad)
+    single = write_lines(tmp_path / "single.jsonl", [q(1), q(2)])
+    with pytest.raises(DatasetError, match="no question with two turns"):
+        datasets.read_conversations(single)
+
+
+def test_selection_keeps_conversations_whole_and_counts_them(tmp_path):
+    path = write_lines(tmp_path / "q.jsonl", [
+        q(1, "a", ["1", "1b"]), q(2, "b", ["2", "2b"]), q(3, "a", ["3", "3b"]),
+    ])
+    turns = datasets.read_conversations(path)
+    assert [t.key for t in select(turns, None, 1)] == ["1-1", "1-2", "2-1", "2-2"]
+    assert [t.key for t in select(turns, ["a"])] == ["1-1", "1-2", "3-1", "3-2"]
+    assert [t.key for t in select(turns, ["b"], 5)] == ["2-1", "2-2"]
+
+
+def test_multiturn_set_resolves_to_spec_bench_and_loads_conversations(tmp_path, monkeypatch):
+    question_file = tmp_path / "shared" / "data" / "spec_bench" / "question.jsonl"
+    question_file.parent.mkdir(parents=True)
+    write_lines(question_file, [q(1, "qa"), q(81, "writing", ["A.", "B."]), q(91, "coding", ["C.", "D."])])
+    monkeypatch.chdir(tmp_path)
+    assert "spec-bench-multiturn" in datasets.DATASET_NAMES
+    path, turns = datasets.load_dataset("spec-bench-multiturn", ["coding"], None)
+    assert path == question_file.resolve()
+    assert [t.key for t in turns] == ["91-1", "91-2"] and turns[1].earlier == ("C.",)
+    _, single = datasets.load_dataset("spec-bench")
+    assert [x.key for x in single] == ["1", "81", "91"]
+
+
+def test_the_real_spec_bench_has_eighty_two_turn_conversations():
+    found = datasets.find_spec_bench([REPO])
+    if found is None:
+        pytest.skip("Spec-Bench's question.jsonl is not next to this checkout")
+    turns = datasets.read_conversations(found)
+    assert len(turns) == 160 and sum(t.follows is not None for t in turns) == 80
+    assert len({t.category for t in turns}) == 8
+
+
+def test_code_edit_set_ships_and_repeats_its_functions():
+    assert "code-edit" in datasets.DATASET_NAMES
+    assert resolve_dataset("code-edit") == datasets.CODE_EDIT_PATH
+    assert datasets.CODE_EDIT_PATH.parent == datasets.BUILTIN_PATH.parent  # packaged as bench/data/*.jsonl
+    questions = read_questions(datasets.CODE_EDIT_PATH)
+    assert 10 <= len(questions) <= 20 and {x.category for x in questions} == {"code-edit"}
+    bodies = []
+    for question in questions:
+        assert question.prompt.startswith("Rewrite the following Python function")
+        code = question.prompt.split("```python\n", 1)[1].split("\n```", 1)[0]
+        compile(code, question.key, "exec")  # a real function
+        bodies.append(code)
+    # earlier requests help later ones: most functions appear again, verbatim, later on
+    repeated = [i for i, body in enumerate(bodies) if body in bodies[:i]]
+    assert len(repeated) >= len(bodies) // 2
+    assert min(repeated) < len(bodies) // 2 + 1  # and early enough that a small --per-category sees it
+
+
+def test_later_turns_re_send_the_conversation():
+    turn = Question("81-3", "writing", "Third?", ("First?", "Second?"), "81-2")
+    chat = _Tokenizer(chat_template="{{ messages }}")
+    assert datasets.encode_turn(chat, turn, ["One.", "Two."]) == [1, 2, 3]
+    assert chat.seen == [
+        {"role": "user", "content": "First?"}, {"role": "assistant", "content": "One."},
+        {"role": "user", "content": "Second?"}, {"role": "assistant", "content": "Two."},
+        {"role": "user", "content": "Third?"},
+    ]
+    plain = _Tokenizer()
+    datasets.encode_turn(plain, turn, ["One.", "Two."])
+    assert plain.seen == "User: First?\n\nAssistant: One.\n\nUser: Second?\n\nAssistant: Two.\n\nUser: Third?\n\nAssistant:"
+    with pytest.raises(ValueError, match="2 earlier turns, 1 answers"):
+        datasets.encode_turn(chat, turn, ["One."])
+    with pytest.raises(ValueError, match="later turn"):
+        datasets.encode_question(chat, turn)
+
+
+# -- multi-turn through the runner ---------------------------------------------------------------
+
+
+def _text_target():
+    import helpers
+    from verispec.model import Target
+
+    tokenizer = helpers.char_tokenizer()
+    config = helpers.make_config("llama", vocab_size=len(tokenizer), init=0.1)
+    return Target(helpers.make_model(config, seed=3), tokenizer, name="tiny-text-llama")
+
+
+def _settings(methods, repeats=1):
+    from verispec.bench import runner
+
+    return runner.BenchSettings(
+        model=None, draft_model=None, dtype="float32", dataset="test", dataset_sha256="0", categories=(),
+        per_category=None, methods=tuple(methods), peers=(), max_new_tokens=12, temperature=0.0, top_p=1.0,
+        seed=None, repeats=repeats, draft_length=None, controller=None, early_exit_layer=None,
+    )
+
+
+def test_runner_asks_later_turns_with_the_methods_own_answers(tmp_path):
+    from verispec.bench import runner
+
+    path = write_lines(tmp_path / "q.jsonl", [q(7, "a", ["the cat sat", "then what"]), q(8, "b", ["abc abc", "more"])])
+    turns = datasets.read_conversations(path)
+    target = _text_target()
+    out = tmp_path / "run"
+    out.mkdir()
+    methods = ["ar", "anpd/constant:8"]
+    records = runner.run_bench(target, _settings(methods, repeats=2), turns, out, progress=False)
+    by = {(r["question_id"], r["method"], r["repeat"]): r for r in records}
+    assert len(records) == 4 * 2 * 2
+    for method in methods:
+        for repeat in (0, 1):
+            for qid in ("7", "8"):
+                first, second = by[(f"{qid}-1", method, repeat)], by[(f"{qid}-2", method, repeat)]
+                question = next(t for t in turns if t.key == f"{qid}-2")
+                expected = datasets.encode_turn(target.tokenizer, question, [first["text"]])
+                assert second["prompt_tokens"] == len(expected)
+                assert second["prompt_tokens"] > first["prompt_tokens"] + len(first["token_ids"]) - 2
+    # every later turn ran after the turn it follows, for each method and repeat
+    order = [(r["question_id"], r["method"], r["repeat"]) for r in records]
+    assert all(order.index((f"{qid}-1", m, r)) < order.index((f"{qid}-2", m, r))
+               for qid in ("7", "8") for m in methods for r in (0, 1))
+    # resume: drop the last turn's records; they are rebuilt from the saved first-turn answers
+    lines = (out / runner.RECORDS_FILE).read_text().splitlines()
+    kept = [line for line in lines if not line.startswith('{"question_id": "8-2"')]
+    assert len(kept) == len(lines) - 4
+    (out / runner.RECORDS_FILE).write_text("\n".join(kept) + "\n")
+    resumed = runner.run_bench(target, _settings(methods, repeats=2), turns, out, progress=False)
+    again = {(r["question_id"], r["method"], r["repeat"]): r for r in resumed}
+    for key, record in by.items():
+        assert again[key]["token_ids"] == record["token_ids"] and again[key]["prompt_tokens"] == record["prompt_tokens"]
+
+
+def test_earlier_answers_come_from_the_same_method_and_repeat():
+    from verispec.bench import runner
+
+    turns = [Question("1-1", "a", "x"), Question("1-2", "a", "y", ("x",), "1-1"),
+             Question("1-3", "a", "z", ("x", "y"), "1-2")]
+    by_key = {t.key: t for t in turns}
+    answers = {("1-1", "m", 0): "A0", ("1-2", "m", 0): "B0", ("1-1", "m", 1): "A1", ("1-1", "n", 0): "N"}
+    assert runner._earlier_answers(turns[2], by_key, answers, "m", 0) == ["A0", "B0"]
+    assert runner._earlier_answers(turns[1], by_key, answers, "m", 1) == ["A1"]
+    assert runner._earlier_answers(turns[1], by_key, answers, "n", 0) == ["N"]
+    with pytest.raises(VerispecError, match="no answer to 1-2"):
+        runner._earlier_answers(turns[2], by_key, answers, "m", 1)

@@ -104,6 +104,32 @@ def test_draft_stops_at_the_first_miss():
     assert tables.draft(4) == [3, 1, 2, 3]
 
 
+
+def test_a_separate_tail_keeps_streams_apart():
+    tables = NgramTables(max_n=3, min_n=2)
+    one, two = tables.new_tail(), tables.new_tail()
+    tables.extend([1, 2], one)
+    tables.extend([8, 9], two)
+    tables.extend([3], one)
+    assert tables.lookup([1, 2]) == 3 and tables.lookup([2]) == 3  # 1, 2, 3 as one stream
+    assert tables.lookup([9]) is None and tables.lookup([8]) == 9  # 9 was followed by nothing
+    assert len(tables) == 1 + 3  # keys (1, 2); (1,), (2,), (8,): nothing spans the streams
+    assert tables.draft(3) == []  # the tables' own tail saw none of it
+
+
+def test_draft_falls_back_token_by_token_where_every_level_misses():
+    own = NgramTables(max_n=3, min_n=2)
+    own.extend([1, 2, 7, 5, 6, 1, 2])  # own: 2 -> 7 -> 5 -> 6 -> 1 -> 2 ...; nothing after 9
+    fallback = NgramTables(max_n=3, min_n=2)
+    fallback.extend([2, 9, 9, 9, 4])  # 2 -> 9 (unused: own matches); 9 -> 9 (twice); 9, 9 -> 4
+    matches = own.draft_matches(3, fallback)
+    assert [m.token for m in matches] == [7, 5, 6] and not any(m.remembered for m in matches)
+    own.extend([8, 9])  # own: 9 never followed by anything; [8, 9] neither
+    matches = own.draft_matches(4, fallback)
+    assert [(m.token, m.remembered, m.n) for m in matches] == [(9, True, 2), (4, True, 3)]  # then 4: a miss
+    assert own.draft_matches(4) == []  # no fallback: the old behaviour
+
+
 def test_len_counts_keys_over_all_levels():
     tables = NgramTables(max_n=3, min_n=2)
     tables.extend([1, 2, 3])

@@ -46,9 +46,17 @@ BLOCK_OPTION = typer.Option(
     True, "--block-kernel/--no-block-kernel",
     help="On the fast path in float32, run a GGUF model's linears on their exact int8 blocks (the same weights, a quarter of the bytes; --no-block-kernel: float32 weights).",
 )
+NUMERICS_OPTION = typer.Option(
+    "int8", "--numerics",
+    help="int8 | fp32: how the block kernel multiplies (int8: activations quantized per block, each position's logits the same whatever the verify width, so wide verifies are cheap and exact against ar, which runs the same numerics; fp32: float32 activations).",
+)
 EXIT_HEAD_OPTION = typer.Option(None, "--exit-head", help="Exit-head directory for eesd (default: the head shipped for the default model).")
 DRAFT_LENGTH_OPTION = typer.Option(None, "--draft-length", "-k", help="Most tokens drafted per step (default: the method's).")
 CONTROLLER_OPTION = typer.Option(None, help="Draft-length controller: constant[:K], heuristic[:K], adaptive[:K], beta-ts[:K], calibrated-ts[:K].")
+NGRAM_MEMORY_OPTION = typer.Option(
+    True, "--ngram-memory/--no-ngram-memory",
+    help="anpd: also draft from the n-grams of earlier requests on the same model (outputs never change; in a server one user's text can change another's speed).",
+)
 
 
 def _quiet_transformers() -> None:
@@ -67,11 +75,18 @@ def _fail(message: str, code: int = 2) -> None:
     raise typer.Exit(code)
 
 
-def _load(model: Optional[str], dtype: str, fast: bool = True, block_kernel: bool = True):
+def _load(model: Optional[str], dtype: str, fast: bool = True, block_kernel: bool = True, numerics: str = "int8"):
     from .model import load
 
     _quiet_transformers()
-    return load(model, dtype, fast=fast, block_kernel=block_kernel)
+    return load(model, dtype, fast=fast, block_kernel=block_kernel, numerics=numerics)
+
+
+def _check_numerics(numerics: str) -> None:
+    from .runtime.blockmm import NUMERICS
+
+    if numerics not in NUMERICS:
+        _fail(f"--numerics must be one of {', '.join(NUMERICS)}, got {numerics!r}")
 
 
 def _read_stdin() -> str:
@@ -88,7 +103,8 @@ def _read_stdin() -> str:
 def _refuse_unused_options(methods: Sequence[str], *, draft_length: Optional[int] = None,
                            controller: Optional[str] = None, exit_head: Optional[str] = None,
                            draft_model: Optional[str] = None, beams: Optional[int] = None,
-                           tau: Optional[float] = None, draft_model_peers: Sequence[str] = ()) -> None:
+                           tau: Optional[float] = None, draft_model_peers: Sequence[str] = (),
+                           ngram_memory: Optional[bool] = None) -> None:
     """A ConfigError for an option that none of `methods` uses, or for a draft length given twice
     (--draft-length and --controller NAME:K): a silently ignored option makes a run, a benchmark
     above all, measure something other than what was asked. Users: --beams, --tau: mtad;
@@ -105,6 +121,7 @@ def _refuse_unused_options(methods: Sequence[str], *, draft_length: Optional[int
     for option, value, users, note in (
         ("--beams", beams, ["mtad"], ""),
         ("--tau", tau, ["mtad"], ""),
+        ("--no-ngram-memory", None if ngram_memory in (None, True) else False, ["anpd"], ""),
         ("--draft-model", draft_model, ["sps", "mtad", *draft_model_peers], ""),
         ("--exit-head", exit_head, head_users, head_note),
         ("--draft-length", draft_length, drafting, ""),
@@ -162,9 +179,11 @@ def generate(
     dtype: str = DTYPE_OPTION,
     fast: bool = FAST_OPTION,
     block_kernel: bool = BLOCK_OPTION,
+    numerics: str = NUMERICS_OPTION,
     draft_length: Optional[int] = DRAFT_LENGTH_OPTION,
     controller: Optional[str] = CONTROLLER_OPTION,
     exit_head: Optional[str] = EXIT_HEAD_OPTION,
+    ngram_memory: bool = NGRAM_MEMORY_OPTION,
     draft_model: Optional[str] = typer.Option(None, "--draft-model", help="Auxiliary draft model for sps and mtad (same tokenizer; default: the EESD exit head)."),
     beams: Optional[int] = typer.Option(None, help="mtad only: beam width W (default: 4)."),
     tau: Optional[float] = typer.Option(None, help="mtad only: joint-likelihood threshold (default: 0.5)."),
@@ -188,14 +207,15 @@ def generate(
         for text in stop:
             checked_text(text, "--stop")
         get_method(method)
+        _check_numerics(numerics)
         sampling = sampling_for(method, temperature, top_k, top_p, seed)  # --compare's ar samples alike
         DecodeConfig(max_new_tokens, sampling)
         mtad_knobs = {name: value for name, value in (("beams", beams), ("tau", tau)) if value is not None}
         options = MethodOptions(draft_length=draft_length, controller=controller, exit_head=exit_head,
-                                draft_model=draft_model, **mtad_knobs)
+                                draft_model=draft_model, ngram_memory=ngram_memory, **mtad_knobs)
         _refuse_unused_options([method], draft_length=draft_length, controller=controller, exit_head=exit_head,
-                               draft_model=draft_model, beams=beams, tau=tau)
-        target = _load(model, dtype, fast, block_kernel)
+                               draft_model=draft_model, beams=beams, tau=tau, ngram_memory=ngram_memory)
+        target = _load(model, dtype, fast, block_kernel, numerics)
         request_args = dict(
             max_new_tokens=max_new_tokens, temperature=sampling.temperature, top_k=sampling.top_k,
             top_p=sampling.top_p, seed=seed, stop=tuple(stop), prompt_format=prompt_format, options=options,
@@ -221,7 +241,8 @@ def generate(
         _fail(str(error))
         return
     chosen = results[method]
-    summary = {"model": target.name, "dtype": str(target.dtype).replace("torch.", ""), "method": method}
+    summary = {"model": target.name, "dtype": str(target.dtype).replace("torch.", ""), "numerics": target.numerics,
+               "method": method}
     if as_json:
         payload = {**summary, **chosen.to_dict()}
         if perplexity:
@@ -272,7 +293,7 @@ def _resolved_path_or_id(value: Optional[str]) -> Optional[str]:
 
 @app.command()
 def bench(
-    dataset: str = typer.Option("builtin", help="builtin | spec-bench | PATH.jsonl (Spec-Bench format)."),
+    dataset: str = typer.Option("builtin", help="builtin | spec-bench | spec-bench-multiturn (its two-turn conversations) | code-edit (recurring functions to rewrite) | PATH.jsonl (Spec-Bench format)."),
     categories: Optional[str] = typer.Option(None, help="Comma-separated categories to keep (default: all)."),
     per_category: Optional[int] = typer.Option(None, "--per-category", help="At most N prompts per category (default: all)."),
     methods: str = typer.Option("ar,pld,anpd", help="Comma-separated verispec methods (any of `verispec info`); METHOD/CONTROLLER runs a method under a given controller, e.g. eesd/constant:4."),
@@ -285,6 +306,7 @@ def bench(
     dtype: str = DTYPE_OPTION,
     fast: bool = FAST_OPTION,
     block_kernel: bool = BLOCK_OPTION,
+    numerics: str = NUMERICS_OPTION,
     repeats: int = typer.Option(1, help="Runs of each (prompt, method); the summary uses the median time."),
     out_dir: Optional[str] = typer.Option(None, "--out", help="Output directory (default: bench-out/<timestamp>)."),
     resume: bool = typer.Option(False, "--resume", help="Continue the interrupted run in --out (same settings required)."),
@@ -294,6 +316,7 @@ def bench(
     draft_length: Optional[int] = DRAFT_LENGTH_OPTION,
     controller: Optional[str] = CONTROLLER_OPTION,
     exit_head: Optional[str] = EXIT_HEAD_OPTION,
+    ngram_memory: bool = NGRAM_MEMORY_OPTION,
     progress: bool = typer.Option(True, "--progress/--no-progress", help="Show a progress bar on stderr."),
 ) -> None:
     """Benchmark methods and peer systems on a prompt set; write records, summary, report and plots."""
@@ -316,6 +339,7 @@ def bench(
         if resume and out_dir is None:
             _fail("--resume needs --out DIR: the directory of the run to continue")
         method_names, peer_names = _names(methods), _names(peers)
+        _check_numerics(numerics)
         for name in method_names:
             parse_variant(name)
         peer_settings = PeerSettings(temperature, top_p, seed, early_exit_layer, draft_model, dtype, top_k)
@@ -323,13 +347,14 @@ def bench(
             get_peer(name).check(peer_settings)
         DecodeConfig(max_new_tokens, SamplingConfig(temperature, top_k, top_p, seed))
         MethodOptions(draft_length=draft_length, controller=controller, exit_head=exit_head,
-                      draft_model=draft_model)
+                      draft_model=draft_model, ngram_memory=ngram_memory)
         if controller:
             parse_controller(controller, draft_length or 1)
         _refuse_unused_options([parse_variant(name)[0] for name in method_names] + peer_names,
                                draft_length=draft_length, controller=controller, exit_head=exit_head,
                                draft_model=draft_model,
-                               draft_model_peers=[name for name in peer_names if get_peer(name).needs_draft_model])
+                               draft_model_peers=[name for name in peer_names if get_peer(name).needs_draft_model],
+                               ngram_memory=ngram_memory)
         path, questions = datasets.load_dataset(dataset, _names(categories or ""), per_category)
         settings = runner.BenchSettings(
             model=_resolved_path_or_id(model),
@@ -359,16 +384,18 @@ def bench(
             fast=fast,
             block_kernel=block_kernel,
             top_k=top_k,
+            ngram_memory=ngram_memory,
+            numerics=numerics,
         )
         directory = Path(out_dir) if out_dir else Path("bench-out") / datetime.now().strftime("%Y%m%d-%H%M%S")
         runner.check_run_dir(directory, settings, resume)
-        target = _load(model, dtype, fast, block_kernel)
+        target = _load(model, dtype, fast, block_kernel, numerics)
         for name in peer_names:
             get_peer(name).check(peer_settings, target)  # checks that need the model (layer counts)
         probe = EnergyProbe()
         info = runner.invocation_info(command, target.name, dtype)
         info.update(dataset_path=str(path.resolve()), machine=report.machine_info(), versions=report.versions(),
-                    energy_meter=probe.description)
+                    energy_meter=probe.description, numerics_run=target.numerics, kernel=report.kernel_info())
         config = runner.start_run(directory, settings, info, resume)
         err.print(f"bench: {len(questions)} prompts x {len(settings.names)} methods x {repeats} repeats "
                   f"-> {directory}", highlight=False)
@@ -399,6 +426,7 @@ def info(
     dtype: str = DTYPE_OPTION,
     fast: bool = FAST_OPTION,
     block_kernel: bool = BLOCK_OPTION,
+    numerics: str = NUMERICS_OPTION,
 ) -> None:
     """Print the model, dtype, threads, methods and library versions."""
     import torch
@@ -406,10 +434,14 @@ def info(
 
     from . import __version__
     from .methods import METHODS
-    from .model import cache_root, cpu_has_native_bf16
+    from .model import cpu_has_native_bf16
+    from .paths import cache_root
 
+    from .bench.report import kernel_info
+
+    _check_numerics(numerics)
     try:
-        target = _load(model, dtype, fast, block_kernel)
+        target = _load(model, dtype, fast, block_kernel, numerics)
     except VerispecError as error:
         _fail(str(error))
         return
@@ -424,6 +456,8 @@ def info(
         ("forward path", "fast (static KV cache, prepacked linears)" if target.fast else "eager (transformers)"),
         ("own LM head", str(target.uses_own_head)),
         ("block kernel", target.block_kernel_summary),
+        ("numerics", target.numerics),
+        ("kernel instruction set", kernel_info()),
         ("cache directory", str(cache_root())),
         ("methods", ", ".join(METHODS)),
         ("verispec", __version__),
@@ -462,6 +496,7 @@ def serve(
     dtype: str = DTYPE_OPTION,
     fast: bool = FAST_OPTION,
     block_kernel: bool = BLOCK_OPTION,
+    numerics: str = NUMERICS_OPTION,
     method: str = typer.Option("anpd", "--method", "-m", help="Default decoding method (a request may choose another with the `method` field)."),
     host: str = typer.Option("127.0.0.1", help="Address to listen on (0.0.0.0 exposes the server to the network)."),
     port: int = typer.Option(8000, help="TCP port (0 = any free port)."),
@@ -471,6 +506,7 @@ def serve(
     request_timeout: float = typer.Option(300.0, "--request-timeout", help="Seconds a request may take from arrival, queue wait included (0 = no limit)."),
     max_tokens_limit: int = typer.Option(1024, "--max-tokens-limit", help="Largest max_tokens a request may ask for (also the default)."),
     model_id: Optional[str] = typer.Option(None, "--model-id", help="Model id clients send (default: verispec-default, or the model path's basename)."),
+    ngram_memory: bool = NGRAM_MEMORY_OPTION,
 ) -> None:
     """Serve the model over an OpenAI-compatible HTTP API; one worker thread generates, one request at a time."""
     from .methods import get_method
@@ -481,6 +517,7 @@ def serve(
     try:
         # Everything that needs no model is checked before the model is loaded.
         get_method(method)
+        _check_numerics(numerics)
         for option, value in (("--api-key", api_key), ("--model-id", model_id)):
             if value is not None:
                 checked_text(value, option)
@@ -496,7 +533,11 @@ def serve(
             max_tokens_limit=max_tokens_limit,
         )
         sock = _listen(host, port)
-        target = _load(model, dtype, fast, block_kernel)
+        target = _load(model, dtype, fast, block_kernel, numerics)
+        if not ngram_memory:  # for every request, whatever method it asks for
+            from .drafters.ngram import switch_off_memory
+
+            switch_off_memory(target.attachments)
     except VerispecError as error:
         _fail(str(error))
         return
@@ -511,6 +552,62 @@ def serve(
     config = uvicorn.Config(create_app(target, settings), log_level="info", lifespan="on",
                             timeout_graceful_shutdown=5)
     uvicorn.Server(config).run(sockets=[sock])
+
+
+@app.command()
+def profile(
+    model: Optional[str] = MODEL_OPTION,
+    dtype: str = DTYPE_OPTION,
+    fast: bool = FAST_OPTION,
+    block_kernel: bool = BLOCK_OPTION,
+    numerics: str = NUMERICS_OPTION,
+    context: int = typer.Option(256, help="Tokens in the cache before the timed forwards."),
+    widths: str = typer.Option("2,4,8,16,32", help="Comma-separated verify widths to time besides 1."),
+    exit_head: Optional[str] = EXIT_HEAD_OPTION,
+    repeats: int = typer.Option(15, help="Timed calls per width and round (the median is kept)."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+) -> None:
+    """Time a 1-token step and verify forwards of several widths on this machine: can drafting pay here?"""
+    from .bench.profile import format_profile, profile_target
+    from .bench.report import kernel_info, machine_info
+
+    try:
+        _check_numerics(numerics)
+        try:
+            chosen = sorted({int(w) for w in _names(widths)})
+        except ValueError:
+            _fail(f"--widths must be comma-separated integers, got {widths!r}")
+            return
+        if not chosen or min(chosen) < 1 or max(chosen) > 64:
+            _fail(f"--widths must lie in 1..64, got {widths!r}")
+        if context < 1 or repeats < 1:
+            _fail("--context and --repeats must be >= 1")
+        target = _load(model, dtype, fast, block_kernel, numerics)
+        if context + max(chosen) > target.max_length:
+            _fail(f"--context {context} + width {max(chosen)} exceeds the model's context of {target.max_length}")
+        head = None
+        if target.fast:
+            from .errors import ModelLoadError
+            from .methods import prepared_exit_head
+
+            try:
+                head = prepared_exit_head(target, exit_head)
+            except ModelLoadError as error:
+                if exit_head is not None:
+                    raise
+                err.print(f"no EESD draft step timed: {error}", highlight=False)
+        result = profile_target(target, context, chosen, head, repeats)
+    except VerispecError as error:
+        _fail(str(error))
+        return
+    result.update(model=target.name, dtype=str(target.dtype).replace("torch.", ""), kernel=kernel_info(),
+                  threads=__import__("torch").get_num_threads(), machine=machine_info())
+    if as_json:
+        print(json.dumps(result))
+        return
+    out.print(f"{target.name} on {result['machine']['cpu']} ({result['threads']} threads, kernel: {result['kernel']})",
+              highlight=False)
+    out.print(format_profile(result), highlight=False)
 
 
 @app.command("train-exit")

@@ -30,7 +30,7 @@ verispec's own keywords: `method=` (default "anpd"; `verispec.method_names()`), 
 `stats=` (a `verispec.GenerationStats`, overwritten with this call's counts: drafted, accepted,
 target forwards, timings), and every `verispec.MethodOptions` field: `draft_length`,
 `controller`, `ngram_max_n`, `pld_max_ngram`, `exit_head`, `draft_model`, `beams`, `tau`,
-`head_int8` (left unset: the method's default).
+`head_int8`, `ngram_memory` (left unset: the method's default).
 
 Refused with a `ConfigError` (a ValueError) naming the option: a batch of more than one
 sequence, `num_return_sequences` > 1, an attention mask with padding, beam search and the other
@@ -123,6 +123,7 @@ def transformers_generate(
     beams: int | None = None,
     tau: float | None = None,
     head_int8: bool | None = None,
+    ngram_memory: bool | None = None,
     stats: GenerationStats | None = None,
     **model_kwargs,
 ):
@@ -145,7 +146,7 @@ def transformers_generate(
     sampling = _sampling(generation_config, logits_processor or [], seed)
     given = dict(draft_length=draft_length, controller=controller, ngram_max_n=ngram_max_n,
                  pld_max_ngram=pld_max_ngram, exit_head=exit_head, draft_model=draft_model, beams=beams,
-                 tau=tau, head_int8=head_int8)
+                 tau=tau, head_int8=head_int8, ngram_memory=ngram_memory)
     options = MethodOptions(**{key: value for key, value in given.items() if value is not None})
     prompt = input_ids[0].tolist()
     config = DecodeConfig(max_length - len(prompt), sampling, stop_ids)

@@ -18,6 +18,7 @@ from .drafters.base import Drafter, NullDrafter
 from .drafters.early_exit import EarlyExitDrafter, ExitHeadLM, PreparedHead, load_head
 from .drafters.model import AuxLM, BeamDrafter, DraftLM, SampledDrafter
 from .drafters.ngram import AnpdDrafter, NgramConfig, PromptLookupDrafter
+from .drafters.suffix import SuffixDrafter
 from .engine import Recipe, Rule
 from .errors import ConfigError, ModelLoadError
 from .model import DEFAULT_MODEL_NAME, Target, load
@@ -40,8 +41,11 @@ class MethodOptions:
     beams: int = 4  # mtad: beam width W
     tau: float = 0.5  # mtad: joint-likelihood threshold
     head_int8: bool = True  # EESD head: its layer on int8 forms (block-kernel targets), else float32
+    ngram_memory: bool = True  # ANPD: also draft from earlier requests on the target (drafters.ngram)
 
     def __post_init__(self) -> None:
+        if not isinstance(self.ngram_memory, bool):
+            raise ConfigError(f"ngram_memory must be true or false, got {self.ngram_memory!r}")
         if not isinstance(self.beams, int) or self.beams < 1:
             raise ConfigError(f"beams must be an integer >= 1, got {self.beams!r}")
         if not isinstance(self.tau, (int, float)) or not self.tau > 0:
@@ -123,7 +127,8 @@ METHODS: dict[str, Method] = {
         Method("pld", "prompt lookup: copy what followed the last n-gram match in the context", True, 10,
                lambda target, options, sampling: PromptLookupDrafter(options.pld_max_ngram)),
         Method("anpd", "ANPD: adaptive multi-level n-gram tables from the prompt and the output", True, 16,
-               lambda target, options, sampling: AnpdDrafter(NgramConfig(max_n=options.ngram_max_n)),
+               lambda target, options, sampling: AnpdDrafter.for_target(
+                   target.attachments, NgramConfig(max_n=options.ngram_max_n), options.ngram_memory),
                "adaptive"),
         Method("eesd", "EESD: the target's first layers plus a trained exit head, Thompson-sampled length",
                True, 8, _eesd, "calibrated-ts", draws=True),
@@ -132,6 +137,8 @@ METHODS: dict[str, Method] = {
         Method("mtad", "MTAD: beam-sampled drafts, joint-likelihood acceptance (approximate joint decoding)",
                False, 4, lambda target, options, sampling: BeamDrafter(draft_lm(target, options), options.beams, sampling),
                make_rule=lambda options: verify_joint(options.tau), default_sampling=MTAD_SAMPLING, draws=True),
+        Method("suffix", "SuffixDecoding: suffix trees over the prompt and earlier outputs (make suffix)", True, 24,
+               lambda target, options, sampling: SuffixDrafter.for_target(target.attachments)),
     )
 }
 
@@ -146,7 +153,7 @@ def _flag(value: str) -> bool:
         raise ValueError(value) from None
 
 
-VARIANT_OPTIONS = {"tau": float, "beams": int, "head_int8": _flag}
+VARIANT_OPTIONS = {"tau": float, "beams": int, "head_int8": _flag, "ngram_memory": _flag}
 
 
 def parse_variant(spec: str) -> tuple[str, str | None, dict]:

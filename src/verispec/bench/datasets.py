@@ -1,13 +1,28 @@
 """Prompt sets for the benchmark: reading, resolving, selecting and formatting questions.
 
 Owns the Spec-Bench JSONL format (one JSON object a line with `question_id`, `category` and
-`turns`, a list of strings whose first item is the prompt), the built-in prompt set that ships in
-`data/builtin.jsonl` (so the benchmark runs on a fresh install), the resolution of the name
-`spec-bench` to a question file on disk, category filters and per-category limits, and turning a
-question into prompt ids (the tokenizer's chat template when it has one, otherwise the documented
-plain template, via `verispec.text.encode_prompt(..., "chat")`). Does not own running anything.
+`turns`, a list of strings whose first item is the prompt), the prompt sets that ship in `data/`
+(so the benchmark runs on a fresh install), the resolution of the names in DATASET_NAMES to a
+question file on disk, category filters and per-category limits, and turning a question into
+prompt ids (the tokenizer's chat template when it has one, otherwise the documented plain
+template, via `verispec.text.encode_prompt(..., "chat")`). Does not own running anything.
 
-Only the first turn of a question is used: the benchmark measures single-turn generation.
+The sets, by name:
+- `builtin` (`data/builtin.jsonl`) and `spec-bench` (Spec-Bench's question.jsonl, found on
+  disk) or a PATH: single-turn; only the first turn of each question is used.
+- `spec-bench-multiturn`: the questions of Spec-Bench's file with two or more turns (its MT-Bench
+  part: 80 questions, 10 in each of 8 categories), each asked as a conversation of requests:
+  turn t is its own question (id `QID-t`) whose prompt re-sends the conversation so far, the
+  earlier user turns each followed by the answer the SAME method (or peer) generated for them
+  in the same repeat, as a chat client would (`Question.follows`, `encode_turn`; the runner fills
+  in the answers). So a method's later turns depend on its own earlier outputs: under greedy
+  decoding lossless methods give `ar`'s answers, and the prompts are identical across them.
+- `code-edit` (`data/code_edit.jsonl`): 16 requests, each a Python function in the prompt with
+  an instruction to rewrite it with a change. The functions recur across prompts (the same
+  function under several edits, and near-copies of each other), so a drafter that remembers
+  earlier requests (ANPD's memory across requests) can draft later answers from earlier ones.
+Both multi-request sets measure memory across requests; the runner gives each method its own
+memory, empty at the start of each pass over the prompt set (see `runner`).
 """
 
 from __future__ import annotations
@@ -19,14 +34,16 @@ from pathlib import Path
 from typing import Iterable, Sequence
 
 from ..errors import ConfigError
-from ..text import encode_prompt
+from ..text import encode_messages, encode_prompt
 
 BUILTIN_PATH = Path(__file__).parent / "data" / "builtin.jsonl"
+CODE_EDIT_PATH = Path(__file__).parent / "data" / "code_edit.jsonl"
 SPEC_BENCH_RELATIVE = (
     Path("shared/data/spec_bench/question.jsonl"),
     Path("../shared/data/spec_bench/question.jsonl"),
 )
-DATASET_NAMES = ("builtin", "spec-bench")
+DATASET_NAMES = ("builtin", "spec-bench", "spec-bench-multiturn", "code-edit")
+MULTITURN = "spec-bench-multiturn"
 
 
 class DatasetError(ConfigError):
@@ -35,9 +52,15 @@ class DatasetError(ConfigError):
 
 @dataclass(frozen=True)
 class Question:
+    """One request. A later turn of a conversation also carries the user turns before it
+    (`earlier`, oldest first) and the key of the question it follows (the previous turn), whose
+    generated answer, and its predecessors', go into its prompt (`encode_turn`)."""
+
     question_id: int | str
     category: str
     prompt: str
+    earlier: tuple[str, ...] = ()
+    follows: str | None = None
 
     @property
     def key(self) -> str:
@@ -51,6 +74,34 @@ def read_questions(path: str | Path) -> list[Question]:
     Raises DatasetError naming the file and 1-based line number for bad JSON, a missing or
     ill-typed field, empty turns, or a repeated question_id.
     """
+    return [question for question, _ in _read(path)]
+
+
+def read_conversations(path: str | Path) -> list[Question]:
+    """The questions of a Spec-Bench style file that have two turns or more, each turn t as a
+    question `QID-t` following turn t - 1 (see the module docstring); single-turn ones are
+    skipped. Raises DatasetError as `read_questions` does, and for a later turn that is not a
+    non-empty string, or a file without any multi-turn question."""
+    path = Path(path)
+    chosen: list[Question] = []
+    for first, (turns, where) in _read(path):
+        if len(turns) < 2:
+            continue
+        for number, turn in enumerate(turns[1:], 2):
+            if not isinstance(turn, str) or not turn.strip():
+                raise DatasetError(f"{where}: turn {number} must be a non-empty string")
+        qid = first.question_id
+        chosen.append(Question(f"{qid}-1", first.category, first.prompt))
+        for number in range(2, len(turns) + 1):
+            chosen.append(Question(f"{qid}-{number}", first.category, turns[number - 1],
+                                   tuple(turns[: number - 1]), f"{qid}-{number - 1}"))
+    if not chosen:
+        raise DatasetError(f"{path}: no question with two turns or more")
+    return chosen
+
+
+def _read(path: str | Path) -> list[tuple[Question, tuple[list, str]]]:
+    """(question from the first turn, (all turns, where)) for each line."""
     path = Path(path)
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
@@ -58,7 +109,7 @@ def read_questions(path: str | Path) -> list[Question]:
         raise DatasetError(f"question file not found: {path}") from None
     except (OSError, UnicodeDecodeError) as error:
         raise DatasetError(f"cannot read question file {path}: {error}") from None
-    questions: list[Question] = []
+    questions: list[tuple[Question, tuple[list, str]]] = []
     seen: dict[str, int] = {}
     for number, line in enumerate(lines, 1):
         if not line.strip():
@@ -72,7 +123,7 @@ def read_questions(path: str | Path) -> list[Question]:
         if question.key in seen:
             raise DatasetError(f"{where}: question_id {question.question_id!r} repeats line {seen[question.key]}")
         seen[question.key] = number
-        questions.append(question)
+        questions.append((question, (item["turns"], where)))
     if not questions:
         raise DatasetError(f"{path}: no questions in the file")
     return questions
@@ -110,10 +161,12 @@ def find_spec_bench(starts: Iterable[Path]) -> Path | None:
 
 
 def resolve_dataset(name: str, cwd: Path | None = None, package_dir: Path | None = None) -> Path:
-    """'builtin' | 'spec-bench' | a path to a JSONL file -> the file to read."""
+    """A name in DATASET_NAMES or a path to a JSONL file -> the file to read."""
     if name == "builtin":
         return BUILTIN_PATH
-    if name == "spec-bench":
+    if name == "code-edit":
+        return CODE_EDIT_PATH
+    if name in ("spec-bench", MULTITURN):
         starts = [cwd or Path.cwd(), package_dir or Path(__file__).parent]
         found = find_spec_bench(starts)
         if found is None:
@@ -136,7 +189,8 @@ def select(
     questions: Sequence[Question], categories: Sequence[str] | None = None, per_category: int | None = None
 ) -> list[Question]:
     """Keep the questions of `categories` (all if None/empty), the first `per_category` of each,
-    in file order."""
+    in file order. A later turn of a conversation is kept with the turn it follows and does not
+    count: `per_category` counts conversations."""
     if per_category is not None and (isinstance(per_category, bool) or not isinstance(per_category, int) or per_category < 1):
         raise DatasetError(f"--per-category must be an integer >= 1, got {per_category!r}")
     available = list(dict.fromkeys(q.category for q in questions))
@@ -146,13 +200,19 @@ def select(
         raise DatasetError(f"unknown categor{'y' if len(unknown) == 1 else 'ies'} {', '.join(unknown)}; "
                            f"the dataset has: {', '.join(available)}")
     taken: dict[str, int] = {}
-    chosen = []
+    chosen, kept = [], set()
     for question in questions:
+        if question.follows is not None:
+            if question.follows in kept:
+                kept.add(question.key)
+                chosen.append(question)
+            continue
         if wanted and question.category not in wanted:
             continue
         if per_category is not None and taken.get(question.category, 0) >= per_category:
             continue
         taken[question.category] = taken.get(question.category, 0) + 1
+        kept.add(question.key)
         chosen.append(question)
     return chosen
 
@@ -162,7 +222,8 @@ def load_dataset(
 ) -> tuple[Path, list[Question]]:
     """Resolve, read and select: -> (the file read, the chosen questions)."""
     path = resolve_dataset(name)
-    return path, select(read_questions(path), categories, per_category)
+    read = read_conversations if name == MULTITURN else read_questions
+    return path, select(read(path), categories, per_category)
 
 
 def file_digest(path: str | Path) -> str:
@@ -171,5 +232,21 @@ def file_digest(path: str | Path) -> str:
 
 
 def encode_question(tokenizer, question: Question) -> list[int]:
-    """Prompt ids: the chat template if the tokenizer has one, else `PLAIN_TEMPLATE`."""
+    """Prompt ids: the chat template if the tokenizer has one, else `PLAIN_TEMPLATE`. For a
+    later turn of a conversation, use `encode_turn` (it needs the earlier answers)."""
+    if question.follows is not None:
+        raise ValueError(f"question {question.key} is a later turn: its prompt needs the earlier answers (encode_turn)")
     return encode_prompt(tokenizer, question.prompt, "chat")
+
+
+def encode_turn(tokenizer, question: Question, answers: Sequence[str]) -> list[int]:
+    """Prompt ids of a later turn: the conversation re-sent, each earlier user turn followed by
+    its answer (`answers`, oldest first, one per turn in `question.earlier`), then this turn, in
+    the chat template (or the plain "Role: content" fallback, `encode_messages`)."""
+    if len(answers) != len(question.earlier):
+        raise ValueError(f"question {question.key}: {len(question.earlier)} earlier turns, {len(answers)} answers")
+    messages = []
+    for user, answer in zip(question.earlier, answers):
+        messages += [{"role": "user", "content": user}, {"role": "assistant", "content": answer}]
+    messages.append({"role": "user", "content": question.prompt})
+    return encode_messages(tokenizer, messages)

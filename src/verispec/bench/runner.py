@@ -15,6 +15,16 @@ Fair measurement:
   Our methods also report the engine's own prefill and decode times; peers report null there.
 - CPU seconds (`time.process_time`) and energy (`energy.EnergyProbe`) are read around the same
   call; perplexity is scored afterwards, outside the timed region.
+- memory across requests (ANPD's `NgramMemory`, kept in the target's attachments) cannot let a
+  method see a prompt twice, nor see another method's outputs: each (method, repeat) gets a
+  memory of its own, empty when that repeat's pass over the prompt set starts, filled in prompt
+  order (so prompt i drafts only from prompts 0..i-1 of the same method and repeat, and from
+  itself); the warm-up gets a throwaway one. A `--resume`d run starts these memories empty at
+  the first missing record, so it can understate memory's help, never overstate it.
+- multi-turn sets (`datasets.read_conversations`): a later turn's prompt re-sends the
+  conversation with the answers that the same method (or peer) generated for the earlier turns
+  in the same repeat (from the records, so also across `--resume`); the plan runs every earlier
+  turn before the turn that follows it.
 
 Does not own the metrics (`metrics`) or any presentation (`report`).
 """
@@ -30,11 +40,12 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from ..api import stream
+from ..drafters.ngram import MEMORY_ATTACHMENT
 from ..errors import ConfigError
 from ..methods import MethodOptions, parse_variant
 from ..model import Target
 from ..score import perplexity
-from .datasets import Question, encode_question
+from .datasets import Question, encode_question, encode_turn
 from .energy import EnergyProbe
 from .peers import PEERS, PeerError, PeerSettings
 
@@ -74,6 +85,8 @@ class BenchSettings:
     fast: bool = True  # the fast forward path
     block_kernel: bool = True  # exact int8 block weights on the fast path (GGUF models)
     top_k: int = 0
+    ngram_memory: bool = True  # anpd drafts also from earlier requests (a variant may override)
+    numerics: str = "int8"  # how the block kernel multiplies (model.load)
 
     def __post_init__(self) -> None:
         if isinstance(self.repeats, bool) or not isinstance(self.repeats, int) or self.repeats < 1:
@@ -105,7 +118,8 @@ class BenchSettings:
     def options(self, controller: str | None = None) -> MethodOptions:
         """Method options; `controller` (from a METHOD/CONTROLLER variant) overrides --controller."""
         return MethodOptions(draft_length=self.draft_length, controller=controller or self.controller,
-                             exit_head=self.exit_head, draft_model=self.draft_model)
+                             exit_head=self.exit_head, draft_model=self.draft_model,
+                             ngram_memory=self.ngram_memory)
 
     def peer_settings(self) -> PeerSettings:
         layer = self.early_exit_layer if self.early_exit_layer is not None else PeerSettings.early_exit_layer
@@ -322,13 +336,19 @@ def run_bench(
     done = {(str(r["question_id"]), r["method"], int(r["repeat"])) for r in existing}
     plan = RunPlan.of(questions, settings.names, settings.repeats)
     todo = [(i, name, r) for i, name, r in plan.steps if (questions[i].key, name, r) not in done]
-    prompts = [encode_question(target.tokenizer, q) for q in questions]
+    by_key = {q.key: q for q in questions}
+    position = {q.key: i for i, q in enumerate(questions)}
+    for i, question in enumerate(questions):
+        if question.follows is not None and position.get(question.follows, i) >= i:
+            raise ConfigError(f"question {question.question_id} follows {question.follows!r}, which is not asked before it")
+    # A later turn's prompt is known only once the earlier answers are: None here, and its
+    # context check uses a bound (empty answers + the budget of each earlier answer, with slack).
+    prompts = [None if q.follows else encode_question(target.tokenizer, q) for q in questions]
     for question, ids in zip(questions, prompts):
-        if len(ids) + settings.max_new_tokens > target.max_length:
-            raise ConfigError(
-                f"question {question.question_id}: prompt ({len(ids)} tokens) + --max-new-tokens "
-                f"({settings.max_new_tokens}) exceeds the model's context of {target.max_length} tokens"
-            )
+        if ids is None:
+            ids = encode_turn(target.tokenizer, question, [""] * len(question.earlier))
+            ids = ids + [0] * ((settings.max_new_tokens + 8) * len(question.earlier))
+        _check_context(target, question, ids, settings.max_new_tokens)
     if not todo:
         log(f"all {len(plan.steps)} runs are already recorded in {records_path}")
         return existing
@@ -339,29 +359,83 @@ def run_bench(
         runners[name] = method_runner(target, name, settings)
     for name in settings.peers:
         runners[name] = peer_runner(target, name, settings)
+    memories = _Memories(target)
     warmup_tokens = min(WARMUP_TOKENS, settings.max_new_tokens)
-    for name in settings.names:  # warm-up: not timed, not recorded
-        runners[name](prompts[0], warmup_tokens)
-
-    from tqdm import tqdm
-
-    writer = RecordWriter(records_path)
-    scores: dict[tuple, float] = {}
-    new_records = []
+    first = next(i for i, prompt in enumerate(prompts) if prompt is not None)
     try:
-        with tqdm(total=len(plan.steps), initial=len(plan.steps) - len(todo), disable=not progress,
-                  desc="bench", unit="run", dynamic_ncols=True) as bar:
-            for index, name, repeat in todo:
-                question, ids = questions[index], prompts[index]
-                bar.set_postfix_str(f"{question.category}/{question.question_id} {name}")
-                result = timed(runners[name], ids, settings.max_new_tokens, probe)
-                record = _record(target, question, ids, name, repeat, result, scores)
-                writer.write(record)
-                new_records.append(record)
-                bar.update(1)
+        for name in settings.names:  # warm-up: not timed, not recorded, its memory thrown away
+            memories.use(("warm-up", name))
+            runners[name](prompts[first], warmup_tokens)
+
+        from tqdm import tqdm
+
+        answers = {(str(r["question_id"]), r["method"], int(r["repeat"])): r["text"] for r in existing}
+        writer = RecordWriter(records_path)
+        scores: dict[tuple, float] = {}
+        new_records = []
+        try:
+            with tqdm(total=len(plan.steps), initial=len(plan.steps) - len(todo), disable=not progress,
+                      desc="bench", unit="run", dynamic_ncols=True) as bar:
+                for index, name, repeat in todo:
+                    question = questions[index]
+                    ids = prompts[index]
+                    if ids is None:
+                        ids = encode_turn(target.tokenizer, question, _earlier_answers(question, by_key, answers, name, repeat))
+                        _check_context(target, question, ids, settings.max_new_tokens)
+                    bar.set_postfix_str(f"{question.category}/{question.question_id} {name}")
+                    memories.use((name, repeat))
+                    result = timed(runners[name], ids, settings.max_new_tokens, probe)
+                    record = _record(target, question, ids, name, repeat, result, scores)
+                    writer.write(record)
+                    answers[(question.key, name, repeat)] = record["text"]
+                    new_records.append(record)
+                    bar.update(1)
+        finally:
+            writer.close()
     finally:
-        writer.close()
+        memories.restore()
     return existing + new_records
+
+
+def _check_context(target: Target, question: Question, ids: Sequence[int], max_new_tokens: int) -> None:
+    if len(ids) + max_new_tokens > target.max_length:
+        raise ConfigError(
+            f"question {question.question_id}: prompt ({len(ids)} tokens) + --max-new-tokens "
+            f"({max_new_tokens}) exceeds the model's context of {target.max_length} tokens"
+        )
+
+
+def _earlier_answers(question: Question, by_key: dict, answers: dict, name: str, repeat: int) -> list[str]:
+    """The texts `name` generated in `repeat` for the turns before `question`, oldest first."""
+    chain = []
+    key = question.follows
+    while key is not None:
+        if (key, name, repeat) not in answers:
+            raise ConfigError(f"question {question.question_id}: {name} has no answer to {key} (repeat {repeat}) yet")
+        chain.append(answers[(key, name, repeat)])
+        key = by_key[key].follows
+    return chain[::-1]
+
+
+class _Memories:
+    """Puts one memory across requests per scope into the target's attachments (see the module
+    docstring), and restores what was there. A target whose memory is switched off keeps it off."""
+
+    def __init__(self, target: Target):
+        self.attachments = target.attachments
+        self.had, self.saved = MEMORY_ATTACHMENT in self.attachments, self.attachments.get(MEMORY_ATTACHMENT)
+        self.scopes: dict[tuple, dict] = {}
+
+    def use(self, scope: tuple) -> None:
+        if self.had and self.saved is None:
+            return
+        self.attachments[MEMORY_ATTACHMENT] = self.scopes.setdefault(scope, {})
+
+    def restore(self) -> None:
+        if self.had:
+            self.attachments[MEMORY_ATTACHMENT] = self.saved
+        else:
+            self.attachments.pop(MEMORY_ATTACHMENT, None)
 
 
 def _record(target: Target, question: Question, prompt_ids: list[int], method: str, repeat: int,

@@ -15,6 +15,25 @@ keys, evicting the least recently updated (an LRU over writes), and each key kee
 `max_candidates` continuation counts, evicting the least frequent non-leading one. The drafter
 holds only the last max_n - 1 tokens of the context, not the context.
 
+Memory across requests (`NgramMemory`, on unless `MethodOptions.ngram_memory` is False): one
+more set of the same tables per target and n-gram config (`shared_memory`, kept in
+`Target.attachments`, so the library, the benchmark and the server all share it), filled with
+every earlier and current request's prompt and committed tokens. Each request indexes into it
+through a tail of its own, so no n-gram spans two requests. The drafter consults it only where
+the request's own tables miss at every level, one draft token at a time, and its tokens carry
+confidence kinds of their own (`AnpdDrafter`), so the adaptive controller learns separately how
+far to trust them. Cost: one more look-up per level, only for a token the own tables miss, and
+one more update per level for each token indexed: still O(max_n) per token. Bounds:
+MEMORY_MAX_KEYS keys per level, with the tables' LRU over writes and per-key candidate cap, and
+at most MEMORY_STORES configs per target (least recently used out).
+`switch_off_memory` turns it off for a whole target (the server's --no-ngram-memory).
+
+Privacy, in a server: outputs never depend on the memory (every drafted token is verified by
+the target, so each output is exactly `ar`'s), but speed does. One user's prompts and outputs
+shape the drafts, hence the latency, of another user's request: a client that times its
+requests can probe whether some text was seen recently (a timing side channel). Serve with
+--no-ngram-memory where users must not learn anything about each other's traffic.
+
 Prompt lookup (`prompt_lookup`, the `pld` baseline) has transformers' semantics: for n from
 max_ngram down to 1, find the earliest earlier occurrence of the trailing n-gram and copy what
 followed it. It rescans the context on every call (O(context) per step), as the original does.
@@ -62,14 +81,22 @@ class NgramTables:
         """Total number of keys over all levels."""
         return sum(len(level) for level in self._levels.values())
 
-    def extend(self, tokens: Sequence[int]) -> None:
-        """Index each token as the continuation of the n-1 tokens before it, for every level."""
+    def new_tail(self) -> deque[int]:
+        """An empty tail for `extend`: one per stream of tokens indexed into these tables."""
+        return deque(maxlen=self.max_n - 1)
+
+    def extend(self, tokens: Sequence[int], tail: deque[int] | None = None) -> None:
+        """Index each token as the continuation of the n-1 tokens before it, for every level.
+
+        tail: the stream's own last tokens (from `new_tail`; updated in place), for tables that
+        index several streams, e.g. the requests of an `NgramMemory`; default: the tables' own."""
+        stream_tail = self._tail if tail is None else tail
         for token in tokens:
-            tail = tuple(self._tail)
+            before = tuple(stream_tail)
             for n, level in self._levels.items():
-                if len(tail) >= n - 1:
-                    self._observe(level, tail[len(tail) - (n - 1) :], int(token))
-            self._tail.append(int(token))
+                if len(before) >= n - 1:
+                    self._observe(level, before[len(before) - (n - 1) :], int(token))
+            stream_tail.append(int(token))
 
     def _observe(self, level: OrderedDict, key: tuple[int, ...], token: int) -> None:
         entry = level.get(key)
@@ -109,12 +136,16 @@ class NgramTables:
         """Up to k tokens by repeated look-up, starting from the indexed context's end."""
         return [m.token for m in self.draft_matches(k)]
 
-    def draft_matches(self, k: int) -> list["Match"]:
-        """Like `draft`, with the match behind each token."""
+    def draft_matches(self, k: int, fallback: "NgramTables | None" = None) -> list["Match"]:
+        """Like `draft`, with the match behind each token. Where these tables miss at every
+        level, `fallback` (same orders) is asked for that token; its matches say `remembered`."""
         tail = list(self._tail)
         drafted: list[Match] = []
         while len(drafted) < k:
             match = self.match(tail)
+            if match is None and fallback is not None:
+                found = fallback.match(tail)
+                match = None if found is None else Match(found.token, found.n, found.count, remembered=True)
             if match is None:
                 break
             drafted.append(match)
@@ -125,11 +156,13 @@ class NgramTables:
 
 @dataclass(frozen=True)
 class Match:
-    """A table hit: the predicted token, the n of the level that matched, the winner's count."""
+    """A table hit: the predicted token, the n of the level that matched, the winner's count,
+    and whether it came from the memory across requests rather than the request's own tables."""
 
     token: int
     n: int
     count: int
+    remembered: bool = False
 
 
 @dataclass(frozen=True)
@@ -145,21 +178,87 @@ class NgramConfig:
         NgramTables(self.max_n, self.min_n, self.max_keys, self.max_candidates)  # validates
 
 
+# Memory across requests, per target and n-gram config. At ~470 bytes a key (measured with
+# tracemalloc on the default tables), 2^15 keys on each of the 4 levels of max_n = 5 cap one
+# store near 60 MiB, small beside the default model's weights, while holding the n-grams of
+# roughly the last 32k distinct token contexts on each level: about a hundred requests of 300
+# tokens. Half the per-request tables' bound: one request never needs more than its own hold.
+MEMORY_MAX_KEYS = 1 << 15
+MEMORY_STORES = 4  # configs (e.g. ngram_max_n values) with a store on one target; LRU beyond
+MEMORY_ATTACHMENT = "ngram-memory"  # Target.attachments key: {NgramConfig: NgramMemory} or None (off)
+
+
+class NgramMemory:
+    """A bounded store of n-grams from the requests served on one target (see the module
+    docstring): `NgramTables` of MEMORY_MAX_KEYS keys per level, into which each request indexes
+    its prompt and committed tokens through a tail of its own (`new_tail`, `index`)."""
+
+    def __init__(self, config: NgramConfig, max_keys: int | None = None):
+        self.config = config
+        max_keys = MEMORY_MAX_KEYS if max_keys is None else max_keys
+        self.tables = NgramTables(config.max_n, config.min_n, max_keys, config.max_candidates)
+
+    def __len__(self) -> int:
+        """Total number of keys over all levels."""
+        return len(self.tables)
+
+    def new_tail(self) -> deque[int]:
+        """A request's tail: where its n-grams start, so none spans two requests."""
+        return self.tables.new_tail()
+
+    def index(self, tail: deque[int], tokens: Sequence[int]) -> None:
+        self.tables.extend(tokens, tail)
+
+
+def shared_memory(attachments: dict, config: NgramConfig) -> NgramMemory | None:
+    """The memory for `config` kept in a target's `attachments` (created empty on first use;
+    at most MEMORY_STORES configs, least recently used out), or None when the target's memory
+    is switched off (`switch_off_memory`). Only the thread that owns the target may call it."""
+    stores = attachments.setdefault(MEMORY_ATTACHMENT, {})
+    if stores is None:
+        return None
+    memory = stores.pop(config, None)
+    if memory is None:
+        memory = NgramMemory(config)
+    stores[config] = memory  # insertion order = LRU order
+    while len(stores) > MEMORY_STORES:
+        del stores[next(iter(stores))]
+    return memory
+
+
+def switch_off_memory(attachments: dict) -> None:
+    """No memory across requests on this target, whatever the requests' options say."""
+    attachments[MEMORY_ATTACHMENT] = None
+
+
 class AnpdDrafter:
-    """ANPD: drafts from n-gram tables built from the prompt and every committed token.
+    """ANPD: drafts from n-gram tables built from the prompt and every committed token, and,
+    where those miss at every level, from the memory across requests (`memory`; None: none).
 
     Each drafted token carries a confidence: the running acceptance rate, in this request, of
     earlier draft tokens that came from the same kind of match (the level n and the winner's
-    count, capped at 3), as the mean of a Beta(1 + accepted, 1 + rejected) posterior. Only tokens
-    whose predecessors were all accepted are counted, so it estimates P(accepted | the draft so
-    far was accepted), which is what the adaptive controller needs.
+    count, capped at 3, and whether it came from the memory), as the mean of a
+    Beta(1 + accepted, 1 + rejected) posterior. Only tokens whose predecessors were all accepted
+    are counted, so it estimates P(accepted | the draft so far was accepted), which is what the
+    adaptive controller needs. The memory's kinds are separate from the request's own: text
+    seen in other requests may be far less (or more) predictive than the request's own.
     """
 
-    def __init__(self, config: NgramConfig = NgramConfig()):
+    def __init__(self, config: NgramConfig = NgramConfig(), memory: NgramMemory | None = None):
+        if memory is not None and memory.config != config:
+            raise ConfigError(f"the memory's n-gram config {memory.config} differs from the drafter's {config}")
         self.config = config
+        self.memory = memory
         self.tables = self._new_tables()
-        self._outcomes: dict[tuple[int, int], list[int]] = {}  # kind -> [accepted, rejected]
-        self._last_kinds: list[tuple[int, int]] = []
+        self._memory_tail: deque[int] | None = None
+        self._outcomes: dict[tuple, list[int]] = {}  # kind -> [accepted, rejected]
+        self._last_kinds: list[tuple] = []
+
+    @classmethod
+    def for_target(cls, attachments: dict, config: NgramConfig, memory: bool = True) -> "AnpdDrafter":
+        """A drafter using the memory kept in a target's `attachments` (`shared_memory`) when
+        `memory` is True and the target has not switched it off."""
+        return cls(config, shared_memory(attachments, config) if memory else None)
 
     def _new_tables(self) -> NgramTables:
         c = self.config
@@ -168,11 +267,15 @@ class AnpdDrafter:
     def begin(self, prompt: Sequence[int]) -> None:
         self.tables = self._new_tables()
         self.tables.extend(prompt)
+        if self.memory is not None:
+            self._memory_tail = self.memory.new_tail()
+            self.memory.index(self._memory_tail, prompt)
         self._outcomes, self._last_kinds = {}, []
 
     def propose(self, context: Sequence[int], k: int, keep: Keep = keep_all) -> Draft:
-        matches = self.tables.draft_matches(k)
-        kinds = [(m.n, min(m.count, 3)) for m in matches]
+        fallback = None if self.memory is None else self.memory.tables
+        matches = self.tables.draft_matches(k, fallback)
+        kinds = [("memory", m.n, min(m.count, 3)) if m.remembered else (m.n, min(m.count, 3)) for m in matches]
         confidence = tuple(self._confidence(kind) for kind in kinds)
         n = kept_prefix(confidence, keep)
         self._last_kinds = kinds[:n]
@@ -189,6 +292,8 @@ class AnpdDrafter:
             outcome[0 if i < n_accepted else 1] += 1
         self._last_kinds = []
         self.tables.extend(committed)
+        if self.memory is not None:
+            self.memory.index(self._memory_tail, committed)
 
 
 def prompt_lookup(context: Sequence[int], max_ngram: int, k: int) -> list[int]:
