@@ -369,3 +369,12 @@ def char_tokenizer(eos: bool = False):
     if eos:
         kwargs["eos_token"] = "</s>"
     return PreTrainedTokenizerFast(tokenizer_object=backend, **kwargs)
+
+
+def assert_fits(outcomes, exact: dict, label: str, alpha: float = 1e-4) -> float:
+    """Fail unless the observed `outcomes` fit the `exact` distribution (chi-square p > alpha)."""
+    from collections import Counter
+
+    statistic, pvalue, df = chi_square_pvalue(Counter(outcomes), exact)
+    assert pvalue > alpha, f"{label}: chi2={statistic:.1f}, df={df}, p={pvalue:.2e}"
+    return pvalue

@@ -202,7 +202,8 @@ def test_options_the_method_uses_are_passed_on(stop_at_model_loading, tmp_path, 
     result = runner.invoke(app, args)
     assert isinstance(result.exception, ReachedModelLoading), result.output
     from_the_cli = [call for call in received if "exit_head" in call]  # bench's parse_variant makes others
-    assert len(from_the_cli) == 1 and {k: v for k, v in from_the_cli[0].items() if v is not None} == given
+    expected = {"ngram_memory": True, **given}  # a switch: always passed, on unless --no-ngram-memory
+    assert len(from_the_cli) == 1 and {k: v for k, v in from_the_cli[0].items() if v is not None} == expected
 
 
 def test_empty_prompt_from_stdin(no_model_loading):

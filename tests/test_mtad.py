@@ -51,10 +51,6 @@ def first_tokens(target, method, options, sampling, seeds):
     return outcomes, drafted, accepted
 
 
-def assert_fits(outcomes, exact, label):
-    statistic, pvalue, df = helpers.chi_square_pvalue(Counter(outcomes), exact)
-    assert pvalue > ALPHA, f"{label}: chi2={statistic:.1f}, df={df}, p={pvalue:.2e}"
-
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])
 def test_greedy_sps_with_a_draft_model_equals_ar(arch, tmp_path):
@@ -81,7 +77,7 @@ def test_sps_is_lossless_under_sampling(micro, micro_draft):
     exact = helpers.exact_sequence_distribution(micro.model, PROMPT, 3, sampling)
     outcomes, drafted, accepted = first_tokens(micro, "sps", MethodOptions(draft_model=str(micro_draft)), sampling, 500)
     assert 0 < accepted < drafted
-    assert_fits(outcomes, exact, "sps")
+    helpers.assert_fits(outcomes, exact, "sps")
 
 
 @pytest.mark.long
@@ -91,7 +87,7 @@ def test_mtad_with_an_impassable_tau_is_autoregressive_sampling(micro, micro_dra
     options = MethodOptions(draft_model=str(micro_draft), tau=1e30)
     outcomes, drafted, accepted = first_tokens(micro, "mtad", options, sampling, 500)
     assert drafted > 0 and accepted == 0
-    assert_fits(outcomes, exact, "mtad tau=1e30")
+    helpers.assert_fits(outcomes, exact, "mtad tau=1e30")
 
 
 def test_mtad_with_a_tiny_tau_accepts_every_draft(micro, micro_draft):

@@ -93,11 +93,6 @@ def conditional_argmax(exact: dict):
     return plausible
 
 
-def assert_fits(outcomes, exact, label):
-    statistic, pvalue, df = helpers.chi_square_pvalue(Counter(outcomes), exact)
-    assert pvalue > ALPHA, f"{label}: chi2={statistic:.1f}, df={df}, p={pvalue:.2e}"
-    return pvalue
-
 
 @pytest.mark.parametrize("config_name", list(CONFIGS))
 def test_deterministic_drafts_are_lossless_under_sampling(micro, greedy_reference, config_name):
@@ -106,7 +101,7 @@ def test_deterministic_drafts_are_lossless_under_sampling(micro, greedy_referenc
     assert abs(sum(exact.values()) - 1) < 1e-9
 
     ar, _, _ = sample_many(micro, lambda: build("ar", micro), sampling, seeds)
-    assert_fits(ar, exact, "ar")  # validates the exact oracle and the ar path
+    helpers.assert_fits(ar, exact, "ar")  # validates the exact oracle and the ar path
 
     recipes = {
         "anpd": lambda: build("anpd", micro, MethodOptions(controller="constant:4")),
@@ -116,7 +111,7 @@ def test_deterministic_drafts_are_lossless_under_sampling(micro, greedy_referenc
     for label, make_recipe in recipes.items():
         outcomes, accepted, drafted = sample_many(micro, make_recipe, sampling, seeds)
         assert accepted > 0.02 * seeds and accepted < drafted, (label, accepted, drafted)  # both paths
-        assert_fits(outcomes, exact, label)
+        helpers.assert_fits(outcomes, exact, label)
         same = sum(a == b for a, b in zip(ar, outcomes))
         assert same >= 0.995 * seeds, f"{label}: only {same}/{seeds} seeds reproduce ar"
 
@@ -139,7 +134,7 @@ def test_model_drafts_with_q_are_lossless_in_distribution(micro):
 
     outcomes, accepted, drafted = sample_many(micro, recipe(), sampling, seeds)
     assert 0.2 * drafted < accepted < 0.95 * drafted, (accepted, drafted)
-    assert_fits(outcomes, exact, "q-drafter")
+    helpers.assert_fits(outcomes, exact, "q-drafter")
 
     # Negative control: after a rejection, sample from p instead of norm(max(p - q, 0)).
     def broken_rule(draft, logits, config, generator):

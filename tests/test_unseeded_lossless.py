@@ -9,7 +9,7 @@ token then follows min(1, p(d)/q(d)) instead of p. The seeded tests elsewhere ca
 The checked position is the second generated token: the first comes from the prompt's forward,
 the second is the first one verified against a draft (`max_new_tokens` = 3 leaves room for a
 one-token draft there). Its joint law with the first token is computed exactly by enumeration
-on a micro Llama (8-token vocabulary) and compared by Pearson's chi-square; ALPHA = 1e-4 is the
+on a micro Llama (8-token vocabulary) and compared by Pearson's chi-square (`helpers.assert_fits`); its alpha = 1e-4 is the
 false-positive rate of each test (the draws are unseeded, so a correct implementation fails a
 test with that probability per run).
 
@@ -19,7 +19,6 @@ apply), and draft models whose vocabulary is padded to another size than the tar
 
 from __future__ import annotations
 
-from collections import Counter
 
 import pytest
 import torch
@@ -37,7 +36,6 @@ from verispec.sampling import SamplingConfig, probabilities
 
 pytestmark = pytest.mark.long
 
-ALPHA = 1e-4
 VOCAB = 8
 PROMPT = [1, 2, 3, 1, 2, 3, 1, 2]
 REQUESTS = 600
@@ -84,10 +82,6 @@ def unseeded_requests(target, make_recipe, requests: int = REQUESTS, new_tokens:
     return outcomes, drafted, accepted
 
 
-def assert_fits(outcomes, exact, label):
-    statistic, pvalue, df = helpers.chi_square_pvalue(Counter(outcomes), exact)
-    assert pvalue > ALPHA, f"{label}: chi2={statistic:.1f}, df={df}, p={pvalue:.2e}"
-
 
 @pytest.mark.parametrize("method", ["sps", "eesd"])
 def test_unseeded_model_drafting_is_lossless_across_requests(micro, exact, draft_model, head_dir, method):
@@ -97,7 +91,7 @@ def test_unseeded_model_drafting_is_lossless_across_requests(micro, exact, draft
     }[method]
     outcomes, drafted, accepted = unseeded_requests(micro, lambda: build(method, micro, options, SAMPLING))
     assert 0.9 * REQUESTS <= drafted and 0 < accepted < drafted, (drafted, accepted)  # both paths taken
-    assert_fits(outcomes, exact, method)
+    helpers.assert_fits(outcomes, exact, method)
 
 
 def test_unseeded_mtad_draws_its_beams_afresh(micro, draft_model):
@@ -116,7 +110,7 @@ def test_unseeded_mtad_draws_its_beams_afresh(micro, draft_model):
             for second, q in enumerate(probabilities(logits.float(), SAMPLING)[0].double().tolist()):
                 if q > 0:
                     law[(token, second)] = p * q
-    assert_fits(outcomes, law, "mtad")
+    helpers.assert_fits(outcomes, law, "mtad")
 
 
 class PeekingCut(ConstantLength):
@@ -154,7 +148,7 @@ def test_a_cut_after_drawing_is_not_applied_to_drawn_drafts(micro, exact):
     outcomes, drafted, _ = unseeded_requests(
         micro, lambda: Recipe(ConfidenceRevealsTheDraw(), PeekingCut(2), verify_lossless), 1500, new_tokens=4)
     assert drafted > 0
-    assert_fits(outcomes, exact, "peeking cut")
+    helpers.assert_fits(outcomes, exact, "peeking cut")
 
 
 @pytest.mark.parametrize("method", ["sps", "eesd", "mtad"])
@@ -183,4 +177,4 @@ def test_a_draft_model_with_a_padded_vocabulary(micro, exact, tmp_path, draft_vo
 
     outcomes, drafted, accepted = unseeded_requests(micro, lambda: build("sps", micro, options, SAMPLING), 400)
     assert 0 < accepted < drafted
-    assert_fits(outcomes, exact, f"draft vocabulary {draft_vocab}")
+    helpers.assert_fits(outcomes, exact, f"draft vocabulary {draft_vocab}")
