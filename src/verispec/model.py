@@ -337,6 +337,14 @@ class Target:
         """"int8" or "fp32": how the block-kernel linears multiply ("fp32" without the kernel)."""
         return self._fast.numerics if self._fast is not None and self._fast.blocks else "fp32"
 
+    @numerics.setter
+    def numerics(self, value: str) -> None:
+        """Switch every block-kernel linear of this target (no-op without the kernel)."""
+        if value not in blockmm.NUMERICS:
+            raise ValueError(f"numerics {value!r}: choose one of {', '.join(blockmm.NUMERICS)}")
+        if self._fast is not None and self._fast.blocks:
+            self._fast.numerics = value
+
     # -- facts about the model -------------------------------------------------------------
     @property
     def dtype(self) -> torch.dtype:

@@ -6,6 +6,11 @@ distribution (temperature 1, no top-k/top-p), from one forward of `target.model`
 prompt + output with no cache, and a float32 log-softmax. It does not touch the target's
 per-request KV cache, so it can run between generations. Used by the benchmark for every
 method, ours and peers alike, so all outputs are scored by the same function.
+
+Also `target_perplexity`: the same quantity computed by the target's own forward path, the way
+decoding computes it (the prompt, then the output in verify-sized chunks through the KV cache):
+it measures what a change of the target's numerics (int8 activations against float32) does to
+the distribution the target samples from.
 """
 
 from __future__ import annotations
@@ -36,3 +41,20 @@ def perplexity(target: Target, prompt_ids: Sequence[int], output_ids: Sequence[i
     targets = torch.tensor(list(output_ids), dtype=torch.long).unsqueeze(1)  # [m, 1]
     nll = -log_probs.gather(1, targets).mean()
     return float(torch.exp(nll))
+
+
+@torch.inference_mode()
+def target_perplexity(target: Target, prompt_ids: Sequence[int], output_ids: Sequence[int], chunk: int = 16) -> float:
+    """Like `perplexity`, from `target.forward` (its numerics, its runtime): the prompt in one
+    forward, then the output `chunk` tokens at a time. Resets the target's cache."""
+    assert len(prompt_ids) > 0 and chunk >= 1, "needs a prompt and chunk >= 1"
+    if len(output_ids) == 0:
+        return math.nan
+    target.reset()
+    rows = [target.forward(list(prompt_ids), last_only=True)]  # [1, vocab]: predicts output_ids[0]
+    for start in range(0, len(output_ids) - 1, chunk):
+        rows.append(target.forward(list(output_ids[start : min(start + chunk, len(output_ids) - 1)])))
+    logits = torch.cat(rows)  # [m, vocab]: row i predicts output_ids[i]
+    log_probs = torch.log_softmax(logits.float(), dim=-1)
+    targets = torch.tensor(list(output_ids), dtype=torch.long).unsqueeze(1)  # [m, 1]
+    return float(torch.exp(-log_probs.gather(1, targets).mean()))

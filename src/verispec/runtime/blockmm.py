@@ -7,7 +7,7 @@ float32 scale (and offset) per block of inputs, in two numerics:
 - "fp32" (`kernels/blockmm.c`): float32 activations times the weights rebuilt in float32 inside
   the kernel exactly as `gguf_blocks.BlockWeights.dequantize` rebuilds them, so the result equals
   `x @ W^T` up to the order of float32 sums; it reads 1 byte per weight instead of 4, which is
-  what a memory-bound one-token step pays for (measured in docs/profile.md).
+  what a memory-bound one-token step pays for (scripts/profile_step.py measures it).
 - "int8" (`kernels/blockmm_int8.c`): each row of activations quantized per block (symmetric int8,
   a float32 scale per row and block from that row alone), integer products with the weight codes,
   then a fixed sequence of float32 operations: batch-invariant (a row's result does not depend on

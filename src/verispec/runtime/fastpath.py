@@ -272,7 +272,7 @@ class FastDecoder:
     def _attend_one(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
         """Attention of one query token q [1, heads, 1, d] over keys/values [kv, L, d] as three
         small ops: CPU flash attention (SDPA) took about 250 us per layer at L = 256 (profiled);
-        with this, a whole 1-token step's attention fell from 3.3 to 1.6 ms (docs/profile.md).
+        with this, a whole 1-token step's attention fell from 3.3 to 1.6 ms (scripts/profile_step.py).
         Query heads are grouped per key/value head as SDPA's enable_gqa does (head h reads kv
         head h // (heads / kv)). Returns [1, heads * d]."""
         kv, length, d = keys.shape

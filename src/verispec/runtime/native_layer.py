@@ -4,7 +4,7 @@ Owns one thing: deciding whether a fast-path layer (`fastpath._Layer`) can run a
 `decoder_layer`, describing it to C once (a ctypes struct of pointers to its block-form weights
 and norm weights), and calling it for a chunk of tokens. A one-token step otherwise
 runs about 35 small PyTorch operators per layer, which cost about a third of the step
-(docs/profile.md); the C layer computes the same math as `FastDecoder._layer`, with the model's
+(scripts/profile_step.py); the C layer computes the same math as `FastDecoder._layer`, with the model's
 own rotary tables, its norm weights as `FusedNorm` verified them, and its activation recognised
 by value (gelu-tanh or SiLU, checked on a probe against PyTorch's). Contiguous chunks and trees
 of drafts (slots and a visibility mask) both run in C. Anything else -- a linear without an

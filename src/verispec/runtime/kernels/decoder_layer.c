@@ -3,7 +3,7 @@
  * int8 block form (blockmm.c).
  *
  * The same math as fastpath.FastDecoder._layer, written out in C so that a step does not pay
- * ~35 small PyTorch operators per layer (about a third of a one-token step, docs/profile.md):
+ * ~35 small PyTorch operators per layer (about a third of a one-token step, measured with scripts/profile_step.py):
  *
  *   h = norm_in(x); q, k, v = split(h Wqkv^T + b); q, k = norm_q(q), norm_k(k) per head;
  *   q, k = rotary(q, k; cos, sin); cache[start..start+n) (or the given slots) = k, v;
