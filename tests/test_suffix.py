@@ -35,7 +35,7 @@ def needs_arctic():
 
 
 def stores(target: Target) -> list[suffix.SuffixStore]:
-    return [v for k, v in target.attachments.items() if isinstance(k, tuple) and k[0] == suffix.ATTACHMENT]
+    return list(target.attachments.get(suffix.ATTACHMENT, {}).values())
 
 
 # -- without the package ---------------------------------------------------------------------------
@@ -220,3 +220,25 @@ def test_sampled_suffix_is_lossless():
         statistic, pvalue, df = helpers.chi_square_pvalue(Counter(outcomes), exact)
         assert pvalue > ALPHA, f"{options}: chi2={statistic:.1f}, df={df}, p={pvalue:.2e}"
         assert same >= 0.995 * seeds, f"{options}: only {same}/{seeds} seeds reproduce ar"
+
+
+def test_bench_gives_each_method_and_repeat_its_own_suffix_cache(tmp_path):
+    """As for ANPD's memory: in the benchmark a suffix variant never drafts from the warm-up's,
+    another variant's or an earlier repeat's outputs (its first prompt drafts as from an empty
+    cache), while its later prompts draft from its own earlier outputs."""
+    needs_arctic()
+    from test_ngram_memory import _bench, text_target
+
+    from verispec.bench.datasets import Question
+
+    target = text_target()
+    questions = [Question(i, "c", "the cat sat on the mat " * 2) for i in range(3)]
+    methods = ["suffix", "suffix/constant:12"]
+    records = _bench(target, tmp_path, methods, questions, repeats=2)
+    by = {(r["question_id"], r["method"], r["repeat"]): r for r in records}
+    firsts = {by[(0, method, repeat)]["accepted"] for method in methods for repeat in (0, 1)}
+    assert len(firsts) == 1, firsts
+    for method in methods:
+        for repeat in (0, 1):
+            assert by[(2, method, repeat)]["accepted"] > by[(0, method, repeat)]["accepted"], (method, repeat)
+    assert suffix.ATTACHMENT not in target.attachments  # restored as it was

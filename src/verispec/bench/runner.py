@@ -15,8 +15,9 @@ Fair measurement:
   Our methods also report the engine's own prefill and decode times; peers report null there.
 - CPU seconds (`time.process_time`) and energy (`energy.EnergyProbe`) are read around the same
   call; perplexity is scored afterwards, outside the timed region.
-- memory across requests (ANPD's `NgramMemory`, kept in the target's attachments) cannot let a
-  method see a prompt twice, nor see another method's outputs: each (method, repeat) gets a
+- memory across requests (ANPD's `NgramMemory`, SuffixDecoding's caches, kept in the target's
+  attachments) cannot let a method see a prompt twice, nor see another method's outputs: each
+  (method, repeat) gets a
   memory of its own, empty when that repeat's pass over the prompt set starts, filled in prompt
   order (so prompt i drafts only from prompts 0..i-1 of the same method and repeat, and from
   itself); the warm-up gets a throwaway one. A `--resume`d run starts these memories empty at
@@ -41,6 +42,7 @@ from typing import Callable, Sequence
 
 from ..api import stream
 from ..drafters.ngram import MEMORY_ATTACHMENT
+from ..drafters.suffix import ATTACHMENT as SUFFIX_ATTACHMENT
 from ..errors import ConfigError
 from ..methods import MethodOptions, parse_variant
 from ..model import Target
@@ -418,24 +420,30 @@ def _earlier_answers(question: Question, by_key: dict, answers: dict, name: str,
 
 
 class _Memories:
-    """Puts one memory across requests per scope into the target's attachments (see the module
-    docstring), and restores what was there. A target whose memory is switched off keeps it off."""
+    """Puts one memory across requests per scope into the target's attachments (ANPD's n-gram
+    store and SuffixDecoding's caches; see the module docstring), and restores what was there. A
+    target whose n-gram memory is switched off keeps it off."""
+
+    KEYS = (MEMORY_ATTACHMENT, SUFFIX_ATTACHMENT)
 
     def __init__(self, target: Target):
         self.attachments = target.attachments
-        self.had, self.saved = MEMORY_ATTACHMENT in self.attachments, self.attachments.get(MEMORY_ATTACHMENT)
+        self.saved = {key: (key in self.attachments, self.attachments.get(key)) for key in self.KEYS}
         self.scopes: dict[tuple, dict] = {}
 
     def use(self, scope: tuple) -> None:
-        if self.had and self.saved is None:
-            return
-        self.attachments[MEMORY_ATTACHMENT] = self.scopes.setdefault(scope, {})
+        for key in self.KEYS:
+            had, saved = self.saved[key]
+            if key == MEMORY_ATTACHMENT and had and saved is None:
+                continue  # switched off on this target
+            self.attachments[key] = self.scopes.setdefault((key, scope), {})
 
     def restore(self) -> None:
-        if self.had:
-            self.attachments[MEMORY_ATTACHMENT] = self.saved
-        else:
-            self.attachments.pop(MEMORY_ATTACHMENT, None)
+        for key, (had, saved) in self.saved.items():
+            if had:
+                self.attachments[key] = saved
+            else:
+                self.attachments.pop(key, None)
 
 
 def _record(target: Target, question: Question, prompt_ids: list[int], method: str, repeat: int,

@@ -72,7 +72,7 @@ from ..errors import ConfigError
 from .base import EMPTY_DRAFT, Draft, Keep, keep_all, kept_prefix
 
 MISSING = "the suffix method needs arctic-inference: run `make suffix`"
-ATTACHMENT = "suffix-cache"  # Target.attachments key: (ATTACHMENT, SuffixConfig) -> SuffixStore
+ATTACHMENT = "suffix-cache"  # Target.attachments key: {SuffixConfig: SuffixStore}
 MAX_ACTIVE = 256  # active requests per store before the oldest are stopped
 PROBABILITY_BINS = 5
 MATCH_BOUNDS = (1, 2, 4, 8)  # match-length groups: 1, 2, 3-4, 5-8, 9+
@@ -207,10 +207,10 @@ class SuffixStore:
 
 def shared_store(attachments: dict, config: SuffixConfig = SuffixConfig()) -> SuffixStore:
     """The store for `config` in a target's `attachments` (created on first use)."""
-    key = (ATTACHMENT, config)
-    if key not in attachments:
-        attachments[key] = SuffixStore(config)
-    return attachments[key]
+    stores = attachments.setdefault(ATTACHMENT, {})
+    if config not in stores:
+        stores[config] = SuffixStore(config)
+    return stores[config]
 
 
 class SuffixDrafter:
