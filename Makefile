@@ -2,7 +2,7 @@
 # `make demo`: generate on the embedded default model, comparing `ar` with `anpd`.
 # `make test`: the whole test suite (CI runs exactly this).
 # `make test-quick`: the unit tests on tiny models (no real model, no statistical or end-to-end
-# tests), for a fast inner loop.
+# tests), on two worker processes, for a fast inner loop.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -26,7 +26,7 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q
 
 test-quick: $(STAMP)
-	$(BIN)/python -m pytest -q -x -m "not slow and not long"
+	$(BIN)/python -m pytest -q -x -n 2 -m "not slow and not long"
 
 # Optional peer for `verispec bench --peers llamacpp-ar,llamacpp-pld`: llama-cpp-python built from
 # source (19 minutes here on 2 cores, alongside a test run). Not native: a native build crashed with an illegal

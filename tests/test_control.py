@@ -71,6 +71,7 @@ def best_constant(alphas, confident=False):
     return max(simulate(ConstantLength(k), alphas, seed=1, confident=confident)[0] for k in range(0, 13))
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("alpha", [0.3, 0.6, 0.8, 0.9])
 @pytest.mark.parametrize("controller_class", [BetaThompson, CalibratedThompson])
 def test_thompson_is_within_10_percent_of_the_best_constant(alpha, controller_class):
@@ -79,6 +80,7 @@ def test_thompson_is_within_10_percent_of_the_best_constant(alpha, controller_cl
     assert throughput >= 0.9 * best_constant(alphas), (alpha, throughput)
 
 
+@pytest.mark.long
 def test_thompson_readapts_after_the_acceptance_rate_changes():
     alphas = [0.9] * 1500 + [0.3] * 1500
     controller = BetaThompson(12)
@@ -113,6 +115,7 @@ def test_thompson_seldom_drafts_with_a_drafter_below_break_even(monkeypatch, con
     assert throughput >= 0.99 * best_constant(alphas)
 
 
+@pytest.mark.long
 def test_calibrated_thompson_learns_the_calibration_of_the_confidence():
     """With a perfectly calibrated drafter (token accepted with probability = its confidence),
     each bin's posterior mean approaches the bin's centre, and throughput stays within 10% of the

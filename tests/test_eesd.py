@@ -49,6 +49,7 @@ def identity_head(target, vocab=None) -> ExitHead:
     return head
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("arch", ["llama", "gemma3", "qwen2"])
 def test_untrained_head_is_lossless_with_partial_acceptance(arch):
     # init 0.3: sharper, varied outputs, so an untrained head is often wrong
@@ -175,6 +176,7 @@ def write_word_corpus(path, documents: int = 40) -> None:
             sink.write(json.dumps({"text": " ".join(rng.choice(words) for _ in range(30))}) + "\n")
 
 
+@pytest.mark.long
 def test_training_lowers_the_held_out_kl(tmp_path):
     from verispec.train.exit_head import CHECKPOINT, LABELS, TrainConfig, train_exit_head
 

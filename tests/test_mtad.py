@@ -52,6 +52,7 @@ def first_tokens(target, method, options, sampling, seeds):
 
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])
 def test_greedy_sps_with_a_draft_model_equals_ar(arch, tmp_path):
     target = helpers.make_target(arch, seed=1, init=0.3)

@@ -141,6 +141,7 @@ def test_the_store_bound_holds_through_the_engine(monkeypatch):
 # -- through the engine: lossless, used, off -------------------------------------------------
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
 def test_outputs_equal_ar_over_a_run_of_requests(arch):
     target = fresh(arch)

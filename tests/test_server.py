@@ -42,6 +42,8 @@ from verispec.server.worker import RECENT_JOBS, Job, Worker
 from verispec.stats import GenerationStats
 from verispec.text import encode_messages
 
+pytestmark = pytest.mark.long  # end to end; left out by make test-quick
+
 torch.set_num_threads(1)
 
 KEY = "test-key"

@@ -27,6 +27,8 @@ from verispec.methods import MethodOptions, build, get_method, parse_variant
 from verispec.model import Target
 from verispec.sampling import SamplingConfig
 
+pytestmark = pytest.mark.long  # end to end; left out by make test-quick
+
 ALPHA = 1e-4
 
 
