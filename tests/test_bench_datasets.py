@@ -302,15 +302,6 @@ def test_later_turns_re_send_the_conversation():
 # -- multi-turn through the runner ---------------------------------------------------------------
 
 
-def _text_target():
-    import helpers
-    from verispec.model import Target
-
-    tokenizer = helpers.char_tokenizer()
-    config = helpers.make_config("llama", vocab_size=len(tokenizer), init=0.1)
-    return Target(helpers.make_model(config, seed=3), tokenizer, name="tiny-text-llama")
-
-
 def _settings(methods, repeats=1):
     from verispec.bench import runner
 
@@ -321,12 +312,12 @@ def _settings(methods, repeats=1):
     )
 
 
-def test_runner_asks_later_turns_with_the_methods_own_answers(tmp_path):
+def test_runner_asks_later_turns_with_the_methods_own_answers(tmp_path, text_target):
     from verispec.bench import runner
 
     path = write_lines(tmp_path / "q.jsonl", [q(7, "a", ["the cat sat", "then what"]), q(8, "b", ["abc abc", "more"])])
     turns = datasets.read_conversations(path)
-    target = _text_target()
+    target = text_target  # the runner gives each method and repeat a memory of its own, then restores
     out = tmp_path / "run"
     out.mkdir()
     methods = ["ar", "anpd/constant:8"]

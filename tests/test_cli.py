@@ -376,3 +376,20 @@ def test_type_checking_imports_match_the_lazy_exports():
     block = next(node for node in tree.body if isinstance(node, ast.If) and getattr(node.test, "id", "") == "TYPE_CHECKING")
     imported = {alias.name: node.module for node in block.body for alias in node.names}
     assert imported == verispec._EXPORTS
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--widths", "2,x"], "--widths must be comma-separated integers"),
+    (["--widths", "0,4"], "--widths must lie in 1..64"),
+    (["--widths", "100"], "--widths must lie in 1..64"),
+    (["--context", "0"], "--context and --repeats must be >= 1"),
+    (["--numerics", "int4"], "--numerics must be one of int8, fp32"),
+])
+def test_profile_refuses_bad_options_before_loading(stop_at_model_loading, args, message):
+    result = runner.invoke(app, ["profile", *args])
+    assert result.exit_code == 2 and message in " ".join(result.stderr.split()), result.stderr
+
+
+def test_profile_reaches_the_model_with_good_options(stop_at_model_loading):
+    result = runner.invoke(app, ["profile", "--widths", "2,8", "--context", "32", "--numerics", "fp32"])
+    assert isinstance(result.exception, ReachedModelLoading), result.output

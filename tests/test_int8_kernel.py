@@ -145,11 +145,12 @@ def test_int8_product_equals_its_numpy_definition(variant, block, affine, inputs
 
 
 def test_reference_emulation_would_see_a_different_order():
-    """The emulation is strict: summing the lanes in another order changes some bits, so the
-    equality above really checks the kernel's fixed order (not a tolerance in disguise)."""
+    """The emulation is strict: summing the same terms block by block in order (instead of in
+    the kernel's lanes) changes some bits, so the equality above really checks the kernel's fixed
+    order (not a tolerance in disguise)."""
     form = wide_form(64, 640, 32, False, seed=3)
     x = activations(8, 640, seed=3)
-    lanes_reversed = reference_int8(x, form)
+    lane_order = reference_int8(x, form)
     q, xs = quantize_rows(x.numpy(), 32)
     codes, scales = form.codes.numpy().astype(np.int32), form.scales.numpy()
     sums = (q[:, None, :] * codes[None]).reshape(8, 64, 20, 32).sum(-1).astype(F32)  # per block
@@ -157,8 +158,8 @@ def test_reference_emulation_would_see_a_different_order():
     sequential = np.zeros((8, 64), dtype=F32)
     for b in range(20):
         sequential = sequential + blockwise[..., b]
-    assert not torch.equal(torch.from_numpy(sequential), lanes_reversed)
-    assert torch.allclose(torch.from_numpy(sequential), lanes_reversed, rtol=1e-4, atol=1e-4)
+    assert not torch.equal(torch.from_numpy(sequential), lane_order)
+    assert torch.allclose(torch.from_numpy(sequential), lane_order, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("variant", ["portable", "avx2"])

@@ -13,6 +13,8 @@ from verispec.runtime import blockmm, fastpath
 from verispec.runtime.fastpath import BLOCK_KERNEL_MAX_ROWS, FastDecoder, Linear, Tree
 from verispec.runtime.native_layer import NativeLayer, recognise_activation, why_not
 
+KEY_CHUNK = 64  # keys per attention task in kernels/decoder_layer.c
+
 # No skip without a compiler: the project needs `cc` (README), so a missing kernel fails here.
 
 
@@ -183,11 +185,13 @@ def _assert_native_matches_on(target, chunks: list[list[int]], threads: int) -> 
 
 @pytest.mark.parametrize("threads", [1, 3, 5])
 def test_attention_split_over_threads_matches(threads):
-    """One-token steps split each key range over the threads (some parts empty at the first
-    positions); the merged result must not depend on how many parts there were."""
+    """One-token steps cut each key range into chunks of KEY_CHUNK keys at fixed positions, run
+    over the threads as separate tasks, then merged: past two chunk boundaries (and the sliding
+    window), at 1, 3 and 5 threads, the C layers must match the PyTorch layers."""
     target = make_target_for_path("gemma3-blocks", seed=3)
     assert target._fast.native_layers == len(target._fast.layers)
-    tokens = torch.randint(0, target.vocab_size, (2 * SLIDING_WINDOW + 3,), generator=torch.Generator().manual_seed(3))
+    count = max(2 * KEY_CHUNK, 2 * SLIDING_WINDOW) + 3  # keys in three chunks at the last steps
+    tokens = torch.randint(0, target.vocab_size, (count,), generator=torch.Generator().manual_seed(3))
     chunks = [[t] for t in tokens.tolist()]  # a one-token prompt, then one token at a time
     _assert_native_matches_on(target, chunks, threads)
 

@@ -104,7 +104,6 @@ def test_draft_stops_at_the_first_miss():
     assert tables.draft(4) == [3, 1, 2, 3]
 
 
-
 def test_a_separate_tail_keeps_streams_apart():
     tables = NgramTables(max_n=3, min_n=2)
     one, two = tables.new_tail(), tables.new_tail()

@@ -16,8 +16,9 @@ import helpers
 from verispec.bench import runner
 from verispec.bench.datasets import Question
 from verispec.drafters import ngram
-from verispec.drafters.ngram import (MEMORY_ATTACHMENT, AnpdDrafter, NgramConfig, NgramMemory, NgramTables,
-                                     shared_memory, switch_off_memory)
+from verispec.errors import ConfigError
+from verispec.drafters.ngram import (MEMORY_ATTACHMENT, AnpdDrafter, NgramConfig, NgramMemory, shared_memory,
+                                     switch_off_memory)
 from verispec.methods import MethodOptions, build, parse_variant
 from verispec.model import Target
 from verispec.sampling import SamplingConfig
@@ -89,7 +90,7 @@ def test_memory_tokens_have_their_own_confidence_kinds():
     assert own.tokens.tolist() == [6] and own.confidence == (0.5,)
 
 
-def test_shared_memory_is_per_config_bounded_and_can_be_switched_off(monkeypatch):
+def test_shared_memory_is_per_config_bounded_and_can_be_switched_off():
     attachments: dict = {}
     first = shared_memory(attachments, CONFIG)
     assert shared_memory(attachments, CONFIG) is first
@@ -101,14 +102,13 @@ def test_shared_memory_is_per_config_bounded_and_can_be_switched_off(monkeypatch
     assert shared_memory(attachments, CONFIG) is None
     assert AnpdDrafter.for_target(attachments, CONFIG).memory is None
     assert AnpdDrafter.for_target({}, CONFIG, memory=False).memory is None
-    with pytest.raises(Exception, match="config"):
+    with pytest.raises(ConfigError, match="config"):
         AnpdDrafter(NgramConfig(max_n=3), NgramMemory(CONFIG))
 
 
 def test_the_store_never_exceeds_its_bound_over_many_requests(monkeypatch):
     """Fill the store with far more n-grams than it may hold, request by request (a bound of
     2^10 keys per level instead of the default, to keep the test fast; the same code path)."""
-    assert NgramMemory(CONFIG).tables.max_keys == ngram.MEMORY_MAX_KEYS  # the default bound
     monkeypatch.setattr(ngram, "MEMORY_MAX_KEYS", 1 << 10)
     attachments: dict = {}
     rng = random.Random(0)
@@ -118,15 +118,11 @@ def test_the_store_never_exceeds_its_bound_over_many_requests(monkeypatch):
         for _ in range(10):
             drafter.propose([], 4)
             drafter.commit([rng.randrange(50_000) for _ in range(5)], 4)
-        levels = memory_of_attachments(attachments)._levels
+        levels = attachments[MEMORY_ATTACHMENT][CONFIG].tables._levels
         assert all(len(level) <= 1 << 10 for level in levels.values()), request
     # 30 x 150 random tokens: every level filled to the bound and evicting.
     assert all(len(level) == 1 << 10 for level in levels.values())
     assert len(shared_memory(attachments, CONFIG)) == len(levels) << 10
-
-
-def memory_of_attachments(attachments: dict) -> NgramTables:
-    return attachments[MEMORY_ATTACHMENT][CONFIG].tables
 
 
 def test_the_store_bound_holds_through_the_engine(monkeypatch):

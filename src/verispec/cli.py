@@ -568,6 +568,8 @@ def profile(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
     """Time a 1-token step and verify forwards of several widths on this machine: can drafting pay here?"""
+    import torch
+
     from .bench.profile import format_profile, profile_target
     from .bench.report import kernel_info, machine_info
 
@@ -601,7 +603,7 @@ def profile(
         _fail(str(error))
         return
     result.update(model=target.name, dtype=str(target.dtype).replace("torch.", ""), kernel=kernel_info(),
-                  threads=__import__("torch").get_num_threads(), machine=machine_info())
+                  threads=torch.get_num_threads(), machine=machine_info())
     if as_json:
         print(json.dumps(result))
         return

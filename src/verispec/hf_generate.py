@@ -130,6 +130,7 @@ def transformers_generate(
     """`model.generate(..., custom_generate=verispec.transformers_generate, method=...)`: decode
     one sequence with a verispec method; see the module docstring for what is honoured and what
     is refused. Called by transformers' `generate()`, not directly."""
+    arguments = locals()  # the MethodOptions keywords are read from here by field name
     if generation_config is None:
         raise ConfigError("transformers_generate is called by model.generate(..., custom_generate=...), not directly")
     if streamer is not None:
@@ -144,9 +145,7 @@ def transformers_generate(
     _check_single_row(input_ids, model_kwargs)
     max_length, stop_ids = _stops(stopping_criteria or [], generation_config)
     sampling = _sampling(generation_config, logits_processor or [], seed)
-    given = dict(draft_length=draft_length, controller=controller, ngram_max_n=ngram_max_n,
-                 pld_max_ngram=pld_max_ngram, exit_head=exit_head, draft_model=draft_model, beams=beams,
-                 tau=tau, head_int8=head_int8, ngram_memory=ngram_memory)
+    given = {field.name: arguments[field.name] for field in fields(MethodOptions)}
     options = MethodOptions(**{key: value for key, value in given.items() if value is not None})
     prompt = input_ids[0].tolist()
     config = DecodeConfig(max_length - len(prompt), sampling, stop_ids)
@@ -273,7 +272,7 @@ def _stops(criteria, generation_config) -> tuple[int, frozenset[int]]:
         if isinstance(criterion, MaxLengthCriteria):
             max_length = min(max_length, criterion.max_length) if max_length else criterion.max_length
         elif isinstance(criterion, EosTokenCriteria):
-            stop_ids.update(int(token) for token in torch.as_tensor(criterion.eos_token_id).reshape(-1).tolist())
+            stop_ids.update(torch.as_tensor(criterion.eos_token_id).reshape(-1).tolist())
         else:
             name = type(criterion).__name__
             option = _CRITERIA_OPTIONS.get(name)

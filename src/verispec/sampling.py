@@ -40,15 +40,15 @@ class SamplingConfig:
     seed: int | None = None
 
     def __post_init__(self) -> None:
-        if not _is_number(self.temperature) or not math.isfinite(self.temperature):
+        if not is_number(self.temperature) or not math.isfinite(self.temperature):
             raise ConfigError(f"temperature must be a finite number, got {self.temperature!r}")
         if self.temperature < 0:
             raise ConfigError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
-        if not _is_integer(self.top_k) or self.top_k < 0:
+        if not is_integer(self.top_k) or self.top_k < 0:
             raise ConfigError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
-        if not _is_number(self.top_p) or not (0.0 < self.top_p <= 1.0):
+        if not is_number(self.top_p) or not (0.0 < self.top_p <= 1.0):
             raise ConfigError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if self.seed is not None and (not _is_integer(self.seed) or not 0 <= self.seed <= MAX_SEED):
+        if self.seed is not None and (not is_integer(self.seed) or not 0 <= self.seed <= MAX_SEED):
             raise ConfigError(f"seed must be an integer from 0 to 2**64 - 1, got {self.seed!r}")
 
     @property
@@ -73,11 +73,13 @@ MAX_SEED = 2**64 - 1  # torch generators take 64-bit seeds
 DRAFT_STREAM = 1  # SamplingConfig.generator(DRAFT_STREAM): the drafters' randomness
 
 
-def _is_number(value) -> bool:
+def is_number(value) -> bool:
+    """An int or a float, not a bool (which Python counts as an int)."""
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def _is_integer(value) -> bool:
+def is_integer(value) -> bool:
+    """An int, not a bool."""
     return isinstance(value, int) and not isinstance(value, bool)
 
 

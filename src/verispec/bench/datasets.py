@@ -74,7 +74,7 @@ def read_questions(path: str | Path) -> list[Question]:
     Raises DatasetError naming the file and 1-based line number for bad JSON, a missing or
     ill-typed field, empty turns, or a repeated question_id.
     """
-    return [question for question, _ in _read(path)]
+    return [question for question, _, _ in _read(path)]
 
 
 def read_conversations(path: str | Path) -> list[Question]:
@@ -84,24 +84,23 @@ def read_conversations(path: str | Path) -> list[Question]:
     non-empty string, or a file without any multi-turn question."""
     path = Path(path)
     chosen: list[Question] = []
-    for first, (turns, where) in _read(path):
+    for first, turns, where in _read(path):
         if len(turns) < 2:
             continue
+        qid = first.question_id
+        chosen.append(Question(f"{qid}-1", first.category, first.prompt))
         for number, turn in enumerate(turns[1:], 2):
             if not isinstance(turn, str) or not turn.strip():
                 raise DatasetError(f"{where}: turn {number} must be a non-empty string")
-        qid = first.question_id
-        chosen.append(Question(f"{qid}-1", first.category, first.prompt))
-        for number in range(2, len(turns) + 1):
-            chosen.append(Question(f"{qid}-{number}", first.category, turns[number - 1],
+            chosen.append(Question(f"{qid}-{number}", first.category, turn,
                                    tuple(turns[: number - 1]), f"{qid}-{number - 1}"))
     if not chosen:
         raise DatasetError(f"{path}: no question with two turns or more")
     return chosen
 
 
-def _read(path: str | Path) -> list[tuple[Question, tuple[list, str]]]:
-    """(question from the first turn, (all turns, where)) for each line."""
+def _read(path: str | Path) -> list[tuple[Question, list, str]]:
+    """(question from the first turn, all turns, where) for each line."""
     path = Path(path)
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
@@ -109,7 +108,7 @@ def _read(path: str | Path) -> list[tuple[Question, tuple[list, str]]]:
         raise DatasetError(f"question file not found: {path}") from None
     except (OSError, UnicodeDecodeError) as error:
         raise DatasetError(f"cannot read question file {path}: {error}") from None
-    questions: list[tuple[Question, tuple[list, str]]] = []
+    questions: list[tuple[Question, list, str]] = []
     seen: dict[str, int] = {}
     for number, line in enumerate(lines, 1):
         if not line.strip():
@@ -123,7 +122,7 @@ def _read(path: str | Path) -> list[tuple[Question, tuple[list, str]]]:
         if question.key in seen:
             raise DatasetError(f"{where}: question_id {question.question_id!r} repeats line {seen[question.key]}")
         seen[question.key] = number
-        questions.append((question, (item["turns"], where)))
+        questions.append((question, item["turns"], where))
     if not questions:
         raise DatasetError(f"{path}: no questions in the file")
     return questions

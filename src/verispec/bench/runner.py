@@ -349,8 +349,10 @@ def run_bench(
     for question, ids in zip(questions, prompts):
         if ids is None:
             ids = encode_turn(target.tokenizer, question, [""] * len(question.earlier))
-            ids = ids + [0] * ((settings.max_new_tokens + 8) * len(question.earlier))
-        _check_context(target, question, ids, settings.max_new_tokens)
+            length = len(ids) + (settings.max_new_tokens + 8) * len(question.earlier)
+        else:
+            length = len(ids)
+        _check_context(target, question, length, settings.max_new_tokens)
     if not todo:
         log(f"all {len(plan.steps)} runs are already recorded in {records_path}")
         return existing
@@ -383,7 +385,7 @@ def run_bench(
                     ids = prompts[index]
                     if ids is None:
                         ids = encode_turn(target.tokenizer, question, _earlier_answers(question, by_key, answers, name, repeat))
-                        _check_context(target, question, ids, settings.max_new_tokens)
+                        _check_context(target, question, len(ids), settings.max_new_tokens)
                     bar.set_postfix_str(f"{question.category}/{question.question_id} {name}")
                     memories.use((name, repeat))
                     result = timed(runners[name], ids, settings.max_new_tokens, probe)
@@ -399,10 +401,10 @@ def run_bench(
     return existing + new_records
 
 
-def _check_context(target: Target, question: Question, ids: Sequence[int], max_new_tokens: int) -> None:
-    if len(ids) + max_new_tokens > target.max_length:
+def _check_context(target: Target, question: Question, prompt_tokens: int, max_new_tokens: int) -> None:
+    if prompt_tokens + max_new_tokens > target.max_length:
         raise ConfigError(
-            f"question {question.question_id}: prompt ({len(ids)} tokens) + --max-new-tokens "
+            f"question {question.question_id}: prompt ({prompt_tokens} tokens) + --max-new-tokens "
             f"({max_new_tokens}) exceeds the model's context of {target.max_length} tokens"
         )
 

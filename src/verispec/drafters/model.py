@@ -103,6 +103,8 @@ class AuxLM:
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.model._head(hidden)  # [n, V_draft]
+        if logits.shape[1] == self.vocab_size == self._real:
+            return logits  # the same vocabulary, no padding rows: nothing to cut or mask
         full = logits.new_full((logits.shape[0], self.vocab_size), float("-inf"))  # [n, V]
         full[:, : self._real] = logits[:, : self._real]
         return full

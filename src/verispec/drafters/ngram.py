@@ -92,11 +92,12 @@ class NgramTables:
         index several streams, e.g. the requests of an `NgramMemory`; default: the tables' own."""
         stream_tail = self._tail if tail is None else tail
         for token in tokens:
+            token = int(token)
             before = tuple(stream_tail)
             for n, level in self._levels.items():
                 if len(before) >= n - 1:
-                    self._observe(level, before[len(before) - (n - 1) :], int(token))
-            stream_tail.append(int(token))
+                    self._observe(level, before[len(before) - (n - 1) :], token)
+            stream_tail.append(token)
 
     def _observe(self, level: OrderedDict, key: tuple[int, ...], token: int) -> None:
         entry = level.get(key)
@@ -123,13 +124,14 @@ class NgramTables:
         match = self.match(tail)
         return None if match is None else match.token
 
-    def match(self, tail: Sequence[int]) -> "Match | None":
-        """Like `lookup`, also saying which level matched and how often the winner was seen."""
+    def match(self, tail: Sequence[int], remembered: bool = False) -> "Match | None":
+        """Like `lookup`, also saying which level matched and how often the winner was seen
+        (`remembered` is passed through to the match)."""
         for n, level in self._levels.items():
             if len(tail) >= n - 1:
                 entry = level.get(tuple(tail[len(tail) - (n - 1) :]))
                 if entry is not None:
-                    return Match(entry.best, n, entry.best_count)
+                    return Match(entry.best, n, entry.best_count, remembered)
         return None
 
     def draft(self, k: int) -> list[int]:
@@ -144,8 +146,7 @@ class NgramTables:
         while len(drafted) < k:
             match = self.match(tail)
             if match is None and fallback is not None:
-                found = fallback.match(tail)
-                match = None if found is None else Match(found.token, found.n, found.count, remembered=True)
+                match = fallback.match(tail, remembered=True)
             if match is None:
                 break
             drafted.append(match)
@@ -251,8 +252,8 @@ class AnpdDrafter:
         self.memory = memory
         self.tables = self._new_tables()
         self._memory_tail: deque[int] | None = None
-        self._outcomes: dict[tuple, list[int]] = {}  # kind -> [accepted, rejected]
-        self._last_kinds: list[tuple] = []
+        self._outcomes: dict[tuple[int, int, bool], list[int]] = {}  # kind -> [accepted, rejected]
+        self._last_kinds: list[tuple[int, int, bool]] = []
 
     @classmethod
     def for_target(cls, attachments: dict, config: NgramConfig, memory: bool = True) -> "AnpdDrafter":
@@ -275,13 +276,13 @@ class AnpdDrafter:
     def propose(self, context: Sequence[int], k: int, keep: Keep = keep_all) -> Draft:
         fallback = None if self.memory is None else self.memory.tables
         matches = self.tables.draft_matches(k, fallback)
-        kinds = [("memory", m.n, min(m.count, 3)) if m.remembered else (m.n, min(m.count, 3)) for m in matches]
+        kinds = [(m.n, min(m.count, 3), m.remembered) for m in matches]
         confidence = tuple(self._confidence(kind) for kind in kinds)
         n = kept_prefix(confidence, keep)
         self._last_kinds = kinds[:n]
         return Draft(torch.tensor([m.token for m in matches[:n]], dtype=torch.long), confidence=confidence[:n])
 
-    def _confidence(self, kind: tuple[int, int]) -> float:
+    def _confidence(self, kind: tuple[int, int, bool]) -> float:
         accepted, rejected = self._outcomes.get(kind, (0, 0))
         return (1 + accepted) / (2 + accepted + rejected)
 

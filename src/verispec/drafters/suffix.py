@@ -69,6 +69,7 @@ from typing import Sequence
 import torch
 
 from ..errors import ConfigError
+from ..sampling import is_integer, is_number
 from .base import EMPTY_DRAFT, Draft, Keep, keep_all, kept_prefix
 
 MISSING = "the suffix method needs arctic-inference: run `make suffix`"
@@ -99,18 +100,13 @@ class SuffixConfig:
     tree: bool = False  # ask the library for a tree and keep its best path (see the docstring)
 
     def __post_init__(self) -> None:
-        def integer(value) -> bool:
-            return isinstance(value, int) and not isinstance(value, bool)
-
-        if not integer(self.max_tree_depth) or self.max_tree_depth < 1:
+        if not is_integer(self.max_tree_depth) or self.max_tree_depth < 1:
             raise ConfigError(f"max_tree_depth must be an integer >= 1, got {self.max_tree_depth!r}")
-        if not integer(self.max_cached_requests) or not -1 <= self.max_cached_requests <= 0x7FFFFFFF:
+        if not is_integer(self.max_cached_requests) or not -1 <= self.max_cached_requests <= 0x7FFFFFFF:
             raise ConfigError(f"max_cached_requests must be an integer in -1..2^31-1, got {self.max_cached_requests!r}")
-        if isinstance(self.max_spec_factor, bool) or not isinstance(self.max_spec_factor, (int, float)) \
-                or not self.max_spec_factor > 0:
+        if not is_number(self.max_spec_factor) or not self.max_spec_factor > 0:
             raise ConfigError(f"max_spec_factor must be > 0, got {self.max_spec_factor!r}")
-        if isinstance(self.min_token_prob, bool) or not isinstance(self.min_token_prob, (int, float)) \
-                or not 0 <= self.min_token_prob <= 1:
+        if not is_number(self.min_token_prob) or not 0 <= self.min_token_prob <= 1:
             raise ConfigError(f"min_token_prob must be in [0, 1], got {self.min_token_prob!r}")
         if not isinstance(self.tree, bool):
             raise ConfigError(f"tree must be true or false, got {self.tree!r}")
@@ -193,8 +189,9 @@ class SuffixStore:
     def active(self, request: int | None) -> bool:
         return request is not None and request in self.cache.active_requests
 
-    def confidence(self, probability: float, match_len: int) -> float:
-        accepted, rejected = self._outcomes.get(_kind(probability, match_len), (0, 0))
+    def confidence(self, kind: tuple[int, int], probability: float) -> float:
+        """The posterior mean of acceptance for a token of this kind and tree probability."""
+        accepted, rejected = self._outcomes.get(kind, (0, 0))
         return (accepted + PRIOR_WEIGHT * probability) / (accepted + rejected + PRIOR_WEIGHT)
 
     def learn(self, kinds: Sequence[tuple[int, int]], n_accepted: int) -> None:
@@ -248,9 +245,10 @@ class SuffixDrafter:
         if not path:
             return EMPTY_DRAFT
         conditional = conditional_probs(path, tree.parents, tree.probs)
-        confidence = tuple(self.store.confidence(p, tree.match_len) for p in conditional)
+        kinds = [_kind(p, tree.match_len) for p in conditional]
+        confidence = tuple(self.store.confidence(kind, p) for kind, p in zip(kinds, conditional))
         n = kept_prefix(confidence, keep)
-        self._kinds = [_kind(p, tree.match_len) for p in conditional[:n]]
+        self._kinds = kinds[:n]
         return Draft(torch.tensor([tree.token_ids[i] for i in path[:n]], dtype=torch.long),
                      confidence=confidence[:n])
 

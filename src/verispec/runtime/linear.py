@@ -106,5 +106,5 @@ class BlockLinear:
         if x.shape[0] > self.max_rows:
             return self.dense(x)
         b = self.blocks
-        y = self.kernel.matmul(x, b.codes, b.scales, b.offsets, b.block, self.numerics)  # [n, out]
-        return y if self.dense.bias is None else y + self.dense.bias
+        y = self.kernel.matmul(x, b.codes, b.scales, b.offsets, b.block, self.numerics)  # [n, out], ours
+        return y if self.dense.bias is None else y.add_(self.dense.bias)  # in place: same bits, no new tensor
