@@ -7,6 +7,8 @@ holds per-request state only in its KV cache, which `decode` resets, so sharing 
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -14,6 +16,10 @@ import helpers
 from verispec.model import Target
 
 torch.set_num_threads(1)
+# The suite tests the CPU semantics wherever it runs: a GPU stays hidden (device "auto" means the
+# CPU, here and in subprocesses) unless VERISPEC_TEST_DEVICE=cuda asks for the device tests on it.
+if os.environ.get("VERISPEC_TEST_DEVICE", "cpu") != "cuda":
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
 
 @pytest.fixture(scope="session")

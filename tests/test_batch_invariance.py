@@ -126,9 +126,8 @@ def _tree(context: int, beams: int, depth: int):
 
 
 def test_a_tree_of_drafts_does_not_depend_on_threads(arch):
-    """Trees (beams side by side in scratch slots): the same bits at 1, 2 and 3 threads. (A beam's
-    rows are not bit-identical to the same tokens run contiguously: their slots differ from their
-    positions, so their keys fall into other chunks.)"""
+    """Trees (beams side by side in scratch slots): the same bits at 1, 2 and 3 threads (and the
+    bits of the same tokens run contiguously: tests/test_tree_drafts.py)."""
     target = int8_target(arch, seed=5)
     fast = target._fast
     context = 90

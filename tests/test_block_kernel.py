@@ -103,7 +103,7 @@ def test_kernel_equals_float64_reference(kernel, rows, block, affine, inputs, th
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        y = kernel.matmul(x, form.codes, form.scales, form.offsets, form.block)
+        y = kernel.matmul(x, form)
     finally:
         torch.set_num_threads(previous)
     reference = x.double() @ form.dequantize().double().T
@@ -120,7 +120,7 @@ def test_portable_build_equals_float64_reference(block, affine, inputs):
     torch.manual_seed(inputs + block)
     form = helpers.block_quantize(torch.randn(67, inputs), block, affine)
     x = torch.randn(5, inputs)
-    y = portable.matmul(x, form.codes, form.scales, form.offsets, form.block)
+    y = portable.matmul(x, form)
     reference = x.double() @ form.dequantize().double().T
     assert float((y.double() - reference).abs().max()) <= 1e-5 * float(reference.abs().max())
 
@@ -133,8 +133,8 @@ def test_up_to_three_rows_equal_one_row_calls_bit_for_bit(kernel, rows, block, a
     torch.manual_seed(rows + block)
     form = helpers.block_quantize(torch.randn(67, 320), block, affine)
     x = torch.randn(rows, 320)
-    together = kernel.matmul(x, form.codes, form.scales, form.offsets, form.block)
-    alone = torch.cat([kernel.matmul(x[i : i + 1], form.codes, form.scales, form.offsets, form.block)
+    together = kernel.matmul(x, form)
+    alone = torch.cat([kernel.matmul(x[i : i + 1], form)
                        for i in range(rows)])
     tail = range(rows - rows % 8, rows)  # the rows outside groups of 8
     assert torch.equal(together[tail], alone[tail])
@@ -144,13 +144,13 @@ def test_kernel_accepts_non_contiguous_input(kernel):
     form = helpers.block_quantize(torch.randn(9, 64), 32, affine=False)
     x = torch.randn(64, 3).T  # [3, 64], not contiguous
     expected = x.contiguous() @ form.dequantize().T
-    torch.testing.assert_close(kernel.matmul(x, form.codes, form.scales, None, 32), expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(kernel.matmul(x, form), expected, rtol=1e-5, atol=1e-5)
 
 
 def test_kernel_refuses_unsupported_blocks(kernel):
-    form = helpers.block_quantize(torch.randn(4, 64), 32, affine=False)
+    form = helpers.block_quantize(torch.randn(4, 64), 8, affine=False)  # blocks of 8: fp32 takes multiples of 16
     with pytest.raises(RuntimeError, match="refused"):
-        kernel.matmul(torch.randn(1, 64), form.codes, form.scales, None, 8)
+        kernel.matmul(torch.randn(1, 64), form)
 
 
 @pytest.mark.parametrize("arch", helpers.FAST_ARCHITECTURES)

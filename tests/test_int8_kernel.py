@@ -20,13 +20,6 @@ from verispec.runtime import blockmm
 from verispec.runtime.gguf_blocks import BlockWeights
 
 F32 = np.float32
-LANE_GROUPS = (0, 1, 4, 5, 2, 3, 6, 7)  # lane j of a step of 64 inputs sums the 8 inputs of group LANE_GROUPS[j]
-
-
-def tree8(lanes: np.ndarray) -> np.ndarray:
-    """((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7)) over the last axis, in float32."""
-    l = [lanes[..., j] for j in range(8)]
-    return ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]))
 
 
 def quantize_rows(x: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray]:
@@ -41,36 +34,36 @@ def quantize_rows(x: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray]:
     return codes.reshape(m, k), scales
 
 
-def reference_int8(x: torch.Tensor, form: BlockWeights) -> torch.Tensor:
-    """The kernel's definition (blockmm_int8.c's header) emulated in numpy: [M, N] float32."""
+def block_terms(x: torch.Tensor, form: BlockWeights) -> tuple[np.ndarray, np.ndarray | None]:
+    """The kernel's per-block terms in float32: (float)(integer sum) * (xs * scale) [M, N, nb],
+    and offset * xo [M, N, nb] (None without offsets)."""
     x = x.numpy().astype(F32)
     codes, scales = form.codes.numpy().astype(np.int32), form.scales.numpy()
     block, (m, k), n = form.block, x.shape, codes.shape[0]
     nb = k // block
     q, xs = quantize_rows(x, block)
-    groups = (q[:, None, :] * codes[None, :, :]).reshape(m, n, k // 8, 8).sum(-1)  # exact int sums [M, N, K/8]
-    group_block = np.arange(k // 8) * 8 // block  # [K/8]
-    scale = (xs[:, None, group_block] * scales[None, :, group_block]).astype(F32)  # [M, N, K/8]
-    terms = (groups.astype(F32) * scale).astype(F32)
-    acc = np.zeros((m, n, 8), dtype=F32)
-    for step in range(0, k // 8, 8):  # 64 inputs; lane j takes the 8 inputs at 32 * ((j >> 1) & 1) + 16 * (j >> 2) + 8 * (j & 1)
-        for lane, group in enumerate(LANE_GROUPS):
-            if step + group < k // 8:
-                acc[..., lane] = acc[..., lane] + terms[..., step + group]
-    total = tree8(acc)
-    if form.offsets is not None:
-        offsets = form.offsets.numpy()
-        xo = (xs * q.reshape(m, nb, block).sum(-1).astype(F32)).astype(F32)  # [M, nb]
-        products = (offsets[None, :, :] * xo[:, None, :]).astype(F32)  # [M, N, nb]
-        t = np.zeros((m, n, 8), dtype=F32)
-        whole = nb // 8 * 8
-        for b in range(0, whole, 8):
-            t = t + products[..., b : b + 8]
-        shift = tree8(t)
-        for b in range(whole, nb):
+    sums = (q[:, None, :] * codes[None, :, :]).reshape(m, n, nb, block).sum(-1)  # exact [M, N, nb]
+    scale = (xs[:, None, :] * scales[None, :, :]).astype(F32)
+    terms = (sums.astype(F32) * scale).astype(F32)
+    if form.offsets is None:
+        return terms, None
+    xo = (xs * q.reshape(m, nb, block).sum(-1).astype(F32)).astype(F32)  # [M, nb]
+    return terms, (form.offsets.numpy()[None, :, :] * xo[:, None, :]).astype(F32)
+
+
+def reference_int8(x: torch.Tensor, form: BlockWeights) -> torch.Tensor:
+    """The kernel's definition (blockmm_int8.c's header) emulated in numpy: [M, N] float32,
+    the block terms summed one by one in block order (and the offsets' products likewise)."""
+    terms, products = block_terms(x, form)
+    acc = np.zeros(terms.shape[:2], dtype=F32)
+    for b in range(terms.shape[2]):
+        acc = acc + terms[..., b]
+    if products is not None:
+        shift = np.zeros_like(acc)
+        for b in range(products.shape[2]):
             shift = shift + products[..., b]
-        total = total - shift
-    return torch.from_numpy(np.ascontiguousarray(total.astype(F32)))
+        acc = acc - shift
+    return torch.from_numpy(np.ascontiguousarray(acc.astype(F32)))
 
 
 def variants_here() -> list[str]:
@@ -103,7 +96,7 @@ def run(kernel, x, form, threads: int = 1) -> torch.Tensor:
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        return kernel.matmul(x, form.codes, form.scales, form.offsets, form.block, "int8")
+        return kernel.matmul(x, form, "int8")
     finally:
         torch.set_num_threads(previous)
 
@@ -145,21 +138,19 @@ def test_int8_product_equals_its_numpy_definition(variant, block, affine, inputs
 
 
 def test_reference_emulation_would_see_a_different_order():
-    """The emulation is strict: summing the same terms block by block in order (instead of in
-    the kernel's lanes) changes some bits, so the equality above really checks the kernel's fixed
-    order (not a tolerance in disguise)."""
+    """The emulation is strict: summing the same block terms in another order (pairwise, as a
+    vectorised reduction would) changes some bits, so the equality above really checks the
+    kernel's fixed order (not a tolerance in disguise)."""
     form = wide_form(64, 640, 32, False, seed=3)
     x = activations(8, 640, seed=3)
-    lane_order = reference_int8(x, form)
-    q, xs = quantize_rows(x.numpy(), 32)
-    codes, scales = form.codes.numpy().astype(np.int32), form.scales.numpy()
-    sums = (q[:, None, :] * codes[None]).reshape(8, 64, 20, 32).sum(-1).astype(F32)  # per block
-    blockwise = (sums * (xs[:, None, :] * scales[None]).astype(F32)).astype(F32)
-    sequential = np.zeros((8, 64), dtype=F32)
-    for b in range(20):
-        sequential = sequential + blockwise[..., b]
-    assert not torch.equal(torch.from_numpy(sequential), lane_order)
-    assert torch.allclose(torch.from_numpy(sequential), lane_order, rtol=1e-4, atol=1e-4)
+    in_order = reference_int8(x, form)
+    terms, _ = block_terms(x, form)
+    pairwise = terms[..., 0::2] + terms[..., 1::2]  # [M, N, 10]
+    other = np.zeros(terms.shape[:2], dtype=F32)
+    for b in range(pairwise.shape[2]):
+        other = other + pairwise[..., b]
+    assert not torch.equal(torch.from_numpy(other), in_order)
+    assert torch.allclose(torch.from_numpy(other), in_order, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("variant", ["portable", "avx2"])
@@ -186,9 +177,8 @@ def test_fp32_numerics_are_not_batch_invariant_but_int8_are():
     kernel = kernel_of(variants_here()[0])
     form = wide_form(256, 640, 32, False, seed=11)
     x = torch.randn(8, 640, generator=torch.Generator().manual_seed(11))
-    one = lambda numerics: torch.cat([kernel.matmul(x[i : i + 1], form.codes, form.scales, None, 32, numerics)  # noqa: E731
-                                      for i in range(8)])
-    together = lambda numerics: kernel.matmul(x, form.codes, form.scales, None, 32, numerics)  # noqa: E731
+    one = lambda numerics: torch.cat([kernel.matmul(x[i : i + 1], form, numerics) for i in range(8)])  # noqa: E731
+    together = lambda numerics: kernel.matmul(x, form, numerics)  # noqa: E731
     if kernel.isa != "portable":
         assert not torch.equal(together("fp32"), one("fp32"))
     assert torch.equal(together("int8"), one("int8"))

@@ -167,7 +167,8 @@ def test_bad_arguments_are_refused_not_computed():
     with pytest.raises(RuntimeError, match="refused"):
         layer(x, 3, cos, sin, cache.keys[0], cache.values[0])  # positions 3, 4 past a capacity of 4
     with pytest.raises(RuntimeError, match="refused"):  # a slot past the capacity
-        layer(x, 0, cos, sin, cache.keys[0], cache.values[0], torch.tensor([0, 4]), torch.ones(2, 2, dtype=torch.bool))
+        layer(x, 0, cos, sin, cache.keys[0], cache.values[0], torch.tensor([0, 4]), torch.ones(2, 2, dtype=torch.bool),
+              torch.arange(2))
 
 
 def _assert_native_matches_on(target, chunks: list[list[int]], threads: int) -> None:
@@ -214,10 +215,11 @@ def test_wide_heads_and_large_groups_match(threads):
     _assert_native_matches_on(target, chunks, threads)
 
 
-def _one_call_per_layer(layers, x, start, rope, keys, values, slots=None, visible=None):
+def _one_call_per_layer(layers, x, start, rope, keys, values, slots=None, visible=None, slot_positions=None):
     """What `run_layers` replaces: each C layer called from Python in turn."""
     for i, layer in enumerate(layers):
-        x = layer(x, start, *rope[i], keys[i], values[i], slots, None if visible is None else visible[i])
+        x = layer(x, start, *rope[i], keys[i], values[i], slots, None if visible is None else visible[i],
+                  slot_positions)
     return x
 
 

@@ -10,6 +10,9 @@ the next token, taken from the target at position n+1. Rules never touch models 
 - `sampled_match`: deterministic drafts (q = None) under sampling; at each position draw x ~ p_i
   and accept while x == d_i. This is speculative sampling with a one-hot q, and it draws exactly
   one sample per committed token, in order, as autoregressive sampling does. Lossless.
+- `tree_match`: a tree of deterministic drafts (several continuations verified in one forward);
+  from the root, take the target's token at each node (argmax, or one draw x ~ p) and move to
+  the child carrying it while there is one. The same one pick per committed token. Lossless.
 - `speculative_sample`: model drafts with q (Leviathan et al. 2023; Chen et al. 2023): accept d_i
   with probability min(1, p_i(d_i) / q_i(d_i)); on rejection sample from norm(max(p_i - q_i, 0)).
   Lossless in distribution.
@@ -30,10 +33,13 @@ from .sampling import SamplingConfig, probabilities, sample
 
 @dataclass(frozen=True)
 class Verdict:
-    """Outcome of one verification: `n_accepted` drafts kept, then `next_token` from the target."""
+    """Outcome of one verification: `n_accepted` drafts kept, then `next_token` from the target.
+    `path`: for a tree of drafts, the accepted tokens' indices in the draft, root side first (None
+    for a linear draft, whose first `n_accepted` tokens are kept)."""
 
     n_accepted: int
     next_token: int
+    path: tuple[int, ...] | None = None
 
 
 def _check_step(draft: torch.Tensor, target: torch.Tensor) -> int:
@@ -58,8 +64,9 @@ def greedy_match(draft: torch.Tensor, logits: torch.Tensor) -> Verdict:
     rows after the first mismatch are not looked at."""
     k = _check_step(draft, logits)
     drafted = draft.tolist()
+    on_device = logits.argmax(-1).tolist() if logits.device.type != "cpu" else None  # a GPU's: one transfer
     for i in range(k + 1):
-        choice = argmax(logits[i])
+        choice = argmax(logits[i]) if on_device is None else on_device[i]
         if i == k or choice != drafted[i]:
             return Verdict(i, choice)
     raise AssertionError("unreachable")
@@ -74,6 +81,30 @@ def sampled_match(draft: torch.Tensor, probs: torch.Tensor, generator: torch.Gen
         if i == k or token != draft_ids[i]:
             return Verdict(i, token)
     raise AssertionError("unreachable")
+
+
+def tree_match(draft: torch.Tensor, parents: torch.Tensor, target: torch.Tensor, pick) -> Verdict:
+    """A tree of deterministic drafts. draft: [k] ids; parents: [k] (-1: a child of the root,
+    the last committed token); target: [k+1, vocab] logits or probabilities, row 0 after the
+    committed tokens, row 1 + i after draft token i's path. From the root, `pick(row)` takes the
+    target's token at the current node (the argmax when greedy, one draw from p when sampling);
+    if a child of the node carries it, the walk moves there, else it stops: the path walked is
+    accepted and the picked token follows it. One pick per committed token, in order, as
+    autoregressive decoding makes them, so the committed tokens follow the target's distribution
+    exactly (with a seed: `ar`'s own sample); `greedy_match` and `sampled_match` are the chain
+    case. Rows off the path are never looked at."""
+    assert parents.shape == draft.shape and target.shape[0] == draft.shape[0] + 1, "one row per token and the root"
+    children: dict[int, dict[int, int]] = {}  # node -> {token: child}
+    for i, (parent, token) in enumerate(zip(parents.tolist(), draft.tolist())):
+        children.setdefault(parent, {}).setdefault(token, i)
+    node, path = -1, []
+    while True:
+        choice = pick(target[node + 1])
+        child = children.get(node, {}).get(choice)
+        if child is None:
+            return Verdict(len(path), choice, tuple(path))
+        path.append(child)
+        node = child
 
 
 def acceptance_mass(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
@@ -99,10 +130,10 @@ def speculative_sample(
     k = _check_step(draft, p)
     assert q.shape == (k, p.shape[1]), f"q must be [{k}, {p.shape[1]}], got {tuple(q.shape)}"
     if k:
-        rows = torch.arange(k)
-        p_draft = p[rows, draft]  # [k]
-        q_draft = q[rows, draft]  # [k]
-        uniforms = torch.rand(k, generator=generator, dtype=torch.float64)  # [k]
+        rows, tokens = torch.arange(k, device=p.device), draft.to(p.device)  # draft ids are host-side
+        p_draft = p[rows, tokens]  # [k]
+        q_draft = q[rows, tokens]  # [k]
+        uniforms = torch.rand(k, generator=generator, dtype=torch.float64, device=p.device)  # [k]
         # u < p/q, written without dividing so q == 0 (impossible for a sampled draft) is safe.
         accepted = (uniforms * q_draft.double() < p_draft.double()).tolist()
         n = _leading_true(accepted)
@@ -126,8 +157,8 @@ def joint_likelihood(
     assert tau > 0, "tau must be > 0"
     n = 0
     if k:
-        rows = torch.arange(k)
-        log_ratio = torch.log(p[rows, draft].double()) - torch.log(q.double())  # [k]
+        rows, tokens = torch.arange(k, device=p.device), draft.to(p.device)  # draft ids are host-side
+        log_ratio = torch.log(p[rows, tokens].double()) - torch.log(q.double())  # [k]
         passing = (torch.cumsum(log_ratio, 0) > math.log(tau)).nonzero()
         n = int(passing[-1]) + 1 if passing.numel() else 0
     return Verdict(n, sample(p[n], generator))
@@ -139,8 +170,14 @@ def verify_lossless(
     """The lossless rule for any draft. logits: [k+1, vocab] target logits.
 
     Greedy decoding compares argmaxes; under sampling, deterministic drafts use `sampled_match`
-    and drafts with q use `speculative_sample`, both on the target's warped distribution.
+    and drafts with q use `speculative_sample`, both on the target's warped distribution. A tree
+    of drafts (`Draft.parents`) goes through `tree_match`, with the argmax or one draw from p.
     """
+    if draft.parents is not None:
+        if sampling.greedy:
+            return tree_match(draft.tokens, draft.parents, logits, argmax)
+        return tree_match(draft.tokens, draft.parents, probabilities(logits, sampling),
+                          lambda row: sample(row, generator))
     if sampling.greedy:
         return greedy_match(draft.tokens, logits)
     p = probabilities(logits, sampling)  # [k+1, vocab]
@@ -157,7 +194,7 @@ def verify_joint(tau: float):
 
     def rule(draft: Draft, logits: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator) -> Verdict:
         p = probabilities(logits, sampling)  # [k+1, vocab]
-        q = draft.q_tokens if draft.q_tokens is not None else torch.ones(len(draft))
+        q = draft.q_tokens if draft.q_tokens is not None else torch.ones(len(draft), device=logits.device)
         return joint_likelihood(draft.tokens, q, p, tau, generator)
 
     return rule

@@ -1,6 +1,7 @@
 """KV caches and their rollback: transformers' DynamicCache (eager path), `StaticKV` (fast path),
-and `Tree`, where a chunk's tokens sit in a cache (contiguous, or a tree of drafts in scratch slots).
-The only rollback code.
+transformers' StaticCache (the compiled CUDA decode step, `device.CompiledStep`), and `Tree`,
+where a chunk's tokens sit in a cache (contiguous, or a tree of drafts in scratch slots). The
+only rollback code, a tree's included (`StaticKV.keep_slots` keeps its accepted path).
 
 A `transformers` DynamicCache built from the model's config holds one layer per decoder layer;
 Gemma 3's sliding-window layers keep only the last `sliding_window - 1` positions. Speculative
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
+from typing import Sequence
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
@@ -40,6 +42,30 @@ def crop_to(cache: DynamicCache, length: int) -> None:
     cache.crop(length - current)
 
 
+def new_static_cache(model: PreTrainedModel, capacity: int):
+    """transformers' StaticCache of `capacity` positions for `model`, or the reason it cannot be
+    rolled back (a str): sliding-window layers are ring buffers there, so what a rejected draft
+    pushed out of the window would be lost."""
+    from transformers import StaticCache
+
+    try:
+        cache = StaticCache(config=model.config, max_cache_len=capacity)  # allocated at the first forward
+    except Exception as error:  # an architecture transformers has no static cache for
+        return f"no static cache for {type(model).__name__} ({error})"
+    if any(getattr(layer, "is_sliding", False) for layer in cache.layers):
+        return "sliding-window layers (a static sliding-window cache cannot be rolled back)"
+    return cache
+
+
+def set_static_length(cache, length: int) -> None:
+    """Make a StaticCache (full-attention layers) hold its first `length` positions: each layer's
+    length tensor is set in place (a CUDA graph keeps reading the same addresses); entries past it
+    are stale and masked out, and the next write overwrites them."""
+    for layer in cache.layers:
+        if getattr(layer, "is_initialized", False):
+            layer.cumulative_length.fill_(length)
+
+
 class StaticKV:
     """A preallocated KV cache for the fast path: rollback only moves `length`.
 
@@ -47,13 +73,14 @@ class StaticKV:
     stale entries that the next write overwrites; readers only see [low, high) ranges they ask
     for. Sliding-window layers keep every position (attention restricts itself to the window),
     so a rollback never needs what fell out of a window. The capacity doubles when a write would
-    exceed it (a copy, amortised O(1) per token).
+    exceed it (a copy, amortised O(1) per token). It lives on `device` (the fast path's: the CPU).
     """
 
-    def __init__(self, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, capacity: int = 256):
+    def __init__(self, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, capacity: int = 256,
+                 device: torch.device | str = "cpu"):
         self.length = 0
-        self.keys = [torch.zeros(kv_heads, capacity, head_dim, dtype=dtype) for _ in range(layers)]
-        self.values = [torch.zeros(kv_heads, capacity, head_dim, dtype=dtype) for _ in range(layers)]
+        self.keys = [torch.zeros(kv_heads, capacity, head_dim, dtype=dtype, device=device) for _ in range(layers)]
+        self.values = [torch.zeros(kv_heads, capacity, head_dim, dtype=dtype, device=device) for _ in range(layers)]
 
     @property
     def capacity(self) -> int:
@@ -66,7 +93,7 @@ class StaticKV:
         capacity = max(positions, 2 * self.capacity)
         for store in (self.keys, self.values):
             for i, old in enumerate(store):
-                new = torch.zeros(old.shape[0], capacity, old.shape[2], dtype=old.dtype)
+                new = torch.zeros(old.shape[0], capacity, old.shape[2], dtype=old.dtype, device=old.device)
                 new[:, : old.shape[1]] = old
                 store[i] = new
 
@@ -89,6 +116,22 @@ class StaticKV:
         assert 0 <= length <= self.length, f"cannot crop a cache of {self.length} positions to {length}"
         self.length = length
 
+    @torch.inference_mode()
+    def keep_slots(self, start: int, slots: Sequence[int]) -> None:
+        """After a tree of drafts (`Tree.of_parents`) was written past the first `start`
+        positions: keep the entries of `slots` (its accepted path, in order) as positions start..
+        and drop the rest. A slot already at its position stays; the others (scratch slots, past
+        every position kept) are copied, in every layer."""
+        moved = [(start + j, slot) for j, slot in enumerate(slots) if slot != start + j]
+        if moved:
+            device = self.keys[0].device
+            destinations = torch.tensor([d for d, _ in moved], device=device)
+            sources = torch.tensor([s for _, s in moved], device=device)
+            for store in (self.keys, self.values):
+                for layer in store:
+                    layer[:, destinations] = layer[:, sources]
+        self.length = start + len(slots)
+
 
 @dataclass(frozen=True)
 class Tree:
@@ -108,8 +151,51 @@ class Tree:
     slot_positions: torch.Tensor | None = None  # [S] long
 
     @staticmethod
-    def contiguous(start: int, n: int) -> "Tree":
-        return Tree(torch.arange(start, start + n))
+    def contiguous(start: int, n: int, device: torch.device | str = "cpu") -> "Tree":
+        """Positions start..start+n-1 on `device` (the cache's)."""
+        return Tree(torch.arange(start, start + n, device=device))
+
+    @staticmethod
+    def of_parents(length: int, parents: Sequence[int], device: torch.device | str = "cpu") -> "Tree":
+        """A tree of tokens after the first `length` positions of a cache: row i is a child of row
+        parents[i] (parents[i] < i: rows in topological order) or, for -1, follows the cache, at
+        position length + its depth (0 for a -1 row). The primary branch -- row 0, then each
+        row's first child -- sits at slots equal to its positions, so that when it wins nothing
+        has to move; every other row sits in a scratch slot past the deepest position, in row
+        order. A row's ancestors then always hold lower slots than it, in position order, as the
+        C layer requires (`native_layer`). Rows see the whole cache, their ancestors and
+        themselves. Its tensors are on `device` (the cache's)."""
+        depth: list[int] = []
+        first_child: dict[int, int] = {}
+        for i, parent in enumerate(parents):
+            assert -1 <= parent < i, f"row {i}: parent {parent} is not an earlier row"
+            depth.append(0 if parent < 0 else depth[parent] + 1)
+            first_child.setdefault(parent, i)
+        primary, row = {0}, 0
+        while row in first_child:
+            row = first_child[row]
+            primary.add(row)
+        scratch = length + max(depth) + 1  # past every position the tree holds
+        slots = []
+        for i in range(len(parents)):
+            if i in primary:
+                slots.append(length + depth[i])
+            else:
+                slots.append(scratch)
+                scratch += 1
+        sees: list[list[bool]] = []  # sees[i][j]: row j is row i or one of its ancestors
+        for i, parent in enumerate(parents):
+            row_sees = list(sees[parent]) if parent >= 0 else [False] * len(parents)
+            row_sees[i] = True
+            sees.append(row_sees)
+        positions = torch.tensor(depth, dtype=torch.long, device=device) + length  # [m]
+        slot_tensor = torch.tensor(slots, dtype=torch.long, device=device)  # [m]
+        visible = torch.zeros(len(parents), scratch, dtype=torch.bool, device=device)  # [m, S]
+        visible[:, :length] = True
+        visible[:, slot_tensor] = torch.tensor(sees, dtype=torch.bool, device=device)
+        slot_positions = torch.arange(scratch, device=device)  # [S]; slots nobody sees keep their index
+        slot_positions[slot_tensor] = positions
+        return Tree(positions, slot_tensor, visible, slot_positions)
 
     @property
     def end(self) -> int:
@@ -130,7 +216,7 @@ class Tree:
             if n == 1:
                 return all_keys, all_values, None
             query = self.positions.unsqueeze(1)  # [n, 1]
-            key = torch.arange(low, start + n).unsqueeze(0)  # [1, L]
+            key = torch.arange(low, start + n, device=self.positions.device).unsqueeze(0)  # [1, L]
             mask = key <= query
             if window is not None:
                 mask &= key > query - window

@@ -50,6 +50,14 @@ NUMERICS_OPTION = typer.Option(
     "int8", "--numerics",
     help="int8 | fp32: how the block kernel multiplies (int8: activations quantized per block, each position's logits the same whatever the verify width, so wide verifies are cheap and exact against ar, which runs the same numerics; fp32: float32 activations).",
 )
+DEVICE_OPTION = typer.Option(
+    "auto", "--device",
+    help="auto | cpu | cuda | cuda:N | auto-map (auto: the first GPU if CUDA is available, else the CPU; auto-map: spread a model too large for one GPU over every GPU, accelerate's device_map='auto'). The fast path and block kernel run on the CPU only; on a GPU the PyTorch forward runs (dtype auto: bfloat16).",
+)
+COMPILE_OPTION = typer.Option(
+    False, "--compile",
+    help="CUDA only: run the one-token decode step compiled (torch.compile, CUDA graphs, static KV cache of 4096 positions); falls back with a message where it cannot.",
+)
 EXIT_HEAD_OPTION = typer.Option(None, "--exit-head", help="Exit-head directory for eesd (default: the head shipped for the default model).")
 DRAFT_LENGTH_OPTION = typer.Option(None, "--draft-length", "-k", help="Most tokens drafted per step (default: the method's).")
 CONTROLLER_OPTION = typer.Option(None, help="Draft-length controller: constant[:K], heuristic[:K], adaptive[:K], beta-ts[:K], calibrated-ts[:K].")
@@ -75,11 +83,20 @@ def _fail(message: str, code: int = 2) -> None:
     raise typer.Exit(code)
 
 
-def _load(model: Optional[str], dtype: str, fast: bool = True, block_kernel: bool = True, numerics: str = "int8"):
+def _load(model: Optional[str], dtype: str, fast: bool = True, block_kernel: bool = True, numerics: str = "int8",
+          device: str = "auto", compile: bool = False):
     from .model import load
 
     _quiet_transformers()
-    return load(model, dtype, fast=fast, block_kernel=block_kernel, numerics=numerics)
+    return load(model, dtype, fast=fast, block_kernel=block_kernel, numerics=numerics, device=device, compile=compile)
+
+
+def _check_device(device: str, compile: bool = False) -> str:
+    """The device `--device` names on this machine ('cpu', 'cuda:N' or 'auto-map'); a ConfigError
+    for a misspelt one, a GPU that is not here, or --compile on the CPU, before anything loads."""
+    from .device import resolve_device
+
+    return resolve_device(device, compile)
 
 
 def _check_numerics(numerics: str) -> None:
@@ -104,10 +121,10 @@ def _refuse_unused_options(methods: Sequence[str], *, draft_length: Optional[int
                            controller: Optional[str] = None, exit_head: Optional[str] = None,
                            draft_model: Optional[str] = None, beams: Optional[int] = None,
                            tau: Optional[float] = None, draft_model_peers: Sequence[str] = (),
-                           ngram_memory: Optional[bool] = None) -> None:
+                           ngram_memory: Optional[bool] = None, tree: Optional[int] = None) -> None:
     """A ConfigError for an option that none of `methods` uses, or for a draft length given twice
     (--draft-length and --controller NAME:K): a silently ignored option makes a run, a benchmark
-    above all, measure something other than what was asked. Users: --beams, --tau: mtad;
+    above all, measure something other than what was asked. Users: --beams, --tau: mtad; --tree: anpd;
     --draft-model: sps, mtad (and `draft_model_peers`); --exit-head: eesd, and sps and mtad when
     they draft with the head (no --draft-model); --draft-length, --controller: every method that
     drafts (all but ar)."""
@@ -122,6 +139,7 @@ def _refuse_unused_options(methods: Sequence[str], *, draft_length: Optional[int
         ("--beams", beams, ["mtad"], ""),
         ("--tau", tau, ["mtad"], ""),
         ("--no-ngram-memory", None if ngram_memory in (None, True) else False, ["anpd"], ""),
+        ("--tree", tree, ["anpd"], ""),
         ("--draft-model", draft_model, ["sps", "mtad", *draft_model_peers], ""),
         ("--exit-head", exit_head, head_users, head_note),
         ("--draft-length", draft_length, drafting, ""),
@@ -180,6 +198,8 @@ def generate(
     fast: bool = FAST_OPTION,
     block_kernel: bool = BLOCK_OPTION,
     numerics: str = NUMERICS_OPTION,
+    device: str = DEVICE_OPTION,
+    compile: bool = COMPILE_OPTION,
     draft_length: Optional[int] = DRAFT_LENGTH_OPTION,
     controller: Optional[str] = CONTROLLER_OPTION,
     exit_head: Optional[str] = EXIT_HEAD_OPTION,
@@ -187,6 +207,7 @@ def generate(
     draft_model: Optional[str] = typer.Option(None, "--draft-model", help="Auxiliary draft model for sps and mtad (same tokenizer; default: the EESD exit head)."),
     beams: Optional[int] = typer.Option(None, help="mtad only: beam width W (default: 4)."),
     tau: Optional[float] = typer.Option(None, help="mtad only: joint-likelihood threshold (default: 0.5)."),
+    tree: Optional[int] = typer.Option(None, "--tree", help="anpd only: draft a tree of up to N tokens, branching where the n-gram tables offer several next tokens, verified in one forward (needs the fast path; default: 0, single-path drafts)."),
     perplexity: bool = typer.Option(False, "--perplexity", help="Also score the generated tokens' perplexity under the target (temperature 1, no top-k/top-p)."),
     prompt_format: str = typer.Option("raw", help="raw: the prompt as given; chat: chat template or plain Q/A template."),
     stream: bool = typer.Option(False, "--stream", help="Print text as it is generated."),
@@ -208,14 +229,16 @@ def generate(
             checked_text(text, "--stop")
         get_method(method)
         _check_numerics(numerics)
+        _check_device(device, compile)
         sampling = sampling_for(method, temperature, top_k, top_p, seed)  # --compare's ar samples alike
         DecodeConfig(max_new_tokens, sampling)
         mtad_knobs = {name: value for name, value in (("beams", beams), ("tau", tau)) if value is not None}
         options = MethodOptions(draft_length=draft_length, controller=controller, exit_head=exit_head,
-                                draft_model=draft_model, ngram_memory=ngram_memory, **mtad_knobs)
+                                draft_model=draft_model, ngram_memory=ngram_memory, **mtad_knobs,
+                                **({"tree": tree} if tree is not None else {}))
         _refuse_unused_options([method], draft_length=draft_length, controller=controller, exit_head=exit_head,
-                               draft_model=draft_model, beams=beams, tau=tau, ngram_memory=ngram_memory)
-        target = _load(model, dtype, fast, block_kernel, numerics)
+                               draft_model=draft_model, beams=beams, tau=tau, ngram_memory=ngram_memory, tree=tree)
+        target = _load(model, dtype, fast, block_kernel, numerics, device, compile)
         request_args = dict(
             max_new_tokens=max_new_tokens, temperature=sampling.temperature, top_k=sampling.top_k,
             top_p=sampling.top_p, seed=seed, stop=tuple(stop), prompt_format=prompt_format, options=options,
@@ -242,7 +265,7 @@ def generate(
         return
     chosen = results[method]
     summary = {"model": target.name, "dtype": str(target.dtype).replace("torch.", ""), "numerics": target.numerics,
-               "method": method}
+               "device": str(target.device), "method": method}
     if as_json:
         payload = {**summary, **chosen.to_dict()}
         if perplexity:
@@ -296,7 +319,7 @@ def bench(
     dataset: str = typer.Option("builtin", help="builtin | spec-bench | spec-bench-multiturn (its two-turn conversations) | code-edit (recurring functions to rewrite) | PATH.jsonl (Spec-Bench format)."),
     categories: Optional[str] = typer.Option(None, help="Comma-separated categories to keep (default: all)."),
     per_category: Optional[int] = typer.Option(None, "--per-category", help="At most N prompts per category (default: all)."),
-    methods: str = typer.Option("ar,pld,anpd", help="Comma-separated verispec methods (any of `verispec info`); METHOD/CONTROLLER runs a method under a given controller, e.g. eesd/constant:4."),
+    methods: str = typer.Option("ar,pld,anpd", help="Comma-separated verispec methods (any of `verispec info`); METHOD/CONTROLLER runs a method under a given controller, e.g. eesd/constant:4, METHOD/KEY=VALUE with an option, e.g. mtad/tau=0.1 or anpd/tree=8 (tree drafts of up to 8 tokens)."),
     peers: str = typer.Option("hf-ar,hf-pld", help="Comma-separated peers: hf-ar, hf-pld, hf-early-exit, hf-assisted, llamacpp-ar, llamacpp-pld (the llamacpp ones need `make llamacpp`; '' for none)."),
     max_new_tokens: int = typer.Option(128, "--max-new-tokens", "-n", help="Most tokens to generate per prompt."),
     temperature: float = typer.Option(0.0, help="0 = greedy; > 0 samples."),
@@ -307,6 +330,8 @@ def bench(
     fast: bool = FAST_OPTION,
     block_kernel: bool = BLOCK_OPTION,
     numerics: str = NUMERICS_OPTION,
+    device: str = DEVICE_OPTION,
+    compile: bool = COMPILE_OPTION,
     repeats: int = typer.Option(1, help="Runs of each (prompt, method); the summary uses the median time."),
     out_dir: Optional[str] = typer.Option(None, "--out", help="Output directory (default: bench-out/<timestamp>)."),
     resume: bool = typer.Option(False, "--resume", help="Continue the interrupted run in --out (same settings required)."),
@@ -330,6 +355,7 @@ def bench(
     from .control import parse_controller
     from .engine import DecodeConfig
     from .methods import MethodOptions, parse_variant
+    from .device import describe
     from .model import resolve_dtype, runs_on_block_kernel
     from .sampling import SamplingConfig
 
@@ -340,6 +366,7 @@ def bench(
             _fail("--resume needs --out DIR: the directory of the run to continue")
         method_names, peer_names = _names(methods), _names(peers)
         _check_numerics(numerics)
+        placement = _check_device(device, compile)
         for name in method_names:
             parse_variant(name)
         peer_settings = PeerSettings(temperature, top_p, seed, early_exit_layer, draft_model, dtype, top_k)
@@ -364,7 +391,7 @@ def bench(
                 any(get_peer(p).needs_draft_model for p in peer_names)
                 or any(parse_variant(m)[0] in ("sps", "mtad") for m in method_names)) else None,
             dtype=str(resolve_dtype(dtype, block_kernel_model=runs_on_block_kernel(
-                model, fast=fast, block_kernel=block_kernel))).replace("torch.", ""),
+                model, fast=fast, block_kernel=block_kernel), device=placement)).replace("torch.", ""),
             # A named set is identified by its name and content, not by where it is installed.
             dataset=dataset if dataset in datasets.DATASET_NAMES else str(path.resolve()),
             dataset_sha256=datasets.file_digest(path),
@@ -386,16 +413,19 @@ def bench(
             top_k=top_k,
             ngram_memory=ngram_memory,
             numerics=numerics,
+            device=placement,
+            compile=compile,
         )
         directory = Path(out_dir) if out_dir else Path("bench-out") / datetime.now().strftime("%Y%m%d-%H%M%S")
         runner.check_run_dir(directory, settings, resume)
-        target = _load(model, dtype, fast, block_kernel, numerics)
+        target = _load(model, dtype, fast, block_kernel, numerics, device, compile)
         for name in peer_names:
             get_peer(name).check(peer_settings, target)  # checks that need the model (layer counts)
         probe = EnergyProbe()
         info = runner.invocation_info(command, target.name, dtype)
         info.update(dataset_path=str(path.resolve()), machine=report.machine_info(), versions=report.versions(),
-                    energy_meter=probe.description, numerics_run=target.numerics, kernel=report.kernel_info())
+                    energy_meter=probe.description, numerics_run=target.numerics, kernel=report.kernel_info(),
+                    device=describe(target.device))
         config = runner.start_run(directory, settings, info, resume)
         err.print(f"bench: {len(questions)} prompts x {len(settings.names)} methods x {repeats} repeats "
                   f"-> {directory}", highlight=False)
@@ -427,6 +457,7 @@ def info(
     fast: bool = FAST_OPTION,
     block_kernel: bool = BLOCK_OPTION,
     numerics: str = NUMERICS_OPTION,
+    device: str = DEVICE_OPTION,
 ) -> None:
     """Print the model, dtype, threads, methods and library versions."""
     import torch
@@ -434,14 +465,17 @@ def info(
 
     from . import __version__
     from .methods import METHODS
+    from .device import spread_over_devices
     from .model import cpu_has_native_bf16
     from .paths import cache_root
 
     from .bench.report import kernel_info
+    from .device import describe
 
     _check_numerics(numerics)
     try:
-        target = _load(model, dtype, fast, block_kernel, numerics)
+        _check_device(device)
+        target = _load(model, dtype, fast, block_kernel, numerics, device)
     except VerispecError as error:
         _fail(str(error))
         return
@@ -451,9 +485,11 @@ def info(
         ("architecture", type(target.model).__name__),
         ("layers / hidden / vocabulary", f"{target.config.num_hidden_layers} / {target.config.hidden_size} / {target.vocab_size}"),
         ("dtype", str(target.dtype).replace("torch.", "")),
+        ("device", describe(target.device) + (" (spread over several devices)" if spread_over_devices(target.model) else "")),
+        ("CUDA available", str(torch.cuda.is_available())),
         ("CPU native bf16", str(cpu_has_native_bf16())),
         ("torch threads", str(torch.get_num_threads())),
-        ("forward path", "fast (static KV cache, prepacked linears)" if target.fast else "eager (transformers)"),
+        ("forward path", "fast (static KV cache, prepacked linears)" if target.fast else f"PyTorch (transformers) on {target.device}"),
         ("own LM head", str(target.uses_own_head)),
         ("block kernel", target.block_kernel_summary),
         ("numerics", target.numerics),
@@ -497,6 +533,8 @@ def serve(
     fast: bool = FAST_OPTION,
     block_kernel: bool = BLOCK_OPTION,
     numerics: str = NUMERICS_OPTION,
+    device: str = DEVICE_OPTION,
+    compile: bool = COMPILE_OPTION,
     method: str = typer.Option("anpd", "--method", "-m", help="Default decoding method (a request may choose another with the `method` field)."),
     host: str = typer.Option("127.0.0.1", help="Address to listen on (0.0.0.0 exposes the server to the network)."),
     port: int = typer.Option(8000, help="TCP port (0 = any free port)."),
@@ -518,6 +556,7 @@ def serve(
         # Everything that needs no model is checked before the model is loaded.
         get_method(method)
         _check_numerics(numerics)
+        _check_device(device, compile)
         for option, value in (("--api-key", api_key), ("--model-id", model_id)):
             if value is not None:
                 checked_text(value, option)
@@ -533,7 +572,7 @@ def serve(
             max_tokens_limit=max_tokens_limit,
         )
         sock = _listen(host, port)
-        target = _load(model, dtype, fast, block_kernel, numerics)
+        target = _load(model, dtype, fast, block_kernel, numerics, device, compile)
         if not ngram_memory:  # for every request, whatever method it asks for
             from .drafters.ngram import switch_off_memory
 
@@ -546,8 +585,8 @@ def serve(
     bound_host, bound_port = sock.getsockname()[:2]
     shown_host = f"[{bound_host}]" if ":" in bound_host else bound_host
     url = f"http://{shown_host}:{bound_port}/v1"
-    err.print(f"serving {target.name} as '{settings.model_id}' ({str(target.dtype).replace('torch.', '')}, "
-              f"method {method}) at {url}", highlight=False, soft_wrap=True)
+    err.print(f"serving {target.name} as '{settings.model_id}' ({str(target.dtype).replace('torch.', '')} on "
+              f"{target.device}, method {method}) at {url}", highlight=False, soft_wrap=True)
     print(url, flush=True)
     config = uvicorn.Config(create_app(target, settings), log_level="info", lifespan="on",
                             timeout_graceful_shutdown=5)
@@ -561,6 +600,8 @@ def profile(
     fast: bool = FAST_OPTION,
     block_kernel: bool = BLOCK_OPTION,
     numerics: str = NUMERICS_OPTION,
+    device: str = DEVICE_OPTION,
+    compile: bool = COMPILE_OPTION,
     context: int = typer.Option(256, help="Tokens in the cache before the timed forwards."),
     widths: str = typer.Option("2,4,8,16,32", help="Comma-separated verify widths to time besides 1."),
     exit_head: Optional[str] = EXIT_HEAD_OPTION,
@@ -584,7 +625,8 @@ def profile(
             _fail(f"--widths must lie in 1..64, got {widths!r}")
         if context < 1 or repeats < 1:
             _fail("--context and --repeats must be >= 1")
-        target = _load(model, dtype, fast, block_kernel, numerics)
+        _check_device(device, compile)
+        target = _load(model, dtype, fast, block_kernel, numerics, device, compile)
         if context + max(chosen) > target.max_length:
             _fail(f"--context {context} + width {max(chosen)} exceeds the model's context of {target.max_length}")
         head = None
@@ -631,6 +673,7 @@ def train_exit(
     out_dir: str = typer.Option("exit-head", "--out", help="Directory for the head, checkpoints and labels."),
     resume: bool = typer.Option(False, "--resume", help="Continue from the checkpoint in --out."),
     seed: int = typer.Option(0, help="Seed for the data split, batches and corpus generation."),
+    device: str = DEVICE_OPTION,
 ) -> None:
     """Train an EESD exit head by self-distillation (the target stays frozen)."""
     from pathlib import Path
@@ -658,7 +701,8 @@ def train_exit(
                 _fail(f"cannot read corpus file {corpus}: {error.strerror or error}")
         if generate_corpus:
             check_generation(corpus_tokens, corpus_samples)
-        target = _load(model, "float32")
+        _check_device(device)
+        target = _load(model, "float32", device=device)
         if generate_corpus:
             prompts = read_prompts(PROMPTS_PATH)
             corpus_path = directory / "corpus.jsonl"

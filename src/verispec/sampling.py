@@ -55,13 +55,16 @@ class SamplingConfig:
     def greedy(self) -> bool:
         return self.temperature == 0
 
-    def generator(self, stream: int = 0) -> torch.Generator:
-        """A CPU generator for one use of randomness in a request: stream 0 draws the committed
-        tokens (acceptance), stream 1 the drafts. With a seed, stream s is seeded with seed + s
-        (mod 2**64), so a seed reproduces both; without one, every call draws fresh entropy, so
-        that drafts are independent across requests (a fixed draft seed would draw the same
-        draft for the same context every time, and q would no longer describe how it was drawn)."""
-        generator = torch.Generator()
+    def generator(self, stream: int = 0, device: torch.device | str = "cpu") -> torch.Generator:
+        """A generator for one use of randomness in a request, on `device` (that of the
+        probabilities it draws from: the target's): stream 0 draws the committed tokens
+        (acceptance), stream 1 the drafts. With a seed, stream s is seeded with seed + s
+        (mod 2**64), so a seed reproduces both on a given kind of device (CUDA generators draw
+        other numbers than CPU ones for the same seed); without one, every call draws fresh
+        entropy, so that drafts are independent across requests (a fixed draft seed would draw
+        the same draft for the same context every time, and q would no longer describe how it
+        was drawn)."""
+        generator = torch.Generator(device=device)
         if self.seed is None:
             generator.seed()
         else:
@@ -178,7 +181,7 @@ def sample(probs: torch.Tensor, generator: torch.Generator) -> int:
     """
     assert probs.dim() == 1, f"expected probs [vocab], got shape {tuple(probs.shape)}"
     cdf = torch.cumsum(probs.double(), dim=0)  # [vocab]
-    u = torch.rand((), dtype=torch.float64, generator=generator) * cdf[-1]
+    u = torch.rand((), dtype=torch.float64, generator=generator, device=probs.device) * cdf[-1]
     index = int(torch.searchsorted(cdf, u, right=True))
     if index >= probs.shape[0] or probs[index] <= 0:  # u rounded onto the total: vanishingly rare
         index = int(torch.multinomial(probs.double(), 1, generator=generator))

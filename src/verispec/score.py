@@ -30,7 +30,7 @@ def perplexity(target: Target, prompt_ids: Sequence[int], output_ids: Sequence[i
     if len(output_ids) == 0:
         return math.nan
     m = len(output_ids)
-    ids = torch.tensor([[*prompt_ids, *output_ids]], dtype=torch.long)  # [1, n + m]
+    ids = torch.tensor([[*prompt_ids, *output_ids]], dtype=torch.long, device=target.device)  # [1, n + m]
     try:
         # Only the logits that predict output tokens: positions n-1 .. n+m-1 (the last is unused).
         logits = target.model(input_ids=ids, use_cache=False, logits_to_keep=m + 1).logits[0]
@@ -38,7 +38,7 @@ def perplexity(target: Target, prompt_ids: Sequence[int], output_ids: Sequence[i
         logits = target.model(input_ids=ids, use_cache=False).logits[0]
     logits = logits[-(m + 1) : -1]  # [m, vocab]: row i predicts output_ids[i]
     log_probs = torch.log_softmax(logits.float(), dim=-1)  # [m, vocab] float32
-    targets = torch.tensor(list(output_ids), dtype=torch.long).unsqueeze(1)  # [m, 1]
+    targets = torch.tensor(list(output_ids), dtype=torch.long, device=log_probs.device).unsqueeze(1)  # [m, 1]
     nll = -log_probs.gather(1, targets).mean()
     return float(torch.exp(nll))
 
@@ -56,5 +56,5 @@ def target_perplexity(target: Target, prompt_ids: Sequence[int], output_ids: Seq
         rows.append(target.forward(list(output_ids[start : min(start + chunk, len(output_ids) - 1)])))
     logits = torch.cat(rows)  # [m, vocab]: row i predicts output_ids[i]
     log_probs = torch.log_softmax(logits.float(), dim=-1)
-    targets = torch.tensor(list(output_ids), dtype=torch.long).unsqueeze(1)  # [m, 1]
+    targets = torch.tensor(list(output_ids), dtype=torch.long, device=log_probs.device).unsqueeze(1)  # [m, 1]
     return float(torch.exp(-log_probs.gather(1, targets).mean()))

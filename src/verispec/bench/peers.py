@@ -93,7 +93,7 @@ def _generate_runner(target: Target, settings: PeerSettings, extra: dict | None 
 
     def run(prompt_ids: Sequence[int], max_new_tokens: int) -> PeerOutput:
         assert len(prompt_ids) > 0 and max_new_tokens >= 1, "a prompt and a positive budget"
-        ids = torch.tensor([list(prompt_ids)], dtype=torch.long)  # [1, n]
+        ids = torch.tensor([list(prompt_ids)], dtype=torch.long, device=target.device)  # [1, n]
         count = [0]
 
         def hook(module, args, output) -> None:
@@ -120,7 +120,7 @@ def _generate_runner(target: Target, settings: PeerSettings, extra: dict | None 
 def _assisted(target: Target, settings: PeerSettings) -> PeerRun:
     from ..model import load
 
-    draft = load(settings.draft_model, settings.dtype)
+    draft = load(settings.draft_model, settings.dtype, device=target.device)  # generate() needs both on one device
     extra: dict = {"assistant_model": draft.model}
     if draft.vocab_size != target.vocab_size:  # different tokenizers: universal assisted decoding
         extra.update(tokenizer=target.tokenizer, assistant_tokenizer=draft.tokenizer)

@@ -66,7 +66,9 @@ def draft_step_seconds(target, prepared, context: list[int], repeats: int = 15) 
     lm._head_length = len(context)
     lm._cache.reserve(len(context) + 2)
     lm._cache.length = len(context)
-    return median_time(lambda: lm.extend(torch.tensor([context[0]]), Tree.contiguous(len(context), 1)), repeats)
+    device = target.device
+    return median_time(lambda: lm.extend(torch.tensor([context[0]], device=device),
+                                         Tree.contiguous(len(context), 1, device)), repeats)
 
 
 def profile_target(target, context_length: int = DEFAULT_CONTEXT, widths: Sequence[int] = DEFAULT_WIDTHS,

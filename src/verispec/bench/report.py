@@ -307,6 +307,8 @@ def render_markdown(summary: dict, config: dict, energy_meter: str, plots: Seque
         f"- dtype: {settings['dtype']} (requested: {info.get('dtype_requested', settings['dtype'])}); "
         f"numerics: {info.get('numerics_run', settings.get('numerics', '-'))}; "
         f"block kernel: {info.get('kernel', '-')}",
+        f"- Device: {info.get('device', settings.get('device', 'cpu'))}"
+        + ("; compiled decode step (--compile)" if settings.get("compile") else ""),
         f"- Dataset: `{settings['dataset']}`{' (' + info['dataset_path'] + ')' if info.get('dataset_path') and info['dataset_path'] != settings['dataset'] else ''} "
         f"(sha256 {settings['dataset_sha256'][:12]}); "
         f"categories: {', '.join(summary['categories']) or '-'}; "

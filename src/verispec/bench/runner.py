@@ -89,6 +89,8 @@ class BenchSettings:
     top_k: int = 0
     ngram_memory: bool = True  # anpd drafts also from earlier requests (a variant may override)
     numerics: str = "int8"  # how the block kernel multiplies (model.load)
+    device: str = "cpu"  # as resolved: "cpu", "cuda:N" or "auto-map" (model.load)
+    compile: bool = False  # the compiled CUDA decode step (model.load)
 
     def __post_init__(self) -> None:
         if isinstance(self.repeats, bool) or not isinstance(self.repeats, int) or self.repeats < 1:

@@ -8,33 +8,56 @@ request, `begin` once, then per step `propose` and `commit`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import accumulate
+from operator import mul
 from typing import Callable, Protocol, Sequence
 
 import torch
+
+# Token ids live on the host whatever the target's device: the loop branches on them (what to
+# verify, what was accepted) and feeds them back as Python ints, so ids made on a GPU would cost
+# a transfer each way. Probabilities (q, q_tokens) live where the logits they came from are.
+HOST = torch.device("cpu")
 
 
 @dataclass(frozen=True)
 class Draft:
     """Tokens proposed for one verification step.
 
-    tokens: [k] token ids (k may be 0: nothing to propose, the step is autoregressive).
-    q: [k, vocab] probabilities each token was drawn from, or None for deterministic drafters.
+    tokens: [k] token ids on the host (`HOST`; k may be 0: nothing to propose, the step is
+        autoregressive).
+    q: [k, vocab] probabilities each token was drawn from (on the target's device), or None for
+        deterministic drafters.
     q_tokens: [k] probability of each drafted token along the draft's own path (MTAD's beam
         drafts, where q of the chosen beam is known per token but not as a full row), or None.
     confidence: per-token confidence in [0, 1] (e.g. a draft head's top-1 probability), used by
         calibrated draft-length controllers; empty when the drafter has none.
+    parents: [k] long on the host, for a tree of drafts (deterministic only): token i follows
+        token parents[i] (< i: topological order), or the last committed token for -1; None (the
+        usual case) for a linear draft, where token i follows token i - 1. A tree's primary
+        branch is token 0, then each token's first child. For a tree, `confidence[i]` is the
+        ratio of token i's path probability (that the target accepts the whole path to it) to
+        token i - 1's, tokens ordered by decreasing path probability: prefix products are then
+        the path probabilities, so a controller that sizes a linear draft by the survival of its
+        prefixes (`cut`, `keep`) sizes a tree by its most probable tokens, and `prefix(n)` keeps
+        the n most probable (ancestors come first).
     """
 
     tokens: torch.Tensor
     q: torch.Tensor | None = None
     q_tokens: torch.Tensor | None = None
     confidence: tuple[float, ...] = field(default=())
+    parents: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         assert self.tokens.dim() == 1 and self.tokens.dtype == torch.long, "tokens must be [k] long"
         k = self.tokens.shape[0]
         assert self.q is None or (self.q.dim() == 2 and self.q.shape[0] == k), "q must be [k, vocab]"
         assert self.q_tokens is None or self.q_tokens.shape == (k,), "q_tokens must be [k]"
+        if self.parents is not None:
+            assert not self.drawn, "a tree of drafts is deterministic (q = None)"
+            assert self.parents.shape == (k,) and self.parents.dtype == torch.long, "parents must be [k] long"
+            assert all(-1 <= p < i for i, p in enumerate(self.parents.tolist())), "parents must precede their children"
 
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
@@ -47,9 +70,12 @@ class Draft:
         return self.q is not None or self.q_tokens is not None
 
     def prefix(self, n: int) -> "Draft":
-        """The first n tokens of this draft (itself when n covers it)."""
+        """The first n tokens of this draft (itself when n covers it); of a tree, its n first
+        (most probable) tokens, a linear draft if they form a chain."""
         if n >= len(self):
             return self
+        if self.parents is not None:
+            return Draft.tree(self.tokens[:n].tolist(), self.parents[:n].tolist(), self.confidence[:n])
         return Draft(
             self.tokens[:n],
             None if self.q is None else self.q[:n],
@@ -57,13 +83,38 @@ class Draft:
             self.confidence[:n],
         )
 
+    def primary(self) -> "Draft":
+        """A tree's primary branch (token 0, then each token's first child) as a linear draft,
+        each token's confidence its own (its path probability over its parent's); a linear draft
+        is its own."""
+        if self.parents is None:
+            return self
+        path = [0]  # token 0 has no earlier parent: it follows the committed tokens
+        for i, parent in enumerate(self.parents.tolist()):
+            if i and parent == path[-1]:  # the first child of the branch's last token
+                path.append(i)
+        if not self.confidence:
+            return Draft(self.tokens[path])
+        survival = list(accumulate(self.confidence, mul))  # path probability of each token
+        confidence = tuple(survival[i] / (survival[path[j - 1]] if j else 1.0) for j, i in enumerate(path))
+        return Draft(self.tokens[path], confidence=confidence)
+
     @staticmethod
     def of(tokens: Sequence[int]) -> "Draft":
         """A deterministic draft (q = None) from a list of ids."""
-        return Draft(torch.tensor(list(tokens), dtype=torch.long))
+        return Draft(torch.tensor(list(tokens), dtype=torch.long, device=HOST))
+
+    @staticmethod
+    def tree(tokens: Sequence[int], parents: Sequence[int], confidence: Sequence[float] = ()) -> "Draft":
+        """A deterministic tree of drafts (see `parents` and `confidence`); a linear draft when the
+        tokens form a chain (each one's parent the one before it)."""
+        chain = all(parent == i - 1 for i, parent in enumerate(parents))
+        ids = torch.tensor(list(tokens), dtype=torch.long, device=HOST)
+        links = None if chain else torch.tensor(list(parents), dtype=torch.long, device=HOST)
+        return Draft(ids, confidence=tuple(confidence), parents=links)
 
 
-EMPTY_DRAFT = Draft(torch.empty(0, dtype=torch.long))
+EMPTY_DRAFT = Draft(torch.empty(0, dtype=torch.long, device=HOST))
 
 # keep(j, confidence): j tokens drafted so far, the last with this confidence (None when j = 0):
 # draft another one?

@@ -57,7 +57,7 @@ def target_fingerprint(model) -> str:
     config = model.config
     embedding = model.get_input_embeddings().weight.detach()
     rows = embedding[:: max(1, embedding.shape[0] // 512)][:, :64]
-    sample = rows.to(torch.bfloat16).float().numpy().tobytes()
+    sample = rows.to(torch.bfloat16).float().cpu().numpy().tobytes()
     digest = hashlib.sha256(sample).hexdigest()[:16]
     return (f"{config.model_type}-layers{config.num_hidden_layers}-hidden{config.hidden_size}"
             f"-vocab{embedding.shape[0]}-{digest}")
@@ -89,10 +89,12 @@ class ExitHead(torch.nn.Module):
         self.init_layer = min(exit_layer, layers - 1) if init_layer is None else init_layer
         self.layer = copy.deepcopy(body.layers[self.init_layer])
         self.norm = copy.deepcopy(body.norm)
-        self.register_buffer("vocab", torch.tensor(list(draft_vocab), dtype=torch.long), persistent=False)
+        output = model.get_output_embeddings().weight.detach()  # [vocab, d]
+        self.register_buffer("vocab", torch.tensor(list(draft_vocab), dtype=torch.long, device=output.device),
+                             persistent=False)
         # The target's output embedding and rotary module are used, not owned: kept out of this
         # module's parameters, state dict and dtype casts.
-        object.__setattr__(self, "_output", model.get_output_embeddings().weight.detach())  # [vocab, d]
+        object.__setattr__(self, "_output", output)
         object.__setattr__(self, "_rotary", body.rotary_emb)
         self._rotary_args = (
             (model.config.layer_types[self.init_layer],)
@@ -110,13 +112,14 @@ class ExitHead(torch.nn.Module):
         """Training/reference forward over whole sequences. hidden: [B, T, d] (the residual
         stream after N target layers, positions 0..T-1) -> draft logits [B, T, V_d]."""
         batch, length, _ = hidden.shape
-        positions = torch.arange(length).unsqueeze(0).expand(batch, -1)  # [B, T]
+        steps = torch.arange(length, device=hidden.device)
+        positions = steps.unsqueeze(0).expand(batch, -1)  # [B, T]
         rope = self._rotary(hidden, positions, *self._rotary_args)
-        query, key = torch.arange(length).unsqueeze(1), torch.arange(length).unsqueeze(0)
+        query, key = steps.unsqueeze(1), steps.unsqueeze(0)
         visible = key <= query
         if self._window is not None:
             visible &= key > query - self._window
-        mask = torch.zeros(length, length, dtype=hidden.dtype).masked_fill(~visible, float("-inf"))
+        mask = torch.zeros(length, length, dtype=hidden.dtype, device=hidden.device).masked_fill(~visible, float("-inf"))
         out = self.layer(hidden, position_embeddings=rope, attention_mask=mask[None, None].expand(batch, 1, -1, -1),
                          position_ids=positions)
         out = out[0] if isinstance(out, tuple) else out
@@ -130,7 +133,7 @@ class ExitHead(torch.nn.Module):
 def save_head(head: ExitHead, spec: ExitHeadSpec, directory: Path, dtype: torch.dtype = torch.bfloat16) -> None:
     """Write HEAD_WEIGHTS (the layer and norm, in `dtype`) and HEAD_CONFIG into `directory`."""
     directory.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach().to(dtype).contiguous() for k, v in head.state_dict().items()}
+    state = {k: v.detach().to(dtype).cpu().contiguous() for k, v in head.state_dict().items()}
     save_file(state, str(directory / HEAD_WEIGHTS))
     (directory / HEAD_CONFIG).write_text(json.dumps(asdict(spec), indent=1) + "\n")
 
@@ -182,7 +185,8 @@ class PreparedHead:
 
     def __init__(self, target, head: ExitHead, spec: ExitHeadSpec | None = None, quantize: bool = True):
         if not target.fast:
-            raise ConfigError("eesd needs the fast forward path (Llama, Qwen2 or Gemma 3 models, not --no-fast)")
+            where = "" if target.device.type == "cpu" else f"; this target runs on {target.device}: load it with device 'cpu'"
+            raise ConfigError(f"eesd needs the fast forward path (Llama, Qwen2 or Gemma 3 models on the CPU, not --no-fast{where})")
         self.head, self.spec = head, spec
         self.exit_layer = head.exit_layer
         self.layer = target._fast.wrap_layer(head.layer, quantize=quantize)
@@ -200,6 +204,7 @@ class ExitHeadLM:
         self.exit_layer = prepared.exit_layer
         self.vocab = prepared.vocab  # [V_d]
         self.vocab_size = target.vocab_size
+        self.device = target.device
         self._fast = target._fast
         self._layer, self._project, self._norm = prepared.layer, prepared.project, prepared.norm
         self._cache: StaticKV | None = None
@@ -226,7 +231,7 @@ class ExitHeadLM:
         rows = []
         if self._head_length < last:  # committed tokens the head has not seen: captured by the target
             rows.append(self.target.exit_states(self._head_length, last))
-        token = torch.tensor([context[-1]], dtype=torch.long)
+        token = torch.tensor([context[-1]], dtype=torch.long, device=self.device)
         # The last token is not in the target's cache yet: run layers 0..N-1 for it, writing
         # scratch entries that the next verification overwrites.
         rows.append(self._fast.run(self._fast.embed(token), last, self.target.cache, range(self.exit_layer)))

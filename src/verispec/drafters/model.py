@@ -20,7 +20,8 @@ Owns three things:
 Draft distributions use the request's temperature / top-k / top-p, the same warping as the
 target's p. Vocabularies: an auxiliary model must share the target's tokenizer (checked); its
 embedding rows may be padded to another size than the target's, so its logits are cut or padded
-to the target's width, and ids past the tokenizer's never get draft mass.
+to the target's width, and ids past the tokenizer's never get draft mass. Logits, q and the
+draft generator live on the draft model's device (`DraftLM.device`); draft ids on the host.
 """
 
 from __future__ import annotations
@@ -33,12 +34,13 @@ import torch
 from ..cache import StaticKV, Tree
 from ..errors import ConfigError
 from ..sampling import DRAFT_STREAM, SamplingConfig, probabilities, sample
-from .base import EMPTY_DRAFT, Draft, Keep, keep_all
+from .base import EMPTY_DRAFT, HOST, Draft, Keep, keep_all
 
 
 class DraftLM(Protocol):
     vocab: torch.Tensor | None  # [V_d] target ids of the draft logits' columns; None = identity
     vocab_size: int  # the target's vocabulary size (q rows are this wide)
+    device: torch.device  # where its logits (and so q and the draft generator) are
 
     def begin(self, prompt: Sequence[int]) -> None: ...
 
@@ -52,22 +54,23 @@ class DraftLM(Protocol):
         """Commit the first m tokens of the last single-path extension (0 after beams)."""
 
 
-def tree_for_beams(context_length: int, step: int, width: int, paths: list[list[int]]) -> Tree:
+def tree_for_beams(context_length: int, step: int, width: int, paths: list[list[int]],
+                   device: torch.device | str = "cpu") -> Tree:
     """Placement of one beam step: `width` tokens at logical position context_length + step - 1,
     in slots context_length + (step-1)*width + b; beam b sees the context, the slots of its own
-    path (`paths[b]`) and its new slot."""
+    path (`paths[b]`) and its new slot. On `device` (the draft model's cache's)."""
     base = context_length + (step - 1) * width
-    slots = torch.arange(base, base + width)
+    slots = torch.arange(base, base + width, device=device)
     total = base + width
-    visible = torch.zeros(width, total, dtype=torch.bool)
+    visible = torch.zeros(width, total, dtype=torch.bool, device=device)
     visible[:, :context_length] = True
     for b, path in enumerate(paths):
         visible[b, path] = True
         visible[b, base + b] = True
-    slot_positions = torch.arange(total)
-    for s in range(width * step):  # scratch slots: logical position of the beam step they hold
-        slot_positions[context_length + s] = context_length + s // width
-    positions = torch.full((width,), context_length + step - 1, dtype=torch.long)
+    slot_positions = torch.arange(total, device=device)
+    # scratch slots: the logical position of the beam step they hold
+    slot_positions[context_length:] = context_length + torch.arange(width * step, device=device) // width
+    positions = torch.full((width,), context_length + step - 1, dtype=torch.long, device=device)
     return Tree(positions, slots, visible, slot_positions)
 
 
@@ -79,9 +82,10 @@ class AuxLM:
         if not draft_target.fast:
             raise ConfigError(
                 f"the draft model {draft_target.name} has no fast forward path (Llama, Qwen2, Gemma 3 "
-                f"families), which model drafting needs"
+                f"families, on the CPU), which model drafting needs"
             )
         self.model = draft_target
+        self.device = draft_target.device
         self.vocab = None
         self.vocab_size = target.vocab_size
         # Same-tokenizer pairs often differ in embedding rows (vocabularies padded to another
@@ -113,7 +117,7 @@ class AuxLM:
     def sync(self, context: Sequence[int]) -> torch.Tensor:
         cache = self.model.cache
         cache.crop(min(cache.length, self._length))
-        missing = torch.tensor(list(context[self._length:]), dtype=torch.long)
+        missing = torch.tensor(list(context[self._length:]), dtype=torch.long, device=self.device)
         # an id the draft model has no row for (only a target's padding rows can be such) is
         # shown to it as id 0: its drafts stay samples of the q it reports
         missing = torch.where(missing < self.model.vocab_size, missing, 0)
@@ -152,7 +156,7 @@ class SampledDrafter:
     def __init__(self, lm: DraftLM, sampling: SamplingConfig = SamplingConfig()):
         self.lm = lm
         self.sampling = sampling
-        self._generator = sampling.generator(DRAFT_STREAM)  # fresh per request unless seeded
+        self._generator = sampling.generator(DRAFT_STREAM, lm.device)  # fresh per request unless seeded
         self._fed = 0
         self._synced = False
 
@@ -177,12 +181,13 @@ class SampledDrafter:
             if not go_on:
                 break  # the last draft token is not fed: nothing will be drafted after it
             position = len(context) + self._fed
-            logits = self.lm.extend(torch.tensor([token]), Tree.contiguous(position, 1))[0]
+            logits = self.lm.extend(torch.tensor([token], device=self.lm.device),
+                                    Tree.contiguous(position, 1, self.lm.device))[0]
             self._fed += 1
         q = None
         if rows and rows[0] is not None:
             q = _full_rows(torch.stack(rows), self.lm)  # [k, vocab], zero outside the draft vocabulary
-        return Draft(torch.tensor(tokens, dtype=torch.long), q=q, confidence=tuple(confidence))
+        return Draft(torch.tensor(tokens, dtype=torch.long, device=HOST), q=q, confidence=tuple(confidence))
 
     def _choose(self, logits: torch.Tensor) -> tuple[int, torch.Tensor | None, float]:
         """Draft token (a target id), its q row over the draft vocabulary (None when greedy) and
@@ -210,7 +215,7 @@ class BeamDrafter:
         if sampling.greedy:
             raise ConfigError("beam sampling needs temperature > 0 (mtad samples; its default is 1)")
         self.lm, self.width, self.sampling = lm, width, sampling
-        self._generator = sampling.generator(DRAFT_STREAM)  # fresh per request unless seeded
+        self._generator = sampling.generator(DRAFT_STREAM, lm.device)  # fresh per request unless seeded
 
     def begin(self, prompt: Sequence[int]) -> None:
         self.lm.begin(prompt)
@@ -220,7 +225,7 @@ class BeamDrafter:
         if k <= 0 or not keep(0, None):
             return EMPTY_DRAFT  # no draft, no draft-model work: the next sync catches up
         q = probabilities(self.lm.sync(context).unsqueeze(0), self.sampling)  # [1, V_d]
-        beams = beam_step(torch.zeros(1, dtype=torch.float64), q, self.width, self._generator)
+        beams = beam_step(torch.zeros(1, dtype=torch.float64, device=q.device), q, self.width, self._generator)
         # beams: (parent [W], token index [W], log weight [W], q of the token [W])
         parents, tokens, log_weights, token_q = beams
         paths = [[] for _ in range(len(tokens))]
@@ -230,7 +235,7 @@ class BeamDrafter:
             best = int(torch.argmax(log_weights))
             if not keep(step, float(math.exp(float(log_weights[best])))):
                 break
-            tree = tree_for_beams(len(context), step, len(tokens), paths)
+            tree = tree_for_beams(len(context), step, len(tokens), paths, self.lm.device)
             logits = self.lm.extend(_target_ids(tokens, self.lm), tree)  # [W, V_d]
             slots = tree.slots.tolist()  # the scratch slot each beam's newest token was written to
             q = probabilities(logits, self.sampling)  # [W, V_d]
@@ -240,9 +245,10 @@ class BeamDrafter:
             history_q = [history_q[int(p)] + [float(x)] for p, x in zip(parents, token_q)]
         self.lm.keep(0)
         best = int(torch.argmax(log_weights))
-        chosen = _target_ids(torch.tensor(history_tokens[best]), self.lm)
+        chosen = _target_ids(torch.tensor(history_tokens[best], device=self.lm.device), self.lm).to(HOST)
         confidence = tuple(history_q[best])
-        return Draft(chosen, q_tokens=torch.tensor(history_q[best], dtype=torch.float32), confidence=confidence)
+        q_tokens = torch.tensor(history_q[best], dtype=torch.float32, device=self.lm.device)
+        return Draft(chosen, q_tokens=q_tokens, confidence=confidence)
 
     def commit(self, committed: Sequence[int], n_proposed: int) -> None:
         pass  # beams live in scratch slots; the next sync recomputes the committed tokens
@@ -262,7 +268,7 @@ def beam_step(log_weights: torch.Tensor, q: torch.Tensor, width: int, generator:
     support = torch.nonzero(flat_q > 0).squeeze(1)  # [S] flat indices
     joint = log_weights[support // vocab] + torch.log(flat_q[support].double())  # [S]
     take = min(width, support.shape[0])
-    uniform = torch.rand(joint.shape, generator=generator, dtype=torch.float64).clamp_(1e-300, 1.0)
+    uniform = torch.rand(joint.shape, generator=generator, dtype=torch.float64, device=joint.device).clamp_(1e-300, 1.0)
     keys = joint - torch.log(-torch.log(uniform))  # + Gumbel(0, 1)
     picked = torch.topk(keys, take).indices  # [W] positions in the support
     chosen = support[picked]
@@ -284,6 +290,6 @@ def _full_rows(rows: torch.Tensor, lm: DraftLM) -> torch.Tensor:
     """Draft-vocabulary rows [k, V_d] -> target-vocabulary rows [k, vocab] (zeros elsewhere)."""
     if lm.vocab is None:
         return rows.float()
-    full = torch.zeros(rows.shape[0], lm.vocab_size)
+    full = torch.zeros(rows.shape[0], lm.vocab_size, device=rows.device)
     full[:, lm.vocab] = rows.float()
     return full

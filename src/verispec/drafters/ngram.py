@@ -28,6 +28,10 @@ MEMORY_MAX_KEYS keys per level, with the tables' LRU over writes and per-key can
 at most MEMORY_STORES configs per target (least recently used out).
 `switch_off_memory` turns it off for a whole target (the server's --no-ngram-memory).
 
+Tree drafts (`AnpdDrafter(tree=N)`, the method option `tree`): the draft branches where a key
+was followed by several tokens, grown best first by path probability up to N tokens, and the
+target verifies every branch in one forward (`Draft.parents`; see `AnpdDrafter`).
+
 Privacy, in a server: outputs never depend on the memory (every drafted token is verified by
 the target, so each output is exactly `ar`'s), but speed does. One user's prompts and outputs
 shape the drafts, hence the latency, of another user's request: a client that times its
@@ -41,15 +45,17 @@ followed it. It rescans the context on every call (O(context) per step), as the 
 
 from __future__ import annotations
 
+import heapq
 from collections import OrderedDict, deque
 from dataclasses import dataclass
+from itertools import count
 from typing import Sequence
 
 import numpy as np
 import torch
 
 from ..errors import ConfigError
-from .base import Draft, Keep, keep_all, kept_prefix
+from .base import HOST, Draft, Keep, keep_all, kept_prefix
 
 
 @dataclass
@@ -133,6 +139,22 @@ class NgramTables:
                 if entry is not None:
                     return Match(entry.best, n, entry.best_count, remembered)
         return None
+
+    def candidates(self, tail: Sequence[int], remembered: bool = False) -> list["Match"]:
+        """Every token that followed `tail` at the largest n that matches, as matches: the winner
+        (what `match` gives) first, then the others by decreasing count; [] on a miss."""
+        for n, level in self._levels.items():
+            if len(tail) >= n - 1:
+                entry = level.get(tuple(tail[len(tail) - (n - 1) :]))
+                if entry is not None:
+                    others = sorted((t for t in entry.counts if t != entry.best), key=lambda t: -entry.counts[t])
+                    return [Match(t, n, entry.counts[t], remembered) for t in (entry.best, *others)]
+        return []
+
+    @property
+    def tail(self) -> list[int]:
+        """The last max_n - 1 tokens indexed (what a draft continues)."""
+        return list(self._tail)
 
     def draft(self, k: int) -> list[int]:
         """Up to k tokens by repeated look-up, starting from the indexed context's end."""
@@ -243,23 +265,37 @@ class AnpdDrafter:
     are counted, so it estimates P(accepted | the draft so far was accepted), which is what the
     adaptive controller needs. The memory's kinds are separate from the request's own: text
     seen in other requests may be far less (or more) predictive than the request's own.
+
+    Trees (`tree` > 0: a node budget): the draft branches where a key was followed by several
+    tokens. Best first: from the context's end, the candidate with the largest path probability
+    (the product of the confidences down its path) joins the tree, its own continuations (every
+    token that followed its key at the largest matching level) become candidates, and so on
+    until min(k, tree) tokens. Alternatives to a key's winner carry kinds of their own (with
+    their rank among the key's continuations, 1 or 2 and beyond), learned like the winners': a
+    child of a node on the accepted path counts as accepted when it carries the target's token
+    there. Tokens come ordered by decreasing path probability (`Draft.parents`, `Draft.confidence`),
+    so the primary branch is the linear draft whenever the winners are the likeliest children.
     """
 
-    def __init__(self, config: NgramConfig = NgramConfig(), memory: NgramMemory | None = None):
+    def __init__(self, config: NgramConfig = NgramConfig(), memory: NgramMemory | None = None, tree: int = 0):
         if memory is not None and memory.config != config:
             raise ConfigError(f"the memory's n-gram config {memory.config} differs from the drafter's {config}")
+        if isinstance(tree, bool) or not isinstance(tree, int) or tree < 0:
+            raise ConfigError(f"the tree's node budget must be an integer >= 0, got {tree!r}")
         self.config = config
         self.memory = memory
+        self.tree = tree
         self.tables = self._new_tables()
         self._memory_tail: deque[int] | None = None
-        self._outcomes: dict[tuple[int, int, bool], list[int]] = {}  # kind -> [accepted, rejected]
+        self._outcomes: dict[tuple, list[int]] = {}  # kind -> [accepted, rejected]
         self._last_kinds: list[tuple[int, int, bool]] = []
+        self._last_tree: tuple[list[int], list[int], list[tuple]] | None = None  # tokens, parents, kinds
 
     @classmethod
-    def for_target(cls, attachments: dict, config: NgramConfig, memory: bool = True) -> "AnpdDrafter":
+    def for_target(cls, attachments: dict, config: NgramConfig, memory: bool = True, tree: int = 0) -> "AnpdDrafter":
         """A drafter using the memory kept in a target's `attachments` (`shared_memory`) when
-        `memory` is True and the target has not switched it off."""
-        return cls(config, shared_memory(attachments, config) if memory else None)
+        `memory` is True and the target has not switched it off; `tree`: its node budget."""
+        return cls(config, shared_memory(attachments, config) if memory else None, tree)
 
     def _new_tables(self) -> NgramTables:
         c = self.config
@@ -271,27 +307,83 @@ class AnpdDrafter:
         if self.memory is not None:
             self._memory_tail = self.memory.new_tail()
             self.memory.index(self._memory_tail, prompt)
-        self._outcomes, self._last_kinds = {}, []
+        self._outcomes, self._last_kinds, self._last_tree = {}, [], None
 
     def propose(self, context: Sequence[int], k: int, keep: Keep = keep_all) -> Draft:
+        if self.tree:
+            return self._propose_tree(min(k, self.tree), keep)
         fallback = None if self.memory is None else self.memory.tables
         matches = self.tables.draft_matches(k, fallback)
         kinds = [(m.n, min(m.count, 3), m.remembered) for m in matches]
         confidence = tuple(self._confidence(kind) for kind in kinds)
         n = kept_prefix(confidence, keep)
         self._last_kinds = kinds[:n]
-        return Draft(torch.tensor([m.token for m in matches[:n]], dtype=torch.long), confidence=confidence[:n])
+        return Draft(torch.tensor([m.token for m in matches[:n]], dtype=torch.long, device=HOST), confidence=confidence[:n])
 
-    def _confidence(self, kind: tuple[int, int, bool]) -> float:
+    def _propose_tree(self, budget: int, keep: Keep) -> Draft:
+        """Up to `budget` tokens as a tree, best first (see the class docstring)."""
+        fallback = None if self.memory is None else self.memory.tables
+        tokens: list[int] = []
+        parents: list[int] = []
+        kinds: list[tuple] = []
+        reach: list[float] = []  # path probability of each token
+        frontier: list = []  # heap of (-path probability, order, parent, token, kind, tail)
+        order = count()
+
+        def expand(parent: int, tail: list[int], probability: float) -> None:
+            options = self.tables.candidates(tail)
+            if not options and fallback is not None:
+                options = fallback.candidates(tail, remembered=True)
+            for rank, match in enumerate(options):
+                kind = (match.n, min(match.count, 3), match.remembered) + ((min(rank, 2),) if rank else ())
+                heapq.heappush(frontier, (-probability * self._confidence(kind), next(order), parent, match.token,
+                                          kind, tail))
+
+        expand(-1, self.tables.tail, 1.0)
+        while frontier and len(tokens) < budget:
+            negative, _, parent, token, kind, tail = heapq.heappop(frontier)
+            tokens.append(token)
+            parents.append(parent)
+            kinds.append(kind)
+            reach.append(-negative)
+            longer = tail + [token]
+            expand(len(tokens) - 1, longer[max(0, len(longer) - (self.config.max_n - 1)) :], -negative)
+        # popped in order of decreasing path probability (a child is never likelier than its parent)
+        confidence = [r / (reach[i - 1] if i else 1.0) for i, r in enumerate(reach)]
+        n = kept_prefix(confidence, keep)
+        self._last_tree = (tokens[:n], parents[:n], kinds[:n])
+        return Draft.tree(tokens[:n], parents[:n], confidence[:n])
+
+    def _confidence(self, kind: tuple) -> float:
         accepted, rejected = self._outcomes.get(kind, (0, 0))
         return (1 + accepted) / (2 + accepted + rejected)
 
+    def _learn_tree(self, committed: Sequence[int]) -> None:
+        """Outcomes of the last tree: down the committed path, every child of a node on it (the
+        root included) is accepted if it carries the target's token there, else rejected."""
+        tokens, parents, kinds = self._last_tree
+        children: dict[int, list[int]] = {}
+        for i, parent in enumerate(parents):
+            children.setdefault(parent, []).append(i)
+        node = -1
+        for j, token in enumerate(committed):
+            step = None
+            for child in children.get(node, ()):
+                hit = tokens[child] == token
+                self._outcomes.setdefault(kinds[child], [0, 0])[0 if hit else 1] += 1
+                step = child if hit else step
+            if step is None or j == len(committed) - 1:
+                break
+            node = step
+
     def commit(self, committed: Sequence[int], n_proposed: int) -> None:
+        if self._last_tree is not None:
+            self._learn_tree(committed)
         n_accepted = len(committed) - 1
         for i, kind in enumerate(self._last_kinds[:n_proposed][: n_accepted + 1]):
             outcome = self._outcomes.setdefault(kind, [0, 0])
             outcome[0 if i < n_accepted else 1] += 1
-        self._last_kinds = []
+        self._last_kinds, self._last_tree = [], None
         self.tables.extend(committed)
         if self.memory is not None:
             self.memory.index(self._memory_tail, committed)

@@ -70,7 +70,7 @@ import torch
 
 from ..errors import ConfigError
 from ..sampling import is_integer, is_number
-from .base import EMPTY_DRAFT, Draft, Keep, keep_all, kept_prefix
+from .base import EMPTY_DRAFT, HOST, Draft, Keep, keep_all, kept_prefix
 
 MISSING = "the suffix method needs arctic-inference: run `make suffix`"
 ATTACHMENT = "suffix-cache"  # Target.attachments key: {SuffixConfig: SuffixStore}
@@ -249,7 +249,7 @@ class SuffixDrafter:
         confidence = tuple(self.store.confidence(kind, p) for kind, p in zip(kinds, conditional))
         n = kept_prefix(confidence, keep)
         self._kinds = kinds[:n]
-        return Draft(torch.tensor([tree.token_ids[i] for i in path[:n]], dtype=torch.long),
+        return Draft(torch.tensor([tree.token_ids[i] for i in path[:n]], dtype=torch.long, device=HOST),
                      confidence=confidence[:n])
 
     def commit(self, committed: Sequence[int], n_proposed: int) -> None:

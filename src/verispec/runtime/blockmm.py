@@ -9,9 +9,10 @@ float32 scale (and offset) per block of inputs, in two numerics:
   `x @ W^T` up to the order of float32 sums; it reads 1 byte per weight instead of 4, which is
   what a memory-bound one-token step pays for (scripts/profile_step.py measures it).
 - "int8" (`kernels/blockmm_int8.c`): each row of activations quantized per block (symmetric int8,
-  a float32 scale per row and block from that row alone), integer products with the weight codes,
-  then a fixed sequence of float32 operations: batch-invariant (a row's result does not depend on
-  the other rows, the thread count or the instruction set), bit for bit.
+  a float32 scale per row and block from that row alone), exact integer products with the weight
+  codes (in `gguf_blocks.PackedBlocks`' layout: 8 outputs per vector lane group, no horizontal
+  sums), then one float32 multiply-add per block in block order: batch-invariant (a row's result
+  does not depend on the other rows, the thread count or the instruction set), bit for bit.
 
 The library is compiled for one instruction-set variant (`VARIANTS`), chosen at run time from
 the flags the CPU reports (never `-march=native`): AVX-512 VNNI, AVX-VNNI, AVX2+FMA+F16C, or
@@ -163,24 +164,27 @@ class Kernel:
         compiled.restype = ctypes.c_char_p
         self.compiled_isa = compiled().decode()  # what the C preprocessor saw: "avx512vnni", ..., "portable"
 
-    def matmul(self, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None,
-               block: int, numerics: str = "fp32") -> torch.Tensor:
-        """x [m, in] float32 times the block-form weights codes [out, in] int8, scales/offsets
-        [out, in // block] float32 -> [m, out] float32, in `numerics` "fp32" or "int8" (see the
-        module docstring)."""
-        assert x.dtype == torch.float32 and codes.dtype == torch.int8 and scales.dtype == torch.float32
+    def matmul(self, x: torch.Tensor, form, numerics: str = "fp32") -> torch.Tensor:
+        """x [m, in] float32 times the block-form weights `form` (`gguf_blocks.BlockWeights`,
+        [out, in]) -> [m, out] float32, in `numerics` "fp32" or "int8" (see the module docstring;
+        int8 reads the form's packed layout, `form.packed`)."""
+        assert x.dtype == torch.float32 and form.codes.dtype == torch.int8 and form.scales.dtype == torch.float32
         x = x.contiguous()
         m, inputs = x.shape
-        outputs = codes.shape[0]
-        assert codes.shape[1] == inputs and codes.is_contiguous() and scales.is_contiguous()
-        assert offsets is None or offsets.is_contiguous()
+        outputs = form.codes.shape[0]
+        assert form.codes.shape[1] == inputs and inputs % form.block == 0
+        assert form.scales.shape == (outputs, inputs // form.block), "scales must be [out, in // block]"
+        weights = form.packed if numerics == "int8" else form
+        codes, scales, offsets = weights.codes, weights.scales, weights.offsets
+        assert codes.is_contiguous() and scales.is_contiguous() and (offsets is None or offsets.is_contiguous())
         y = torch.empty(m, outputs, dtype=torch.float32)
         status = self._fns[numerics](
             x.data_ptr(), m, inputs, codes.data_ptr(), scales.data_ptr(),
-            None if offsets is None else offsets.data_ptr(), outputs, block, y.data_ptr(), torch.get_num_threads(),
+            None if offsets is None else offsets.data_ptr(), outputs, form.block, y.data_ptr(),
+            torch.get_num_threads(),
         )
         if status != 0:
-            raise RuntimeError(f"blockmm kernel refused its arguments (status {status}): m={m}, in={inputs}, block={block}")
+            raise RuntimeError(f"blockmm kernel refused its arguments (status {status}): m={m}, in={inputs}, block={form.block}")
         return y
 
 

@@ -265,7 +265,8 @@ class FastDecoder:
                 [layer.native for layer in chosen], x, placement.start if placement.slots is None else 0,
                 [rope[layer.rope_layer_type] for layer in chosen], [cache.keys[i] for i in layers],
                 [cache.values[i] for i in layers], placement.slots,
-                None if placement.slots is None else [placement.slot_mask(layer.window) for layer in chosen])
+                None if placement.slots is None else [placement.slot_mask(layer.window) for layer in chosen],
+                placement.slot_positions)
         for index, layer in zip(layers, chosen):
             x = self._layer(layer, index, x, placement, cache, rope[layer.rope_layer_type])
         return x
@@ -289,7 +290,7 @@ class FastDecoder:
             if placement.slots is None:
                 return layer.native(x, placement.start, cos, sin, cache.keys[index], cache.values[index])
             return layer.native(x, 0, cos, sin, cache.keys[index], cache.values[index], placement.slots,
-                                placement.slot_mask(layer.window))
+                                placement.slot_mask(layer.window), placement.slot_positions)
         h = layer.input_norm(x)
         q, k, v = layer.qkv(h).split(
             [self.heads * self.head_dim, self.kv_heads * self.head_dim, self.kv_heads * self.head_dim], dim=-1

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 import numpy as np
@@ -62,6 +63,11 @@ class BlockWeights:
         pick = lambda t: None if t is None else t[index].contiguous()  # noqa: E731
         return BlockWeights(pick(self.codes), pick(self.scales), pick(self.offsets), self.block)
 
+    @cached_property
+    def packed(self) -> "PackedBlocks":
+        """This matrix in the int8 kernel's layout (`PackedBlocks`), built on first use and kept."""
+        return PackedBlocks.of(self)
+
     @property
     def nbytes(self) -> int:
         extra = 0 if self.offsets is None else self.offsets.numel() * 4
@@ -89,6 +95,34 @@ class BlockWeights:
             torch.cat(codes).contiguous(), torch.cat(scales).contiguous(),
             torch.cat(offsets).contiguous() if with_offsets else None, block,
         )
+
+
+@dataclass(frozen=True)
+class PackedBlocks:
+    """A `BlockWeights` laid out for the int8 kernel (`kernels/blockmm_int8.c`): outputs in groups
+    of 8 (the last padded with zero codes), and per group, for each 4 consecutive inputs, the 4
+    codes of each of the 8 outputs, so that one 32-byte load feeds 8 output lanes."""
+
+    codes: torch.Tensor  # [groups, in // 4, 8, 4] int8
+    scales: torch.Tensor  # [groups, in // block, 8] float32
+    offsets: torch.Tensor | None  # [groups, in // block, 8] float32, or None
+    block: int
+    outputs: int  # the real number of outputs (the padding is not part of the matrix)
+
+    @staticmethod
+    def of(blocks: BlockWeights) -> "PackedBlocks":
+        out, inputs = blocks.codes.shape
+        groups = (out + 7) // 8
+        pad = groups * 8 - out
+
+        def per_group(t: torch.Tensor) -> torch.Tensor:  # [out, nb] -> [groups, nb, 8]
+            t = torch.nn.functional.pad(t, (0, 0, 0, pad))
+            return t.view(groups, 8, -1).transpose(1, 2).contiguous()
+
+        codes = torch.nn.functional.pad(blocks.codes, (0, 0, 0, pad))  # [groups * 8, in]
+        codes = codes.view(groups, 8, inputs // 4, 4).transpose(1, 2).contiguous()  # [groups, in // 4, 8, 4]
+        offsets = None if blocks.offsets is None else per_group(blocks.offsets)
+        return PackedBlocks(codes, per_group(blocks.scales), offsets, blocks.block, out)
 
 
 def block_scales(raw: np.ndarray, type_name: str, columns: int) -> tuple[int, np.ndarray, np.ndarray | None]:

@@ -101,10 +101,12 @@ class BlockLinear:
     def __init__(self, blocks, dense: Linear, kernel, max_rows: int, numerics: str = "fp32"):
         self.blocks, self.dense, self.kernel, self.max_rows = blocks, dense, kernel, max_rows
         self.numerics = numerics
+        if numerics == "int8":
+            blocks.packed  # noqa: B018 - laid out for the int8 kernel now, at load, not in the first request
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] > self.max_rows:
             return self.dense(x)
         b = self.blocks
-        y = self.kernel.matmul(x, b.codes, b.scales, b.offsets, b.block, self.numerics)  # [n, out], ours
+        y = self.kernel.matmul(x, b, self.numerics)  # [n, out], ours
         return y if self.dense.bias is None else y.add_(self.dense.bias)  # in place: same bits, no new tensor

@@ -7,7 +7,8 @@ runs about 35 small PyTorch operators per layer, which cost about a third of the
 (scripts/profile_step.py); the C layer computes the same math as `FastDecoder._layer`, with the model's
 own rotary tables, its norm weights as `FusedNorm` verified them, and its activation recognised
 by value (gelu-tanh or SiLU, checked on a probe against PyTorch's). Contiguous chunks and trees
-of drafts (slots and a visibility mask) both run in C. Anything else -- a linear without an
+of drafts (slots, a visibility mask and each slot's position) both run in C, a tree row with the
+bits the same position gets in a contiguous chunk. Anything else -- a linear without an
 exact block form, a norm that is not a plain RMSNorm, another activation, more than
 `BLOCK_KERNEL_MAX_ROWS` tokens -- keeps the PyTorch path (`of` returns None; `why_not` says why).
 """
@@ -75,11 +76,13 @@ def _bind(library):
     pointer, size = ctypes.c_void_p, ctypes.c_int64
     one, many = library.decoder_layer, library.decoder_layers
     one.restype = many.restype = ctypes.c_int
-    one.argtypes = [pointer, pointer, size, size, pointer, pointer, size, pointer, pointer, pointer, pointer,
+    # layer*, x, n, start, slots, visible, slot_count, slot_positions, cos, sin, keys, values, capacity, threads
+    one.argtypes = [pointer, pointer, size, size, pointer, pointer, size, pointer, pointer, pointer, pointer, pointer,
                     size, ctypes.c_int]
-    # layers**, count, x, n, start, slots, visible**, slot_count, cos**, sin**, keys**, values**, capacity, threads
+    # layers**, count, x, n, start, slots, visible**, slot_count, slot_positions, cos**, sin**, keys**, values**,
+    # capacity, threads
     many.argtypes = [pointer, size, pointer, size, size, pointer, pointer, size, pointer, pointer, pointer, pointer,
-                     size, ctypes.c_int]
+                     pointer, size, ctypes.c_int]
     return one, many
 
 
@@ -108,12 +111,39 @@ def why_not(layer, kernel, heads: int, kv_heads: int, head_dim: int) -> str | No
     return None
 
 
+def _pointer(tensor: torch.Tensor | None, keep: list) -> int | None:
+    """The address of `tensor` (contiguous; kept alive in `keep`), or None."""
+    if tensor is None:
+        return None
+    tensor = tensor.detach().contiguous()
+    keep.append(tensor)
+    return tensor.data_ptr()
+
+
 class NativeLayer:
     """One fast-path layer as a C call. Build with `of`; call with the residual stream."""
 
-    def __init__(self, struct: _CLayer, keep: list, functions):
+    def __init__(self, struct: _CLayer, keep: list, functions, linears: list):
         self._struct, self._keep = struct, keep
         self._function, self._run_many = functions  # decoder_layer, decoder_layers
+        self._linears = linears
+        self._described: dict = {}  # numerics -> the 4 _CLinear structs of that weight layout
+
+    def _describe(self, numerics: str) -> list:
+        """The layer's linears as C structs, pointing at the weights in the layout `numerics`
+        multiplies (int8: `BlockWeights.packed`), built once per numerics."""
+        if numerics not in self._described:
+            structs = []
+            for linear in self._linears:
+                b = linear.blocks
+                weights = b.packed if numerics == "int8" else b
+                bias = linear.dense.bias
+                structs.append(_CLinear(_pointer(weights.codes, self._keep), _pointer(weights.scales, self._keep),
+                                        _pointer(weights.offsets, self._keep),
+                                        _pointer(None if bias is None else bias.float(), self._keep),
+                                        b.codes.shape[0], b.codes.shape[1], b.block))
+            self._described[numerics] = structs
+        return self._described[numerics]
 
     @staticmethod
     def of(layer, heads: int, kv_heads: int, head_dim: int, kernel, numerics: str = "fp32") -> "NativeLayer | None":
@@ -122,30 +152,17 @@ class NativeLayer:
         if why_not(layer, kernel, heads, kv_heads, head_dim) is not None:
             return None
         keep: list = []
-
-        def pointer(tensor: torch.Tensor | None) -> int | None:
-            if tensor is None:
-                return None
-            tensor = tensor.detach().contiguous()
-            keep.append(tensor)
-            return tensor.data_ptr()
-
         hidden, intermediate = layer.qkv.blocks.codes.shape[1], layer.gate_up.blocks.codes.shape[0] // 2
         struct = _CLayer()
-        for i, linear in enumerate(_linears(layer)):
-            b = linear.blocks
-            bias = linear.dense.bias
-            struct.linear[i] = _CLinear(pointer(b.codes), pointer(b.scales), pointer(b.offsets),
-                                        pointer(None if bias is None else bias.float()),
-                                        b.codes.shape[0], b.codes.shape[1], b.block)
         for field, norm in zip(_NORM_FIELDS, _norms(layer)):
             if norm is not None:
-                setattr(struct, field, _CNorm(pointer(norm.weight.float()), norm.eps))
+                setattr(struct, field, _CNorm(_pointer(norm.weight.float(), keep), norm.eps))
         struct.hidden, struct.heads, struct.kv_heads, struct.head_dim = hidden, heads, kv_heads, head_dim
         struct.intermediate, struct.window = intermediate, layer.window or 0
         struct.scaling, struct.act = layer.scaling, ACTIVATIONS[recognise_activation(layer.act)]
-        struct.numerics = NUMERICS[numerics]
-        return NativeLayer(struct, keep, _bind(kernel.library))
+        native = NativeLayer(struct, keep, _bind(kernel.library), _linears(layer))
+        native.numerics = numerics
+        return native
 
     @property
     def numerics(self) -> str:
@@ -154,33 +171,48 @@ class NativeLayer:
 
     @numerics.setter
     def numerics(self, value: str) -> None:
+        for i, linear in enumerate(self._describe(value)):
+            self._struct.linear[i] = linear
         self._struct.numerics = NUMERICS[value]
 
     def __call__(self, x: torch.Tensor, start: int, cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor,
-                 values: torch.Tensor, slots: torch.Tensor | None = None, visible: torch.Tensor | None = None
-                 ) -> torch.Tensor:
+                 values: torch.Tensor, slots: torch.Tensor | None = None, visible: torch.Tensor | None = None,
+                 slot_positions: torch.Tensor | None = None) -> torch.Tensor:
         """The layer's output for x [n, hidden] float32 at positions start..start+n-1 (attending
         causally, within the window) or, for a tree of drafts, written to `slots` [n] and
-        attending where `visible` [n, S] (window included) says; cos/sin [.., n, head_dim]; writes
-        the chunk's keys/values into keys/values [kv, capacity, d] (one layer of a `StaticKV`).
-        x itself is left unchanged."""
+        attending where `visible` [n, S] (window included) says, slot s holding the position
+        `slot_positions[s]` ([S]; the slots a row sees must hold consecutive positions ending at
+        its own, in increasing slot order: the C layer refuses anything else); cos/sin
+        [.., n, head_dim]; writes the chunk's keys/values into keys/values [kv, capacity, d] (one
+        layer of a `StaticKV`). A tree row's output is the bits a contiguous chunk gives the same
+        position over the same keys. x itself is left unchanged."""
         n = x.shape[0]
         out = x.to(torch.float32, copy=True).contiguous()  # [n, hidden], updated in place by C
         cos = cos.reshape(n, -1).to(torch.float32).contiguous()  # [n, head_dim]
         sin = sin.reshape(n, -1).to(torch.float32).contiguous()
         assert keys.is_contiguous() and values.is_contiguous() and keys.dtype == torch.float32
-        slot_pointer = mask_pointer = None
+        slot_pointer = mask_pointer = position_pointer = None
         slot_count = 0
         if slots is not None:
-            assert slots.dtype == torch.int64 and visible.dtype == torch.bool
-            slots, visible = slots.contiguous(), visible.contiguous()  # [n], [n, S] (bool: one byte, 0 or 1)
+            slots, visible, slot_positions = _tree_arguments(slots, [visible], slot_positions)
+            visible = visible[0]
             slot_pointer, mask_pointer, slot_count = slots.data_ptr(), visible.data_ptr(), visible.shape[1]
+            position_pointer = slot_positions.data_ptr()
         status = self._function(ctypes.addressof(self._struct), out.data_ptr(), n, start, slot_pointer, mask_pointer,
-                                slot_count, cos.data_ptr(), sin.data_ptr(), keys.data_ptr(), values.data_ptr(),
-                                keys.shape[1], torch.get_num_threads())
+                                slot_count, position_pointer, cos.data_ptr(), sin.data_ptr(), keys.data_ptr(),
+                                values.data_ptr(), keys.shape[1], torch.get_num_threads())
         if status != 0:
             raise RuntimeError(f"decoder_layer refused its arguments (n={n}, start={start}, capacity={keys.shape[1]})")
         return out
+
+
+def _tree_arguments(slots: torch.Tensor, visible: list, slot_positions: torch.Tensor | None):
+    """A tree's slots [n], masks [n, S] and slot positions [S] as the C layer reads them."""
+    assert slots.dtype == torch.int64 and all(mask.dtype == torch.bool for mask in visible)
+    assert slot_positions is not None and slot_positions.shape == (visible[0].shape[1],), \
+        "a tree needs the position of each of its S slots"
+    # [n] int64, [n, S] bool (one byte, 0 or 1), [S] int64
+    return slots.contiguous(), [mask.contiguous() for mask in visible], slot_positions.to(torch.int64).contiguous()
 
 
 def _pointers(tensors: list) -> ctypes.Array:
@@ -189,12 +221,14 @@ def _pointers(tensors: list) -> ctypes.Array:
 
 
 def run_layers(layers: list[NativeLayer], x: torch.Tensor, start: int, rope: list, keys: list, values: list,
-               slots: torch.Tensor | None = None, visible: list | None = None) -> torch.Tensor:
+               slots: torch.Tensor | None = None, visible: list | None = None,
+               slot_positions: torch.Tensor | None = None) -> torch.Tensor:
     """Several C layers in turn over x [n, hidden] float32 in one call (`decoder_layers`): what
     calling each `NativeLayer` in order computes, bit for bit, without a trip through Python per
     layer (about 40 us each, a few percent of a one-token step). Per layer i: rope[i] its (cos,
     sin) [.., n, head_dim] tables, keys[i]/values[i] its [kv, capacity, d] cache, and for a tree
-    of drafts (`slots` [n]) visible[i] its [n, S] mask. x itself is left unchanged."""
+    of drafts (`slots` [n], `slot_positions` [S]) visible[i] its [n, S] mask. x itself is left
+    unchanged."""
     if not layers:
         return x
     n = x.shape[0]
@@ -207,16 +241,16 @@ def run_layers(layers: list[NativeLayer], x: torch.Tensor, start: int, rope: lis
     cos_sin = [tables[id(cos)] for cos, _ in rope]
     assert all(k.is_contiguous() and k.dtype == torch.float32 for k in keys + values)
     assert len({k.shape[1] for k in keys + values}) == 1, "layers' caches of different capacities"
-    slot_pointer, masks, slot_count = None, None, 0
+    slot_pointer, masks, slot_count, position_pointer = None, None, 0, None
     if slots is not None:
-        assert slots.dtype == torch.int64 and all(mask.dtype == torch.bool for mask in visible)
-        slots = slots.contiguous()  # [n]
-        visible = [mask.contiguous() for mask in visible]  # [n, S] each (bool: one byte, 0 or 1)
+        slots, visible, slot_positions = _tree_arguments(slots, visible, slot_positions)
         slot_pointer, masks, slot_count = slots.data_ptr(), _pointers(visible), visible[0].shape[1]
+        position_pointer = slot_positions.data_ptr()
     structs = (ctypes.c_void_p * len(layers))(*[ctypes.addressof(layer._struct) for layer in layers])
     status = layers[0]._run_many(structs, len(layers), out.data_ptr(), n, start, slot_pointer, masks, slot_count,
-                                 _pointers([c for c, _ in cos_sin]), _pointers([s for _, s in cos_sin]),
-                                 _pointers(keys), _pointers(values), keys[0].shape[1], torch.get_num_threads())
+                                 position_pointer, _pointers([c for c, _ in cos_sin]),
+                                 _pointers([s for _, s in cos_sin]), _pointers(keys), _pointers(values),
+                                 keys[0].shape[1], torch.get_num_threads())
     if status != 0:
         raise RuntimeError(f"decoder_layers refused its arguments (n={n}, start={start}, capacity={keys[0].shape[1]})")
     return out

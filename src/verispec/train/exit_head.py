@@ -11,7 +11,8 @@ forward KL bounds through Pinsker's inequality, and greedy acceptance follows fr
 mode. Held-out estimates are computed against the target's full-vocabulary distribution:
 greedy acceptance P(argmax q == argmax p) and sampled acceptance E[sum min(p, q)].
 
-Runs on CPU with a progress bar, checkpoints (`checkpoint.pt`: head, optimiser, step, draft
+Runs on the target's device (a GPU's through its PyTorch forward, the CPU's on the fast path)
+with a progress bar, checkpoints (`checkpoint.pt`: head, optimiser, step, draft
 vocabulary, settings) every `checkpoint_every` steps and at the end, and resumes from them
 (`resume=True`); the labelled corpus is cached as `labels.pt` next to the checkpoint so a resume
 does not relabel. Both files hold only tensors and plain values (dicts, lists, numbers, strings)
@@ -121,7 +122,10 @@ def _load_labels(path: Path, sequences: list[list[int]]) -> Labels:
 
 @torch.inference_mode()
 def label(target, sequences: list[list[int]], exit_layer: int, progress: Callable[[int], None] | None = None) -> Labels:
-    """Run the frozen target over each sequence (fast path), keeping layer-N and final states."""
+    """Run the frozen target over each sequence, keeping layer-N and final states (bfloat16, on
+    the host): on the fast path on the CPU, through the PyTorch forward on a GPU."""
+    if not target.fast and target.device.type != "cpu":
+        return _label_on_device(target, sequences, exit_layer, progress)
     if not target.fast:
         raise ConfigError("training an exit head needs the fast forward path (Llama, Qwen2 or Gemma 3)")
     fast = target._fast
@@ -130,13 +134,36 @@ def label(target, sequences: list[list[int]], exit_layer: int, progress: Callabl
     exits, finals = [], []
     for ids in sequences:
         cache = fast.new_cache(len(ids))
-        x = fast.embed(torch.tensor(ids))
+        x = fast.embed(torch.tensor(ids, device=target.device))
         x = fast.run(x, 0, cache, range(exit_layer))
         exits.append(x.to(torch.bfloat16))
         x = fast.run(x, 0, cache, range(exit_layer, len(fast.layers)))
         finals.append(fast.norm(x).to(torch.bfloat16))
         if progress is not None:
             progress(1)
+    return Labels(exits, finals, sequences)
+
+
+def _label_on_device(target, sequences: list[list[int]], exit_layer: int, progress) -> Labels:
+    """`label` through the model's own decoder (a GPU target): layer N's output is read with a
+    forward hook, the final states are the decoder's normed output."""
+    body = target.model.get_decoder()
+    if not 1 <= exit_layer <= len(body.layers):
+        raise ConfigError(f"exit layer must be in 1..{len(body.layers)}, got {exit_layer}")
+    captured: list[torch.Tensor] = []
+    hook = body.layers[exit_layer - 1].register_forward_hook(
+        lambda module, args, output: captured.append(output[0] if isinstance(output, tuple) else output))
+    exits, finals = [], []
+    try:
+        for ids in sequences:
+            captured.clear()
+            final = body(input_ids=torch.tensor([ids], device=target.device), use_cache=False).last_hidden_state[0]
+            exits.append(captured[0][0].to(torch.bfloat16).cpu())
+            finals.append(final.to(torch.bfloat16).cpu())
+            if progress is not None:
+                progress(1)
+    finally:
+        hook.remove()
     return Labels(exits, finals, sequences)
 
 
@@ -169,8 +196,8 @@ def evaluate(head: ExitHead, labels: Labels, indices: list[int], output_weight: 
     rows = head.output_rows().float()  # [V_d, d]
     kls, greedy, sampled, counted = [], 0.0, 0.0, 0
     for i in indices:
-        exit_states = labels.exit_states[i].float().unsqueeze(0)  # [1, T, d]
-        final = labels.final_states[i].float()  # [T, d]
+        exit_states = labels.exit_states[i].to(rows.device).float().unsqueeze(0)  # [1, T, d]
+        final = labels.final_states[i].to(rows.device).float()  # [T, d]
         q_logits = head(exit_states)[0]  # [T, V_d]
         kls.append(float(_kl(q_logits, final @ rows.T)))
         for begin in range(0, final.shape[0], 64):  # 64 positions at a time: [64, vocab] rows
@@ -269,8 +296,8 @@ def train_exit_head(target, corpus_path: Path, out_dir: Path, config: TrainConfi
             break
         batch = [train_ids[rng.randrange(len(train_ids))] for _ in range(config.batch)]
         length = min(labels.exit_states[i].shape[0] for i in batch)
-        exit_states = torch.stack([labels.exit_states[i][:length] for i in batch]).float()  # [B, T, d]
-        final = torch.stack([labels.final_states[i][:length] for i in batch]).float()  # [B, T, d]
+        exit_states = torch.stack([labels.exit_states[i][:length] for i in batch]).to(rows.device).float()  # [B, T, d]
+        final = torch.stack([labels.final_states[i][:length] for i in batch]).to(rows.device).float()  # [B, T, d]
         scale = min(1.0, (step + 1) / config.warmup) * 0.5 * (1 + math.cos(math.pi * step / config.steps))
         for group in optimizer.param_groups:
             group["lr"] = config.learning_rate * scale

@@ -21,9 +21,10 @@
  * Batch invariance: every step works row by row (norms, rotary, activation) or, in the
  * attention, on chunks of keys at fixed boundaries (see attention()), and with the layer's
  * numerics int8 the linears are blockmm_int8.c's, so a token's output does not depend on how
- * many tokens share the call nor on the thread count. The portable build (no AVX2/FMA) performs
- * the vector paths' operations lane by lane (fmaf for the FMA chains, exp1 for exp8), so it
- * gives the same bits as the AVX2 build. */
+ * many tokens share the call, on the thread count, nor on whether it sits in a tree of drafts
+ * (a tree row computes what its position computes in a contiguous chunk over the same keys).
+ * The portable build (no AVX2/FMA) performs the vector paths' operations lane by lane (fmaf for
+ * the FMA chains, exp1 for exp8), so it gives the same bits as the AVX2 build. */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -317,43 +318,85 @@ static double exp_shifted(float *row, int64_t size, float best) {
     return total;
 }
 
-/* The first and last key (or slot) query row r may see: contiguous, low..position (causal, within
- * the window); tree, slots 0..slot_count-1 where visible[r] says so (the mask includes the window). */
-static void key_range(const Layer *L, int64_t r, int64_t start, const uint8_t *visible, int64_t slot_count,
-                      int64_t *low, int64_t *high) {
-    const int64_t position = start + r;
-    *low = visible ? 0 : L->window > 0 && position - L->window + 1 > 0 ? position - L->window + 1 : 0;
-    *high = visible ? slot_count - 1 : position;
+/* Which keys each query row sees, as a run of consecutive positions low..high (its own position),
+ * and where they are. Contiguous chunk (visible NULL): row r is at position start + r, sees
+ * low..position (causal, within the window), and position p is in slot p (order stays NULL).
+ * Tree (visible not NULL): row r is at position slot_positions[slots[r]] and sees the slots
+ * visible[r] marks; taken in increasing slot order these must hold consecutive positions ending at
+ * the row's own (its context, then its ancestors and itself): (*order)[r * slot_count + i] is the
+ * slot of position low[r] + i. A tree row's run is cut to the window as a contiguous row's is, so
+ * a row sees exactly the keys of the same position in a contiguous chunk. Returns -1 (and frees
+ * *order) if a tree row's visible slots are not such a run. */
+static int key_ranges(const Layer *L, int64_t n, int64_t start, const int64_t *slots, const uint8_t *visible,
+                      int64_t slot_count, const int64_t *slot_positions, int64_t *lows, int64_t *highs,
+                      int64_t **order) {
+    *order = NULL;
+    if (visible) {
+        *order = malloc(sizeof(int64_t) * n * slot_count);
+        if (!*order) return -1;
+    }
+    for (int64_t r = 0; r < n; r++) {
+        const int64_t position = visible ? slot_positions[slots[r]] : start + r;
+        const int64_t window_low = L->window > 0 && position - L->window + 1 > 0 ? position - L->window + 1 : 0;
+        lows[r] = window_low, highs[r] = position;
+        if (!visible) continue;
+        const uint8_t *seen = visible + r * slot_count;
+        int64_t *row = *order + r * slot_count, count = 0;
+        for (int64_t s = 0; s < slot_count; s++)
+            if (seen[s]) row[count++] = s;
+        const int64_t low = position - count + 1;
+        int fine = count > 0 && low >= 0;
+        for (int64_t i = 0; fine && i < count; i++) fine = slot_positions[row[i]] == low + i;
+        if (!fine || low > window_low) { /* a gap in the run, or a key of the window hidden */
+            free(*order);
+            *order = NULL;
+            return -1;
+        }
+        if (window_low > low) memmove(row, row + (window_low - low), sizeof(int64_t) * (count - (window_low - low)));
+    }
+    return 0;
 }
 
 /* Attention of the chunk's n queries over the cache, into attended [n, heads * d]. Each query's
- * keys are cut at fixed absolute boundaries, multiples of KEY_CHUNK (key index, or slot for a
- * tree), into chunks; a task (query row, key/value head, chunk) scores its keys for the `group`
- * query heads that share the key/value head and keeps, per head, the maximum score, the sum of
- * exponentials and the unnormalised sum of values; the chunks are then merged in their order
- * (the split flash-decoding uses). Threads only distribute the tasks: what a query computes
- * depends on its position (and window) alone, not on n or the thread count, so for a contiguous
- * chunk a position's output is the same bits however many positions share the call (for a tree:
- * the same for the same slots and mask). A one-token step still runs on every thread once the
- * context has more than one chunk of keys. */
+ * keys are cut at fixed absolute boundaries, multiples of KEY_CHUNK key positions, into chunks;
+ * a task (query row, key/value head, chunk) scores its keys for the `group` query heads that
+ * share the key/value head and keeps, per head, the maximum score, the sum of exponentials and
+ * the unnormalised sum of values; the chunks are then merged in their order (the split
+ * flash-decoding uses). Threads only distribute the tasks: what a query computes depends on its
+ * position (and window) and the keys of those positions alone, not on n, the thread count or
+ * where the keys are stored, so a position's output is the same bits however many positions
+ * share the call, contiguous or placed in a tree (a tree row's keys that are not in consecutive
+ * slots -- ancestors in scratch slots -- are first copied, in position order, into a buffer of
+ * one chunk). A one-token step still runs on every thread once the context has more than one
+ * chunk of keys. */
 #define KEY_CHUNK 64
 static int attention(const Layer *L, const float *qkv, int64_t qkv_width, int64_t n, int64_t start,
-                     const uint8_t *visible, int64_t slot_count, const float *kcache, const float *vcache,
-                     int64_t capacity, float *attended, int threads) {
+                     const int64_t *slots, const uint8_t *visible, int64_t slot_count,
+                     const int64_t *slot_positions, const float *kcache, const float *vcache, int64_t capacity,
+                     float *attended, int threads) {
     const int64_t d = L->head_dim, heads = L->heads, kvh = L->kv_heads, group = heads / kvh;
-    int64_t parts = 1; /* the most chunks a query sees */
-    for (int64_t r = 0; r < n; r++) {
-        int64_t low, high;
-        key_range(L, r, start, visible, slot_count, &low, &high);
-        if (high / KEY_CHUNK - low / KEY_CHUNK + 1 > parts) parts = high / KEY_CHUNK - low / KEY_CHUNK + 1;
+    int64_t *lows = malloc(sizeof(int64_t) * 2 * n), *order = NULL;
+    if (!lows) return -1;
+    int64_t *highs = lows + n;
+    if (key_ranges(L, n, start, slots, visible, slot_count, slot_positions, lows, highs, &order) != 0) {
+        free(lows);
+        return -1;
     }
+    int64_t parts = 1; /* the most chunks a query sees */
+    for (int64_t r = 0; r < n; r++)
+        if (highs[r] / KEY_CHUNK - lows[r] / KEY_CHUNK + 1 > parts) parts = highs[r] / KEY_CHUNK - lows[r] / KEY_CHUNK + 1;
     const int64_t tasks = n * kvh * parts, per_head = 2 + d;
     float *work = malloc(sizeof(float) * tasks * group * per_head); /* per task and head: max, sum, out[d] */
-    if (!work) return -1;
+    if (!work) {
+        free(lows);
+        free(order);
+        return -1;
+    }
     int failed = 0;
 #pragma omp parallel num_threads(threads) if (tasks > 1)
     {
-        float *scores = malloc(sizeof(float) * group * KEY_CHUNK); /* head g: scores + g * KEY_CHUNK */
+        /* head g's scores: scores + g * KEY_CHUNK; then one chunk of gathered keys and values */
+        float *scores = malloc(sizeof(float) * (group + 2 * d) * KEY_CHUNK);
         if (!scores) {
 #pragma omp atomic write
             failed = 1;
@@ -361,9 +404,7 @@ static int attention(const Layer *L, const float *qkv, int64_t qkv_width, int64_
 #pragma omp for schedule(static)
         for (int64_t task = 0; task < tasks; task++) {
             const int64_t part = task % parts, r = task / parts / kvh, kv = task / parts % kvh;
-            int64_t low, high;
-            key_range(L, r, start, visible, slot_count, &low, &high);
-            const uint8_t *seen = visible ? visible + r * slot_count : NULL;
+            const int64_t low = lows[r], high = highs[r];
             const int64_t chunk = low / KEY_CHUNK + part;
             const int64_t first = chunk * KEY_CHUNK > low ? chunk * KEY_CHUNK : low;
             const int64_t last = (chunk + 1) * KEY_CHUNK - 1 < high ? (chunk + 1) * KEY_CHUNK - 1 : high;
@@ -371,34 +412,40 @@ static int attention(const Layer *L, const float *qkv, int64_t qkv_width, int64_
             float *states = work + task * group * per_head; /* head g: states + g * per_head */
             for (int64_t g = 0; g < group; g++) states[g * per_head] = -INFINITY, states[g * per_head + 1] = 0.0f;
             if (size <= 0 || !scores) continue;
-            scores_of(qkv + r * qkv_width + kv * group * d, group, kcache + (kv * capacity + first) * d, size, d,
-                      scores, KEY_CHUNK);
+            const float *keys = kcache + (kv * capacity + first) * d, *values = vcache + (kv * capacity + first) * d;
+            if (order) { /* a tree row: the slots of positions first..last */
+                const int64_t *slot = order + r * slot_count + (first - low);
+                keys = kcache + (kv * capacity + slot[0]) * d, values = vcache + (kv * capacity + slot[0]) * d;
+                if (slot[size - 1] - slot[0] != size - 1) { /* not consecutive slots: gather them */
+                    float *kbuffer = scores + group * KEY_CHUNK, *vbuffer = kbuffer + KEY_CHUNK * d;
+                    for (int64_t j = 0; j < size; j++) {
+                        memcpy(kbuffer + j * d, kcache + (kv * capacity + slot[j]) * d, sizeof(float) * d);
+                        memcpy(vbuffer + j * d, vcache + (kv * capacity + slot[j]) * d, sizeof(float) * d);
+                    }
+                    keys = kbuffer, values = vbuffer;
+                }
+            }
+            scores_of(qkv + r * qkv_width + kv * group * d, group, keys, size, d, scores, KEY_CHUNK);
             for (int64_t g = 0; g < group; g++) {
                 float *state = states + g * per_head, *row = scores + g * KEY_CHUNK;
                 float best = -INFINITY;
                 for (int64_t j = 0; j < size; j++) {
                     row[j] *= L->scaling;
-                    if ((!seen || seen[first + j]) && row[j] > best) best = row[j];
+                    if (row[j] > best) best = row[j];
                 }
-                if (best == -INFINITY) { /* no visible key in this chunk: weigh nothing (its sum is never read) */
+                if (best == -INFINITY) { /* every score -inf: weigh nothing (its sum is never read) */
                     for (int64_t j = 0; j < size; j++) row[j] = 0.0f;
                     continue;
                 }
-                double total = exp_shifted(row, size, best);
-                if (seen) { /* hidden keys weigh exactly nothing */
-                    total = 0.0;
-                    for (int64_t j = 0; j < size; j++) {
-                        if (!seen[first + j]) row[j] = 0.0f;
-                        total += row[j];
-                    }
-                }
                 state[0] = best;
-                state[1] = (float)total;
+                state[1] = (float)exp_shifted(row, size, best);
             }
-            weighted_sum(scores, KEY_CHUNK, group, vcache + (kv * capacity + first) * d, size, d, states + 2, per_head);
+            weighted_sum(scores, KEY_CHUNK, group, values, size, d, states + 2, per_head);
         }
         free(scores);
     }
+    free(lows);
+    free(order);
     if (failed) {
         free(work);
         return -1;
@@ -433,17 +480,19 @@ static int attention(const Layer *L, const float *qkv, int64_t qkv_width, int64_
 /* x [n, hidden] in place: the layer's output. Keys/values of the n tokens are written to
  * kcache/vcache [kv_heads, capacity, head_dim] at positions start..start+n-1, attending causally
  * (within the window), or, for a tree of drafts (slots not NULL), at slots[0..n-1], token r
- * attending to the slots s < slot_count with visible[r * slot_count + s]; cos/sin are
- * [n, head_dim]. Returns 0, or -1 if an argument is unusable (nothing useful was computed). */
+ * attending to the slots s < slot_count with visible[r * slot_count + s], slot s holding position
+ * slot_positions[s] (see key_ranges for what a row must see); cos/sin are [n, head_dim]. Returns
+ * 0, or -1 if an argument is unusable (nothing useful was computed). */
 int decoder_layer(const Layer *L, float *x, int64_t n, int64_t start, const int64_t *slots, const uint8_t *visible,
-                  int64_t slot_count, const float *cos_table, const float *sin_table, float *kcache, float *vcache,
-                  int64_t capacity, int threads) {
+                  int64_t slot_count, const int64_t *slot_positions, const float *cos_table, const float *sin_table,
+                  float *kcache, float *vcache, int64_t capacity, int threads) {
     const int64_t H = L->hidden, d = L->head_dim, heads = L->heads, kvh = L->kv_heads;
     const int64_t qkv_width = (heads + 2 * kvh) * d, I = L->intermediate;
     if (n < 1 || heads % kvh != 0 || d % 2 != 0 || threads < 1) return -1;
-    if (slots ? (!visible || slot_count < 1 || slot_count > capacity) : start + n > capacity) return -1;
-    for (int64_t r = 0; slots && r < n; r++)
-        if (slots[r] < 0 || slots[r] >= capacity) return -1;
+    if (slots ? (!visible || !slot_positions || slot_count < 1 || slot_count > capacity) : start + n > capacity)
+        return -1;
+    for (int64_t r = 0; slots && r < n; r++) /* a row sees its own slot, so it lies below slot_count */
+        if (slots[r] < 0 || slots[r] >= slot_count) return -1;
     const int64_t scratch_floats = n * H + n * qkv_width + n * heads * d + n * H + n * 2 * I;
     float *scratch = malloc(sizeof(float) * scratch_floats);
     if (!scratch) return -1;
@@ -466,7 +515,8 @@ int decoder_layer(const Layer *L, float *x, int64_t n, int64_t start, const int6
             memcpy(vcache + (head * capacity + slot) * d, v + head * d, sizeof(float) * d);
         }
     }
-    status |= attention(L, qkv, qkv_width, n, start, visible, slot_count, kcache, vcache, capacity, attended, threads);
+    status |= attention(L, qkv, qkv_width, n, start, slots, visible, slot_count, slot_positions, kcache, vcache, capacity,
+                        attended, threads);
     status |= linear(&L->linear[O], L->numerics, attended, n, projected, threads);
     if (L->post_attention.weight) rms_norm(&L->post_attention, projected, projected, n, H, H);
     for (int64_t i = 0; i < n * H; i++) x[i] = x[i] + projected[i];
@@ -487,16 +537,16 @@ int decoder_layer(const Layer *L, float *x, int64_t n, int64_t start, const int6
  * early exit), so that a step pays one call from Python instead of one per layer: layer i gets
  * its own rotary tables cos_tables[i]/sin_tables[i], caches kcaches[i]/vcaches[i] and, for a
  * tree of drafts, its own visibility mask visible[i] (layers with a sliding window see fewer
- * slots); visible is NULL for a contiguous chunk. Stops at the first layer that refuses its
+ * slots; slots and slot_positions are shared); visible is NULL for a contiguous chunk. Stops at the first layer that refuses its
  * arguments and returns -1 (x is then partly updated). */
 int decoder_layers(const Layer *const *layers, int64_t count, float *x, int64_t n, int64_t start, const int64_t *slots,
-                   const uint8_t *const *visible, int64_t slot_count, const float *const *cos_tables,
-                   const float *const *sin_tables, float *const *kcaches, float *const *vcaches, int64_t capacity,
-                   int threads) {
+                   const uint8_t *const *visible, int64_t slot_count, const int64_t *slot_positions,
+                   const float *const *cos_tables, const float *const *sin_tables, float *const *kcaches,
+                   float *const *vcaches, int64_t capacity, int threads) {
     if (count < 0 || (slots && !visible)) return -1;
     for (int64_t i = 0; i < count; i++)
-        if (decoder_layer(layers[i], x, n, start, slots, slots ? visible[i] : NULL, slot_count, cos_tables[i],
-                          sin_tables[i], kcaches[i], vcaches[i], capacity, threads) != 0)
+        if (decoder_layer(layers[i], x, n, start, slots, slots ? visible[i] : NULL, slot_count, slot_positions,
+                          cos_tables[i], sin_tables[i], kcaches[i], vcaches[i], capacity, threads) != 0)
             return -1;
     return 0;
 }
