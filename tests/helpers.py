@@ -35,6 +35,16 @@ def _quiet() -> None:
     warnings.filterwarnings("ignore", module="transformers")
 
 
+def with_threads(threads: int, function):
+    """function() run with torch (and the kernels, which read it) on `threads` threads."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return function()
+    finally:
+        torch.set_num_threads(previous)
+
+
 def make_config(arch: str, vocab_size: int = 128, init: float = 0.1, max_positions: int = 512, **extra):
     """A tiny float32 config of one of ARCHITECTURES (2-3 layers, hidden 64; see also
     `micro_llama_config`)."""

@@ -33,15 +33,6 @@ def tokens(count: int, seed: int) -> list[int]:
     return torch.randint(0, 128, (count,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def with_threads(threads: int, function):
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        return function()
-    finally:
-        torch.set_num_threads(previous)
-
-
 def one_at_a_time(target: Target, prompt: list[int], rest: list[int]) -> torch.Tensor:
     """Logits [len(rest), vocab] of `rest` fed one token per forward after `prompt`."""
     target.reset()
@@ -59,28 +50,28 @@ def test_each_positions_logits_are_the_same_at_every_width(arch, threads):
     target = int8_target(arch)
     sequence = tokens(CONTEXT + max(WIDTHS), seed=1)
     prompt, rest = sequence[:CONTEXT], sequence[CONTEXT:]
-    single = with_threads(threads, lambda: one_at_a_time(target, prompt, rest))  # [64, vocab]
+    single = helpers.with_threads(threads, lambda: one_at_a_time(target, prompt, rest))  # [64, vocab]
     for width in WIDTHS:
         def together():
             target.crop(CONTEXT)
             return target.forward(rest[:width])
-        assert torch.equal(with_threads(threads, together), single[:width]), width
+        assert torch.equal(helpers.with_threads(threads, together), single[:width]), width
     # a width-w forward starting mid-way (rows from other positions) also agrees
     target.crop(CONTEXT + 5)
-    assert torch.equal(with_threads(threads, lambda: target.forward(rest[5:21])), single[5:21])
+    assert torch.equal(helpers.with_threads(threads, lambda: target.forward(rest[5:21])), single[5:21])
 
 
 def test_logits_do_not_depend_on_the_thread_count(arch):
     target = int8_target(arch, seed=2)
     sequence = tokens(CONTEXT + 20, seed=2)
     prompt, rest = sequence[:CONTEXT], sequence[CONTEXT:]
-    steps = [with_threads(threads, lambda: one_at_a_time(target, prompt, rest)) for threads in (1, 2, 3)]
+    steps = [helpers.with_threads(threads, lambda: one_at_a_time(target, prompt, rest)) for threads in (1, 2, 3)]
     assert torch.equal(steps[0], steps[1]) and torch.equal(steps[0], steps[2])
 
     def verify():
         target.crop(CONTEXT)
         return target.forward(rest)
-    wide = [with_threads(threads, verify) for threads in (1, 2, 3)]
+    wide = [helpers.with_threads(threads, verify) for threads in (1, 2, 3)]
     assert all(torch.equal(w, steps[0]) for w in wide)
 
 
@@ -108,7 +99,7 @@ def test_the_c_attention_does_not_depend_on_threads_for_one_token():
     of keys and the sliding window."""
     target = int8_target("gemma3", seed=4)
     sequence = tokens(150, seed=4)
-    runs = [with_threads(threads, lambda: one_at_a_time(target, sequence[:1], sequence[1:])) for threads in (1, 2, 3, 5)]
+    runs = [helpers.with_threads(threads, lambda: one_at_a_time(target, sequence[:1], sequence[1:])) for threads in (1, 2, 3, 5)]
     assert all(torch.equal(run, runs[0]) for run in runs[1:])
 
 
@@ -138,7 +129,7 @@ def test_a_tree_of_drafts_does_not_depend_on_threads(arch):
         cache = fast.new_cache(128)
         fast.hidden_states(ids, cache)
         return fast.run(fast.embed(drafts), context, cache, tree=tree)
-    results = [with_threads(threads, run) for threads in (1, 2, 3)]
+    results = [helpers.with_threads(threads, run) for threads in (1, 2, 3)]
     assert torch.equal(results[0], results[1]) and torch.equal(results[0], results[2])
 
 
@@ -185,5 +176,5 @@ def test_the_portable_build_gives_the_simd_builds_logits(arch, monkeypatch):
             prompt = target.forward(sequence[:60])  # 60 rows: the prompt runs in C too
             steps = [target.forward([token]) for token in sequence[60:75]]
             return torch.cat([prompt, *steps, target.forward(sequence[75:91])])
-        results.append(with_threads(2, run))
+        results.append(helpers.with_threads(2, run))
     assert torch.equal(results[0], results[1])

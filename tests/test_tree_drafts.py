@@ -76,15 +76,6 @@ def tokens(count: int, seed: int, vocab: int = 128) -> list[int]:
     return torch.randint(0, vocab, (count,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def with_threads(threads: int, function):
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        return function()
-    finally:
-        torch.set_num_threads(previous)
-
-
 def tree_and_linear(target: Target, context: list[int], ids: list[int], parents: list[int]):
     """Logits of the tree `ids`/`parents` after `context`, and of each row's path verified
     linearly after the same context: ([m, vocab], [m rows of [vocab]])."""
@@ -149,7 +140,7 @@ def test_tree_rows_equal_linear_verification_bit_for_bit_on_the_c_layers(arch, c
     target = int8_target(arch, seed=context)
     ids = tokens(len(PARENTS), seed=context + 1)
     for threads in (1, 2):
-        tree, linear = with_threads(threads, lambda: tree_and_linear(target, tokens(context, context), ids, PARENTS))
+        tree, linear = helpers.with_threads(threads, lambda: tree_and_linear(target, tokens(context, context), ids, PARENTS))
         for row, reference in enumerate(linear):
             assert torch.equal(tree[row], reference), (threads, row)
 
@@ -178,6 +169,42 @@ def test_beam_placements_equal_contiguous_runs_bit_for_bit():
         contiguous = fast.run(fast.embed(torch.tensor(beam)), context, alone)  # [3, hidden]
         for step in range(3):
             assert torch.equal(placed[step][b], contiguous[step]), (b, step)
+
+
+def test_beam_steps_of_different_widths_are_placed_without_overlap_and_run_exactly():
+    """A beam step may have fewer beams than the next (top-p left fewer tokens with probability):
+    each step's slots follow the earlier steps' slots, the slots' positions say which step they
+    hold, and every beam's rows still equal its path run contiguously, bit for bit. (Placing a
+    step at step * width slots, as if widths never changed, gave scratch slots the wrong positions
+    and the C layer refused the tree.)"""
+    from verispec.drafters.model import tree_for_beams
+
+    target = int8_target("gemma3", seed=3)
+    fast = target._fast
+    context = 62
+    ids = torch.tensor(tokens(context, 3))
+    cache = fast.new_cache(128)
+    fast.hidden_states(ids, cache)
+    steps = [([4, 9, 3], [-1, -1, -1]), ([5, 6], [0, 2]), ([8, 1, 2], [0, 1, 1])]  # (tokens, parent beam) per step
+    paths: list[list[int]] = [[] for _ in range(3)]
+    histories: list[list[int]] = [[] for _ in range(3)]
+    earlier: list[int] = []
+    placed = []
+    for step, (ids_step, parents) in enumerate(steps, start=1):
+        if step > 1:
+            paths = [paths[p] + [slots[p]] for p in parents]
+            histories = [histories[p] for p in parents]
+        histories = [history + [token] for history, token in zip(histories, ids_step)]
+        tree = tree_for_beams(context, step, len(ids_step), paths, earlier=earlier)
+        assert len(set(tree.slots.tolist()) & {s for path in paths for s in path}) == 0  # no slot reused
+        earlier += [context + step - 1] * len(ids_step)
+        placed.append(fast.run(fast.embed(torch.tensor(ids_step)), context, cache, tree=tree))
+        slots = tree.slots.tolist()
+    for b, history in enumerate(histories):
+        alone = fast.new_cache(128)
+        fast.hidden_states(ids, alone)
+        contiguous = fast.run(fast.embed(torch.tensor(history)), context, alone)  # [3, hidden]
+        assert torch.equal(placed[-1][b], contiguous[-1]), b
 
 
 @pytest.mark.parametrize("path", ["llama", "gemma3", "qwen2", "gemma3-blocks"])

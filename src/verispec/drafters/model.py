@@ -55,11 +55,16 @@ class DraftLM(Protocol):
 
 
 def tree_for_beams(context_length: int, step: int, width: int, paths: list[list[int]],
-                   device: torch.device | str = "cpu") -> Tree:
+                   device: torch.device | str = "cpu", earlier: list[int] | None = None) -> Tree:
     """Placement of one beam step: `width` tokens at logical position context_length + step - 1,
-    in slots context_length + (step-1)*width + b; beam b sees the context, the slots of its own
-    path (`paths[b]`) and its new slot. On `device` (the draft model's cache's)."""
-    base = context_length + (step - 1) * width
+    in the scratch slots after those of the earlier steps; beam b sees the context, the slots of
+    its own path (`paths[b]`) and its new slot. `earlier`: the position of each scratch slot the
+    earlier steps used, in slot order (default: `width` slots per earlier step; a step may have
+    had fewer beams, where fewer tokens had probability left). On `device` (the draft model's
+    cache's)."""
+    if earlier is None:
+        earlier = [context_length + i // width for i in range(width * (step - 1))]
+    base = context_length + len(earlier)
     slots = torch.arange(base, base + width, device=device)
     total = base + width
     visible = torch.zeros(width, total, dtype=torch.bool, device=device)
@@ -69,7 +74,8 @@ def tree_for_beams(context_length: int, step: int, width: int, paths: list[list[
         visible[b, base + b] = True
     slot_positions = torch.arange(total, device=device)
     # scratch slots: the logical position of the beam step they hold
-    slot_positions[context_length:] = context_length + torch.arange(width * step, device=device) // width
+    slot_positions[context_length:base] = torch.tensor(earlier, dtype=torch.long, device=device)
+    slot_positions[base:] = context_length + step - 1
     positions = torch.full((width,), context_length + step - 1, dtype=torch.long, device=device)
     return Tree(positions, slots, visible, slot_positions)
 
@@ -231,11 +237,13 @@ class BeamDrafter:
         paths = [[] for _ in range(len(tokens))]
         history_tokens = [[int(t)] for t in tokens]
         history_q = [[float(p)] for p in token_q]
+        earlier: list[int] = []  # position of each scratch slot used so far (steps may have fewer beams)
         for step in range(1, k):
             best = int(torch.argmax(log_weights))
             if not keep(step, float(math.exp(float(log_weights[best])))):
                 break
-            tree = tree_for_beams(len(context), step, len(tokens), paths, self.lm.device)
+            tree = tree_for_beams(len(context), step, len(tokens), paths, self.lm.device, earlier)
+            earlier += [len(context) + step - 1] * len(tokens)
             logits = self.lm.extend(_target_ids(tokens, self.lm), tree)  # [W, V_d]
             slots = tree.slots.tolist()  # the scratch slot each beam's newest token was written to
             q = probabilities(logits, self.sampling)  # [W, V_d]

@@ -134,7 +134,8 @@ static inline __attribute__((always_inline)) void tile(
                 w[1] = _mm256_loadu_si256((const __m256i *)(w1 + s * 32));
                 aw[1] = _mm256_abs_epi8(w[1]);
             }
-            _mm_prefetch((const char *)(w0 + s * 32 + 1024), _MM_HINT_T0);
+            _mm_prefetch((const char *)(w0 + s * 32 + 2048), _MM_HINT_T0);
+            if (G > 1) _mm_prefetch((const char *)(w1 + s * 32 + 2048), _MM_HINT_T0);
             for (int r = 0; r < R; r++) {
                 int32_t four;
                 memcpy(&four, xq + r * K + s * 4, 4);
