@@ -145,7 +145,7 @@ METHODS: dict[str, Method] = {
                "adaptive"),
         Method("eesd", "EESD: the target's first layers plus a trained exit head, Thompson-sampled length",
                True, 8, _eesd, "calibrated-ts", draws=True),
-        Method("sps", "speculative sampling with an auxiliary drafter (default: the EESD exit head)", True, 4,
+        Method("sps", "speculative sampling with an auxiliary drafter (default: the EESD exit head)", True, 2,
                lambda target, options, sampling: SampledDrafter(draft_lm(target, options), sampling), draws=True),
         Method("mtad", "MTAD: beam-sampled drafts, joint-likelihood acceptance (approximate joint decoding)",
                False, 4, lambda target, options, sampling: BeamDrafter(draft_lm(target, options), options.beams, sampling),
