@@ -59,7 +59,21 @@ def test_requests_index_through_their_own_tails():
     assert set(levels[2]) == {(1,), (2,), (3,), (7,)}  # no 3 -> 7, no 8 -> 4
 
 
-def test_drafts_fall_back_to_the_memory_only_where_own_tables_miss():
+def test_the_memory_drafts_where_it_matches_a_longer_n_gram_than_the_own_tables():
+    """Own tables match (7, 8) -> 20; the memory saw (3, 4, 7, 8) -> 30 in an earlier request: the
+    longer context wins (an edit of text seen before), and ties go to the request's own tables."""
+    memory = NgramMemory(CONFIG)
+    memory.index(memory.new_tail(), [3, 4, 7, 8, 30, 31])
+    drafter = AnpdDrafter(CONFIG, memory)
+    drafter.begin([7, 8, 20, 5, 3, 4, 7, 8])
+    draft = drafter.propose([], 2)
+    assert draft.tokens.tolist() == [30, 31]
+    assert drafter._last_kinds[0][2] is True  # remembered: its own confidence kind
+    drafter.begin([7, 8, 20, 5, 9, 7, 8])  # the memory's (9, 7, 8) does not exist: own (7, 8) -> 20 wins
+    assert drafter.propose([], 1).tokens.tolist() == [20]
+
+
+def test_drafts_take_the_own_tables_on_equal_matches_and_the_memory_where_they_miss():
     memory = NgramMemory(CONFIG)
     memory.index(memory.new_tail(), [10, 11, 12, 13, 14, 15])
     drafter = AnpdDrafter(CONFIG, memory)

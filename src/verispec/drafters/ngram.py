@@ -19,10 +19,12 @@ Memory across requests (`NgramMemory`, on unless `MethodOptions.ngram_memory` is
 more set of the same tables per target and n-gram config (`shared_memory`, kept in
 `Target.attachments`, so the library, the benchmark and the server all share it), filled with
 every earlier and current request's prompt and committed tokens. Each request indexes into it
-through a tail of its own, so no n-gram spans two requests. The drafter consults it only where
-the request's own tables miss at every level, one draft token at a time, and its tokens carry
+through a tail of its own, so no n-gram spans two requests. For each draft token the drafter
+takes the memory's prediction where it matches a longer n-gram than the request's own tables (or
+they miss): text seen before, e.g. the code being edited again, is followed by the longer
+context it was seen with; ties go to the request's own tables. The memory's tokens carry
 confidence kinds of their own (`AnpdDrafter`), so the adaptive controller learns separately how
-far to trust them. Cost: one more look-up per level, only for a token the own tables miss, and
+far to trust them. Cost: one more look-up per level, for a token the own tables do not match at the largest n, and
 one more update per level for each token indexed: still O(max_n) per token. Bounds:
 MEMORY_MAX_KEYS keys per level, with the tables' LRU over writes and per-key candidate cap, and
 at most MEMORY_STORES configs per target (least recently used out).
@@ -161,14 +163,17 @@ class NgramTables:
         return [m.token for m in self.draft_matches(k)]
 
     def draft_matches(self, k: int, fallback: "NgramTables | None" = None) -> list["Match"]:
-        """Like `draft`, with the match behind each token. Where these tables miss at every
-        level, `fallback` (same orders) is asked for that token; its matches say `remembered`."""
+        """Like `draft`, with the match behind each token. `fallback` (same orders, e.g. the
+        memory across requests) is asked too; its match is taken where it matched a longer
+        n-gram than these tables (or these miss), and says `remembered`."""
         tail = list(self._tail)
         drafted: list[Match] = []
         while len(drafted) < k:
             match = self.match(tail)
-            if match is None and fallback is not None:
-                match = fallback.match(tail, remembered=True)
+            if fallback is not None and (match is None or match.n < self.max_n):
+                other = fallback.match(tail, remembered=True)
+                if other is not None and (match is None or other.n > match.n):
+                    match = other
             if match is None:
                 break
             drafted.append(match)
