@@ -163,11 +163,11 @@ def test_tree_placement_matches_contiguous_paths(micro_draft):
     lm.sync(context)
     paths = [[]] * 3
     first = torch.tensor([4, 5, 6])
-    tree = tree_for_beams(len(context), 1, 3, paths)
+    tree = tree_for_beams(len(context), 1, 3, paths, [])
     tree_logits = lm.extend(first, tree)
     paths = [[s] for s in tree.slots.tolist()]
     second = torch.tensor([7, 1, 2])
-    tree2 = tree_for_beams(len(context), 2, 3, paths)
+    tree2 = tree_for_beams(len(context), 2, 3, paths, [len(context)] * 3)
     tree_logits2 = lm.extend(second, tree2)
     for b in range(3):
         fresh = draft.model(input_ids=torch.tensor([context + [int(first[b])]])).logits[0, -1]

@@ -160,7 +160,7 @@ def test_beam_placements_equal_contiguous_runs_bit_for_bit():
     paths: list[list[int]] = [[] for _ in range(width)]
     placed = []
     for step in range(1, 4):
-        tree = tree_for_beams(context, step, width, paths)
+        tree = tree_for_beams(context, step, width, paths, [context + i // width for i in range(width * (step - 1))])
         placed.append(fast.run(fast.embed(torch.tensor([beam[step - 1] for beam in beams])), context, cache, tree=tree))
         paths = [path + [int(tree.slots[b])] for b, path in enumerate(paths)]
     for b, beam in enumerate(beams):

@@ -85,7 +85,7 @@ def sampled_match(draft: torch.Tensor, probs: torch.Tensor, generator: torch.Gen
 
 def tree_match(draft: torch.Tensor, parents: torch.Tensor, target: torch.Tensor, pick) -> Verdict:
     """A tree of deterministic drafts. draft: [k] ids; parents: [k] (-1: a child of the root,
-    the last committed token); target: [k+1, vocab] logits or probabilities, row 0 after the
+    the last committed token); target: [k+1, vocab] logits (what `pick` reads), row 0 after the
     committed tokens, row 1 + i after draft token i's path. From the root, `pick(row)` takes the
     target's token at the current node (the argmax when greedy, one draw from p when sampling);
     if a child of the node carries it, the walk moves there, else it stops: the path walked is
@@ -176,8 +176,9 @@ def verify_lossless(
     if draft.parents is not None:
         if sampling.greedy:
             return tree_match(draft.tokens, draft.parents, logits, argmax)
-        return tree_match(draft.tokens, draft.parents, probabilities(logits, sampling),
-                          lambda row: sample(row, generator))
+        # only the rows the walk visits are warped (one per committed token, as `ar` warps them)
+        return tree_match(draft.tokens, draft.parents, logits,
+                          lambda row: sample(probabilities(row.unsqueeze(0), sampling)[0], generator))
     if sampling.greedy:
         return greedy_match(draft.tokens, logits)
     p = probabilities(logits, sampling)  # [k+1, vocab]

@@ -54,16 +54,13 @@ class DraftLM(Protocol):
         """Commit the first m tokens of the last single-path extension (0 after beams)."""
 
 
-def tree_for_beams(context_length: int, step: int, width: int, paths: list[list[int]],
-                   device: torch.device | str = "cpu", earlier: list[int] | None = None) -> Tree:
+def tree_for_beams(context_length: int, step: int, width: int, paths: list[list[int]], earlier: list[int],
+                   device: torch.device | str = "cpu") -> Tree:
     """Placement of one beam step: `width` tokens at logical position context_length + step - 1,
     in the scratch slots after those of the earlier steps; beam b sees the context, the slots of
     its own path (`paths[b]`) and its new slot. `earlier`: the position of each scratch slot the
-    earlier steps used, in slot order (default: `width` slots per earlier step; a step may have
-    had fewer beams, where fewer tokens had probability left). On `device` (the draft model's
-    cache's)."""
-    if earlier is None:
-        earlier = [context_length + i // width for i in range(width * (step - 1))]
+    earlier steps used, in slot order (steps differ in width where top-p left fewer tokens with
+    probability). On `device` (the draft model's cache's)."""
     base = context_length + len(earlier)
     slots = torch.arange(base, base + width, device=device)
     total = base + width
@@ -242,7 +239,7 @@ class BeamDrafter:
             best = int(torch.argmax(log_weights))
             if not keep(step, float(math.exp(float(log_weights[best])))):
                 break
-            tree = tree_for_beams(len(context), step, len(tokens), paths, self.lm.device, earlier)
+            tree = tree_for_beams(len(context), step, len(tokens), paths, earlier, self.lm.device)
             earlier += [len(context) + step - 1] * len(tokens)
             logits = self.lm.extend(_target_ids(tokens, self.lm), tree)  # [W, V_d]
             slots = tree.slots.tolist()  # the scratch slot each beam's newest token was written to

@@ -95,11 +95,6 @@ static void quantize_row(const float *x, int64_t K, int64_t B, int8_t *q, float 
     }
 }
 
-/* y[m, first .. first + count) from the 8 lanes of v (count <= 8: the last group may be short). */
-static inline void store_lanes(float *y, const float *lanes, int64_t count) {
-    memcpy(y, lanes, sizeof(float) * (size_t)count);
-}
-
 #ifdef INT8_SIMD
 /* acc + the integer sums of 4 products per lane: |w| (unsigned, <= 128) times sign(x, w). */
 static inline __m256i dot_step(__m256i acc, __m256i aw, __m256i sx) {
@@ -162,10 +157,10 @@ static inline __attribute__((always_inline)) void tile(
             const __m256 v = offsets ? _mm256_sub_ps(acc[r][g], shift[r][g]) : acc[r][g];
             if (count == GROUP) {
                 _mm256_storeu_ps(y + r * N + n, v);
-            } else {
+            } else { /* the last group is short: only its real outputs */
                 float lanes[GROUP];
                 _mm256_storeu_ps(lanes, v);
-                store_lanes(y + r * N + n, lanes, count);
+                memcpy(y + r * N + n, lanes, sizeof(float) * (size_t)count);
             }
         }
 }
