@@ -261,7 +261,7 @@ def test_anpd_drafter_learns_from_prompt_and_commits():
 def test_anpd_confidence_rises_while_drafts_are_accepted():
     """Confidence is the drafter's estimate of P(accepted); a run of accepted drafts of the same
     kind must raise it."""
-    drafter = AnpdDrafter(NgramConfig(max_n=2))
+    drafter = AnpdDrafter(NgramConfig(max_n=2, span_min=0))  # n-gram kinds only (no long-match copies)
     context = [4, 4]
     drafter.begin(context)
     confidences = []

@@ -49,10 +49,12 @@ class MethodOptions:
     head_int8: bool = True  # EESD head: its layer on int8 forms (block-kernel targets), else float32
     ngram_memory: bool = True  # ANPD: also draft from earlier requests on the target (drafters.ngram)
     tree: int = 0  # ANPD: node budget of tree drafts, verified in one forward (0: single-path drafts)
+    span_min: int = NgramConfig.span_min  # ANPD: shortest long match copied from (0: none; drafters.spans)
 
     def __post_init__(self) -> None:
         if isinstance(self.tree, bool) or not isinstance(self.tree, int) or not 0 <= self.tree <= TREE_MAX_NODES:
             raise ConfigError(f"tree must be an integer from 0 (off) to {TREE_MAX_NODES} nodes, got {self.tree!r}")
+        NgramConfig(max_n=self.ngram_max_n, span_min=self.span_min)  # validates the ANPD knobs
         if not isinstance(self.ngram_memory, bool):
             raise ConfigError(f"ngram_memory must be true or false, got {self.ngram_memory!r}")
         if not isinstance(self.beams, int) or self.beams < 1:
@@ -140,7 +142,7 @@ METHODS: dict[str, Method] = {
                lambda target, options, sampling: PromptLookupDrafter(options.pld_max_ngram)),
         Method("anpd", "ANPD: adaptive multi-level n-gram tables from the prompt and the output", True, 16,
                lambda target, options, sampling: AnpdDrafter.for_target(
-                   target.attachments, NgramConfig(max_n=options.ngram_max_n), options.ngram_memory,
+                   target.attachments, NgramConfig(max_n=options.ngram_max_n, span_min=options.span_min), options.ngram_memory,
                    _tree_budget(target, options.tree)),
                "adaptive"),
         Method("eesd", "EESD: the target's first layers plus a trained exit head, Thompson-sampled length",
@@ -166,7 +168,7 @@ def _flag(value: str) -> bool:
         raise ValueError(value) from None
 
 
-VARIANT_OPTIONS = {"tau": float, "beams": int, "head_int8": _flag, "ngram_memory": _flag, "tree": int}
+VARIANT_OPTIONS = {"tau": float, "beams": int, "head_int8": _flag, "ngram_memory": _flag, "tree": int, "span_min": int}
 
 
 def parse_variant(spec: str) -> tuple[str, str | None, dict]:
@@ -193,8 +195,9 @@ def parse_variant(spec: str) -> tuple[str, str | None, dict]:
             kind = {_flag: "true or false", int: "an integer"}.get(VARIANT_OPTIONS[key], "a number")
             raise ConfigError(f"in {spec!r}: {key} must be {kind}, got {value!r}") from None
     MethodOptions(**overrides)  # validates the values
-    if overrides.get("tree") and method.name != "anpd":
-        raise ConfigError(f"in {spec!r}: tree is an anpd option")
+    for key in ("tree", "span_min"):
+        if overrides.get(key) and method.name != "anpd":
+            raise ConfigError(f"in {spec!r}: {key} is an anpd option")
     return method.name, controller, overrides
 
 

@@ -6,6 +6,14 @@ every committed token. A draft is made by repeated look-up: query the table of t
 key matches the end of the context, append the prediction, and query again, falling back level by
 level down to n = min_n; the draft ends at the first miss or after k tokens.
 
+Long matches (`spans.SpanIndex`, `NgramConfig.span_min`): n-gram tables see only the last
+max_n - 1 tokens. Where the context's end also occurred earlier (in this request, or with the
+memory below in an earlier one) preceded by at least `span_min` equal tokens, the draft copies
+what followed the longest such occurrence instead of chaining look-ups, and each copied token's
+confidence kind is the length of the match behind it: text being repeated (code being edited,
+a conversation re-sent) is told from a coincidental 4-token match, and drafted as far as it
+keeps being accepted.
+
 Which continuation wins when a key was followed by several tokens: the most frequent one; ties go
 to the most recently seen (an observation that reaches the best count takes the lead).
 
@@ -22,17 +30,21 @@ every earlier and current request's prompt and committed tokens. Each request in
 through a tail of its own, so no n-gram spans two requests. For each draft token the drafter
 takes the memory's prediction where it matches a longer n-gram than the request's own tables (or
 they miss): text seen before, e.g. the code being edited again, is followed by the longer
-context it was seen with; ties go to the request's own tables. The memory's tokens carry
-confidence kinds of their own (`AnpdDrafter`), so the adaptive controller learns separately how
-far to trust them. Cost: one more look-up per level, for a token the own tables do not match at the largest n, and
+context it was seen with; ties go to the request's own tables. The memory also holds the token
+streams of the requests for long matches (`NgramMemory.spans`). The memory's tokens and the long
+matches carry confidence kinds of their own (`AnpdDrafter`), so the adaptive controller learns
+separately how far to trust them, and what it learns of those kinds is kept with the memory
+(`NgramMemory.outcomes`), for the next requests. Cost: one more look-up per level, for a token the own tables do not match at the largest n, and
 one more update per level for each token indexed: still O(max_n) per token. Bounds:
 MEMORY_MAX_KEYS keys per level, with the tables' LRU over writes and per-key candidate cap, and
 at most MEMORY_STORES configs per target (least recently used out).
+Streams: at most MEMORY_MAX_TOKENS tokens (oldest request out).
 `switch_off_memory` turns it off for a whole target (the server's --no-ngram-memory).
 
 Tree drafts (`AnpdDrafter(tree=N)`, the method option `tree`): the draft branches where a key
 was followed by several tokens, grown best first by path probability up to N tokens, and the
-target verifies every branch in one forward (`Draft.parents`; see `AnpdDrafter`).
+target verifies every branch in one forward (`Draft.parents`; see `AnpdDrafter`). Tree drafts
+branch on the tables only (no long-match copies).
 
 Privacy, in a server: outputs never depend on the memory (every drafted token is verified by
 the target, so each output is exactly `ar`'s), but speed does. One user's prompts and outputs
@@ -58,6 +70,15 @@ import torch
 
 from ..errors import ConfigError
 from .base import HOST, Draft, Keep, keep_all, kept_prefix
+from .spans import Span, SpanIndex
+
+SPAN_KEY = 4  # tokens of the n-grams a long match is looked up by (`SpanIndex.key`)
+SPAN_MAX_BACK = 32  # the longest match measured (`SpanIndex.max_back`)
+SPAN_BUCKETS = (4, 6, 8, 12, 16, 24, 32)  # match lengths grouped into confidence kinds
+# Long-match kinds start from Beta(1 + 2, 1) (mean 0.75), not Beta(1, 1): a copy after 8 or more
+# matching tokens was accepted 92-97% of the time (offline replay of 26 Spec-Bench and 16 code-edit
+# greedy outputs), and at 0.5 a fresh request cut its first copies to a token or two.
+SPAN_PRIOR_ACCEPTED = 2
 
 
 @dataclass
@@ -195,15 +216,21 @@ class Match:
 
 @dataclass(frozen=True)
 class NgramConfig:
-    """ANPD drafter options: n-gram orders and the memory bounds of the tables."""
+    """ANPD drafter options: n-gram orders, the memory bounds of the tables, and the shortest
+    match that a draft copies from (`span_min` tokens; 0: no long-match copies)."""
 
     max_n: int = 5
     min_n: int = 2
     max_keys: int = 1 << 16
     max_candidates: int = 8
+    span_min: int = 8
 
     def __post_init__(self) -> None:
         NgramTables(self.max_n, self.min_n, self.max_keys, self.max_candidates)  # validates
+        if isinstance(self.span_min, bool) or not isinstance(self.span_min, int) or not (
+                self.span_min == 0 or SPAN_KEY <= self.span_min <= SPAN_MAX_BACK):
+            raise ConfigError(f"span_min must be 0 (off) or an integer from {SPAN_KEY} to {SPAN_MAX_BACK}, "
+                              f"got {self.span_min!r}")
 
 
 # Memory across requests, per target and n-gram config. At ~470 bytes a key (measured with
@@ -212,6 +239,7 @@ class NgramConfig:
 # roughly the last 32k distinct token contexts on each level: about a hundred requests of 300
 # tokens. Half the per-request tables' bound: one request never needs more than its own hold.
 MEMORY_MAX_KEYS = 1 << 15
+MEMORY_MAX_TOKENS = 1 << 20  # tokens of the requests' streams for long matches (4 MiB of ids and index)
 MEMORY_STORES = 4  # configs (e.g. ngram_max_n values) with a store on one target; LRU beyond
 MEMORY_ATTACHMENT = "ngram-memory"  # Target.attachments key: {NgramConfig: NgramMemory} or None (off)
 
@@ -219,12 +247,17 @@ MEMORY_ATTACHMENT = "ngram-memory"  # Target.attachments key: {NgramConfig: Ngra
 class NgramMemory:
     """A bounded store of n-grams from the requests served on one target (see the module
     docstring): `NgramTables` of MEMORY_MAX_KEYS keys per level, into which each request indexes
-    its prompt and committed tokens through a tail of its own (`new_tail`, `index`)."""
+    its prompt and committed tokens through a tail of its own (`new_tail`, `index`); the requests'
+    token streams for long matches (`spans`, written by the drafters); and what the drafters
+    learned of the remembered and long-match confidence kinds (`outcomes`: kind -> [accepted,
+    rejected])."""
 
-    def __init__(self, config: NgramConfig, max_keys: int | None = None):
+    def __init__(self, config: NgramConfig, max_keys: int | None = None, max_tokens: int = MEMORY_MAX_TOKENS):
         self.config = config
         max_keys = MEMORY_MAX_KEYS if max_keys is None else max_keys
         self.tables = NgramTables(config.max_n, config.min_n, max_keys, config.max_candidates)
+        self.spans = new_span_index(max_tokens)
+        self.outcomes: dict[tuple, list[int]] = {}
 
     def __len__(self) -> int:
         """Total number of keys over all levels."""
@@ -236,6 +269,16 @@ class NgramMemory:
 
     def index(self, tail: deque[int], tokens: Sequence[int]) -> None:
         self.tables.extend(tokens, tail)
+
+
+def new_span_index(max_tokens: int = MEMORY_MAX_TOKENS) -> SpanIndex:
+    return SpanIndex(SPAN_KEY, max_back=SPAN_MAX_BACK, max_tokens=max_tokens)
+
+
+def span_kind(length: int, other: bool) -> tuple:
+    """The confidence kind of a token copied after a match of `length` tokens (grouped by
+    SPAN_BUCKETS) found in another request (`other`) or this one."""
+    return ("span", max(b for b in SPAN_BUCKETS if b <= length), other)
 
 
 def shared_memory(attachments: dict, config: NgramConfig) -> NgramMemory | None:
@@ -271,6 +314,13 @@ class AnpdDrafter:
     adaptive controller needs. The memory's kinds are separate from the request's own: text
     seen in other requests may be far less (or more) predictive than the request's own.
 
+    Long matches (`NgramConfig.span_min` > 0): where the end of the request's token stream
+    occurred before, in it or (with the memory) in an earlier request, preceded by at least
+    span_min equal tokens, the draft is the continuation of the longest such occurrence (`Span`),
+    and token j of it has the kind of a match of length + j tokens (`span_kind`). With the memory,
+    the outcomes of long-match and remembered kinds are the memory's (`NgramMemory.outcomes`),
+    learned over the requests; the others are this request's.
+
     Trees (`tree` > 0: a node budget): the draft branches where a key was followed by several
     tokens. Best first: from the context's end, the candidate with the largest path probability
     (the product of the confidences down its path) joins the tree, its own continuations (every
@@ -292,6 +342,8 @@ class AnpdDrafter:
         self.tree = tree
         self.tables = self._new_tables()
         self._memory_tail: deque[int] | None = None
+        self._spans: SpanIndex | None = None  # the memory's, or this request's own
+        self._stream = -1  # this request's stream in `_spans`
         self._outcomes: dict[tuple, list[int]] = {}  # kind -> [accepted, rejected]
         self._last_kinds: list[tuple[int, int, bool]] = []
         self._last_tree: tuple[list[int], list[int], list[tuple]] | None = None  # tokens, parents, kinds
@@ -312,18 +364,35 @@ class AnpdDrafter:
         if self.memory is not None:
             self._memory_tail = self.memory.new_tail()
             self.memory.index(self._memory_tail, prompt)
+        if self.config.span_min:
+            self._spans = self.memory.spans if self.memory is not None else new_span_index()
+            self._stream = self._spans.new_stream()
+            self._spans.extend(self._stream, prompt)
         self._outcomes, self._last_kinds, self._last_tree = {}, [], None
 
     def propose(self, context: Sequence[int], k: int, keep: Keep = keep_all) -> Draft:
         if self.tree:
             return self._propose_tree(min(k, self.tree), keep)
-        fallback = None if self.memory is None else self.memory.tables
-        matches = self.tables.draft_matches(k, fallback)
-        kinds = [(m.n, min(m.count, 3), m.remembered) for m in matches]
+        span = self._long_match()
+        if span is not None:
+            tokens = span.tokens(k)
+            kinds = [span_kind(span.length + j, span.other) for j in range(len(tokens))]
+        else:
+            fallback = None if self.memory is None else self.memory.tables
+            matches = self.tables.draft_matches(k, fallback)
+            tokens = [m.token for m in matches]
+            kinds = [(m.n, min(m.count, 3), m.remembered) for m in matches]
         confidence = tuple(self._confidence(kind) for kind in kinds)
         n = kept_prefix(confidence, keep)
         self._last_kinds = kinds[:n]
-        return Draft(torch.tensor([m.token for m in matches[:n]], dtype=torch.long, device=HOST), confidence=confidence[:n])
+        return Draft(torch.tensor(tokens[:n], dtype=torch.long, device=HOST), confidence=confidence[:n])
+
+    def _long_match(self) -> Span | None:
+        """The longest earlier occurrence of the stream's end, if at least span_min tokens long."""
+        if self._spans is None:
+            return None
+        span = self._spans.longest(self._stream)
+        return span if span is not None and span.length >= self.config.span_min else None
 
     def _propose_tree(self, budget: int, keep: Keep) -> Draft:
         """Up to `budget` tokens as a tree, best first (see the class docstring)."""
@@ -359,9 +428,20 @@ class AnpdDrafter:
         self._last_tree = (tokens[:n], parents[:n], kinds[:n])
         return Draft.tree(tokens[:n], parents[:n], confidence[:n])
 
+    def _outcomes_of(self, kind: tuple) -> dict[tuple, list[int]]:
+        """Where the outcomes of `kind` are kept: the memory's for long-match and remembered kinds
+        (when there is a memory), else this request's."""
+        shared = kind[0] == "span" or kind[2]
+        return self.memory.outcomes if shared and self.memory is not None else self._outcomes
+
     def _confidence(self, kind: tuple) -> float:
-        accepted, rejected = self._outcomes.get(kind, (0, 0))
+        accepted, rejected = self._outcomes_of(kind).get(kind, (0, 0))
+        if kind[0] == "span":
+            accepted += SPAN_PRIOR_ACCEPTED
         return (1 + accepted) / (2 + accepted + rejected)
+
+    def _learn(self, kind: tuple, accepted: bool) -> None:
+        self._outcomes_of(kind).setdefault(kind, [0, 0])[0 if accepted else 1] += 1
 
     def _learn_tree(self, committed: Sequence[int]) -> None:
         """Outcomes of the last tree: down the committed path, every child of a node on it (the
@@ -375,7 +455,7 @@ class AnpdDrafter:
             step = None
             for child in children.get(node, ()):
                 hit = tokens[child] == token
-                self._outcomes.setdefault(kinds[child], [0, 0])[0 if hit else 1] += 1
+                self._learn(kinds[child], hit)
                 step = child if hit else step
             if step is None or j == len(committed) - 1:
                 break
@@ -386,12 +466,13 @@ class AnpdDrafter:
             self._learn_tree(committed)
         n_accepted = len(committed) - 1
         for i, kind in enumerate(self._last_kinds[:n_proposed][: n_accepted + 1]):
-            outcome = self._outcomes.setdefault(kind, [0, 0])
-            outcome[0 if i < n_accepted else 1] += 1
+            self._learn(kind, i < n_accepted)
         self._last_kinds, self._last_tree = [], None
         self.tables.extend(committed)
         if self.memory is not None:
             self.memory.index(self._memory_tail, committed)
+        if self._spans is not None:
+            self._spans.extend(self._stream, committed)
 
 
 def prompt_lookup(context: Sequence[int], max_ngram: int, k: int) -> list[int]:
