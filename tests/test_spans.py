@@ -9,6 +9,7 @@ from __future__ import annotations
 import random
 
 import pytest
+from typer.testing import CliRunner
 
 import helpers
 from verispec.drafters.ngram import MEMORY_ATTACHMENT, AnpdDrafter, NgramConfig, NgramMemory, span_kind
@@ -161,3 +162,29 @@ def test_outputs_equal_ar_with_and_without_long_matches(span_min):
     copies = [kind for kind in target.attachments[MEMORY_ATTACHMENT][NgramConfig(span_min=span_min)].outcomes
               if kind[0] == "span"]
     assert bool(copies) == bool(span_min)  # the copies were drafted (and only where switched on)
+
+
+@pytest.mark.parametrize("args,message", [
+    (["generate", "hi", "-m", "pld", "--span-min", "8"], "--span-min is used only by anpd, not by pld"),
+    (["generate", "hi", "--span-min", "3"], "span_min must be 0 (off) or an integer from 4 to 32"),
+    (["bench", "--methods", "ar,anpd/span_min=40"], "span_min must be 0 (off) or an integer from 4 to 32"),
+])
+def test_the_cli_refuses_bad_span_options_before_loading(monkeypatch, tmp_path, args, message):
+    import verispec.cli as cli
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the CLI loaded a model before validating its arguments")
+
+    monkeypatch.setattr(cli, "_load", refuse)
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(cli.app, args)
+    assert result.exit_code == 2 and isinstance(result.exception, SystemExit), result.output
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert lines[0].startswith("error:") and message in " ".join(result.stderr.split()), result.stderr
+
+
+def test_the_option_reaches_the_drafter():
+    target = helpers.make_target_for_path("llama", seed=0)
+    for span_min in (0, 12):
+        drafter = build("anpd", target, MethodOptions(span_min=span_min)).drafter
+        assert drafter.config.span_min == span_min

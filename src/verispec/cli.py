@@ -121,10 +121,11 @@ def _refuse_unused_options(methods: Sequence[str], *, draft_length: Optional[int
                            controller: Optional[str] = None, exit_head: Optional[str] = None,
                            draft_model: Optional[str] = None, beams: Optional[int] = None,
                            tau: Optional[float] = None, draft_model_peers: Sequence[str] = (),
-                           ngram_memory: Optional[bool] = None, tree: Optional[int] = None) -> None:
+                           ngram_memory: Optional[bool] = None, tree: Optional[int] = None,
+                           span_min: Optional[int] = None) -> None:
     """A ConfigError for an option that none of `methods` uses, or for a draft length given twice
     (--draft-length and --controller NAME:K): a silently ignored option makes a run, a benchmark
-    above all, measure something other than what was asked. Users: --beams, --tau: mtad; --tree: anpd;
+    above all, measure something other than what was asked. Users: --beams, --tau: mtad; --tree, --span-min: anpd;
     --draft-model: sps, mtad (and `draft_model_peers`); --exit-head: eesd, and sps and mtad when
     they draft with the head (no --draft-model); --draft-length, --controller: every method that
     drafts (all but ar)."""
@@ -140,6 +141,7 @@ def _refuse_unused_options(methods: Sequence[str], *, draft_length: Optional[int
         ("--tau", tau, ["mtad"], ""),
         ("--no-ngram-memory", None if ngram_memory in (None, True) else False, ["anpd"], ""),
         ("--tree", tree, ["anpd"], ""),
+        ("--span-min", span_min, ["anpd"], ""),
         ("--draft-model", draft_model, ["sps", "mtad", *draft_model_peers], ""),
         ("--exit-head", exit_head, head_users, head_note),
         ("--draft-length", draft_length, drafting, ""),
@@ -208,6 +210,7 @@ def generate(
     beams: Optional[int] = typer.Option(None, help="mtad only: beam width W (default: 4)."),
     tau: Optional[float] = typer.Option(None, help="mtad only: joint-likelihood threshold (default: 0.5)."),
     tree: Optional[int] = typer.Option(None, "--tree", help="anpd only: draft a tree of up to N tokens, branching where the n-gram tables offer several next tokens, verified in one forward (needs the fast path; default: 0, single-path drafts)."),
+    span_min: Optional[int] = typer.Option(None, "--span-min", help="anpd only: copy what followed an earlier occurrence of the context's end preceded by at least N equal tokens (4..32; 0: off; default: 8)."),
     perplexity: bool = typer.Option(False, "--perplexity", help="Also score the generated tokens' perplexity under the target (temperature 1, no top-k/top-p)."),
     prompt_format: str = typer.Option("raw", help="raw: the prompt as given; chat: chat template or plain Q/A template."),
     stream: bool = typer.Option(False, "--stream", help="Print text as it is generated."),
@@ -235,9 +238,11 @@ def generate(
         mtad_knobs = {name: value for name, value in (("beams", beams), ("tau", tau)) if value is not None}
         options = MethodOptions(draft_length=draft_length, controller=controller, exit_head=exit_head,
                                 draft_model=draft_model, ngram_memory=ngram_memory, **mtad_knobs,
-                                **({"tree": tree} if tree is not None else {}))
+                                **({"tree": tree} if tree is not None else {}),
+                                **({"span_min": span_min} if span_min is not None else {}))
         _refuse_unused_options([method], draft_length=draft_length, controller=controller, exit_head=exit_head,
-                               draft_model=draft_model, beams=beams, tau=tau, ngram_memory=ngram_memory, tree=tree)
+                               draft_model=draft_model, beams=beams, tau=tau, ngram_memory=ngram_memory, tree=tree,
+                               span_min=span_min)
         target = _load(model, dtype, fast, block_kernel, numerics, device, compile)
         request_args = dict(
             max_new_tokens=max_new_tokens, temperature=sampling.temperature, top_k=sampling.top_k,
