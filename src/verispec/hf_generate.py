@@ -29,7 +29,7 @@ torch's global generator, so `torch.manual_seed(...)` makes a sampled call repro
 verispec's own keywords: `method=` (default "anpd"; `verispec.method_names()`), `seed=`,
 `stats=` (a `verispec.GenerationStats`, overwritten with this call's counts: drafted, accepted,
 target forwards, timings), and every `verispec.MethodOptions` field: `draft_length`,
-`controller`, `ngram_max_n`, `pld_max_ngram`, `exit_head`, `draft_model`, `beams`, `tau`,
+`controller`, `ngram_max_n`, `span_min`, `pld_max_ngram`, `exit_head`, `draft_model`, `beams`, `tau`,
 `head_int8`, `ngram_memory`, `tree` (left unset: the method's default).
 
 Refused with a `ConfigError` (a ValueError) naming the option: a batch of more than one
@@ -125,6 +125,7 @@ def transformers_generate(
     head_int8: bool | None = None,
     ngram_memory: bool | None = None,
     tree: int | None = None,
+    span_min: int | None = None,
     stats: GenerationStats | None = None,
     **model_kwargs,
 ):
