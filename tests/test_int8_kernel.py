@@ -3,10 +3,11 @@ the kernel's instruction-set build (`blockmm` variants).
 
 The int8 product must equal, bit for bit, a numpy emulation of its definition (activations
 quantized per row and block, exact integer sums, then the documented fixed sequence of float32
-operations), on every build this CPU runs (the portable C and the SIMD ones); a row's result must
-not depend on the other rows of the call nor on the thread count; a build forced through
-`VERISPEC_KERNEL_ISA` that the CPU cannot run, or no working compiler, must be refused with a
-message, not crash.
+operations), on every build this CPU runs (the portable C and the SIMD ones), for weights packed
+as signed codes and as unsigned ones (`PackedBlocks`: small code ranges, the GGUF formats of the
+default model's layers); a row's result must not depend on the other rows of the call nor on the
+thread count; a build forced through `VERISPEC_KERNEL_ISA` that the CPU cannot run, or no working
+compiler, must be refused with a message, not crash.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch
 
 import helpers
 from verispec.runtime import blockmm
-from verispec.runtime.gguf_blocks import BlockWeights
+from verispec.runtime.gguf_blocks import BlockWeights, PackedBlocks
 
 F32 = np.float32
 
@@ -202,6 +203,149 @@ def test_every_variant_builds_and_those_this_cpu_runs_equal_the_portable_build(v
     else:
         found, why = blockmm.load_variant(variant)
         assert found is None and "cannot run" in why and "lacks" in why
+
+
+# Code ranges (lo, hi, block, offsets) of the GGUF formats: the default model's layers are Q4_K,
+# Q5_0 and Q6_K (unsigned codes in the packed form), its LM head Q8_0 (signed codes).
+CODE_RANGES = {
+    "q4_k": (0, 15, 32, True),
+    "q5_0": (-16, 15, 32, False),
+    "span_32": (-16, 16, 32, False),  # the widest range of 4-step int16 chunks
+    "q6_k": (-32, 31, 16, False),
+    "span_64": (-32, 32, 16, False),  # the widest range of 2-step chunks
+    "span_128": (-64, 64, 16, False),  # the widest unsigned range (1-step chunks)
+    "q8_0": (-128, 127, 32, False),
+}
+
+
+def steps16(span: int) -> int:
+    """blockmm_int8.c's int16 chunk length (steps of 4 inputs) for unsigned codes of this span."""
+    return 4 if span <= 32 else 2 if span <= 64 else 1
+
+
+def ranged_form(outputs: int, inputs: int, lo: int, hi: int, block: int, affine: bool, seed: int) -> BlockWeights:
+    """Random codes over all of lo..hi (both ends present), fp16-rounded scales of both signs
+    (one zero), random offsets where `affine`."""
+    generator = torch.Generator().manual_seed(seed)
+    codes = torch.randint(lo, hi + 1, (outputs, inputs), generator=generator, dtype=torch.int16)
+    codes[0, 0], codes[0, 1] = lo, hi
+    scales = (torch.randn(outputs, inputs // block, generator=generator) * 0.01).half().float()
+    scales[1, 0] = 0.0
+    offsets = (torch.rand(outputs, inputs // block, generator=generator) * 0.1).half().float() if affine else None
+    return BlockWeights(codes.to(torch.int8), scales, offsets, block)
+
+
+def assert_every_build_gives(x: torch.Tensor, form: BlockWeights, expected: torch.Tensor, widths) -> None:
+    """Rows 0..m-1 of x, for each width m, give expected[:m] on every build here at 1 and 2 threads."""
+    for variant in variants_here():
+        kernel = kernel_of(variant)
+        for m in widths:
+            for threads in (1, 2):
+                got = run(kernel, x[:m], form, threads)
+                assert torch.equal(got, expected[:m]), (variant, m, threads, float((got - expected[:m]).abs().max()))
+
+
+@pytest.mark.parametrize("kind", list(CODE_RANGES))
+def test_signed_and_unsigned_codes_equal_the_numpy_definition_on_every_build(kind):
+    lo, hi, block, affine = CODE_RANGES[kind]
+    form = ranged_form(45, 256, lo, hi, block, affine, seed=block + hi)  # 45 outputs: a short last group
+    assert (form.packed.code_bias is None) == (kind == "q8_0")
+    x = activations(12, 256, seed=hi)
+    expected = reference_int8(x, form)
+    assert torch.equal(run(kernel_of("portable"), x, form), expected)
+    assert_every_build_gives(x, form, expected, range(1, 13))
+
+
+@pytest.mark.parametrize("kind", ["q4_k", "q5_0", "span_32", "q6_k", "span_64", "span_128"])
+def test_unsigned_codes_at_the_int16_limit(kind):
+    """Every code at the top of its range (u = code_span) and every activation at +-127 of one
+    sign per row: the AVX2 path's int16 sums reach steps16 * 2 * code_span * 127 <= 32767, and
+    except for q4_k's span 15 one step more per chunk would wrap (the blocks are long enough for
+    that step: this test catches it)."""
+    lo, hi, block, affine = CODE_RANGES[kind]
+    form = ranged_form(24, 256, lo, hi, block, affine, seed=1)
+    codes = torch.full_like(form.codes, hi)
+    codes[0, 0] = lo  # the range's other end, outside the outputs that matter
+    form = BlockWeights(codes, form.scales.abs() + 0.01, form.offsets, block)
+    span = form.packed.code_span
+    assert form.packed.code_bias is not None and span == hi - lo
+    steps = steps16(span)
+    assert steps * 2 * 127 * span <= 32767
+    if kind != "q4_k":
+        assert (steps + 1) * 2 * 127 * span > 32767 and block // 4 > steps
+    x = torch.ones(3, 256)
+    x[1] = -2.0
+    x[2] = torch.arange(256).div(block, rounding_mode="floor").remainder(2).mul(2).sub(1).float() * 3.0  # +-3 by block
+    expected = reference_int8(x, form)
+    assert torch.equal(run(kernel_of("portable"), x, form), expected)
+    assert_every_build_gives(x, form, expected, (1, 2, 3))
+
+
+@pytest.mark.parametrize("lo,hi,bias,span", [
+    (0, 15, 0, 15), (3, 15, 0, 15), (-16, 15, 16, 31), (-32, 31, 32, 63), (-20, -5, 20, 15), (-64, 64, 64, 128),
+    (-64, 65, None, 129), (-127, 127, None, 254), (-128, 127, None, 255),
+])
+def test_packing_stores_a_range_of_at_most_129_codes_unsigned(lo, hi, bias, span):
+    """`PackedBlocks.of`: u = code + code_bias as uint8 for a small range (lo taken at most 0),
+    the int8 codes for a wider one; either way the packed bytes give the codes back, and the
+    padding of the last group is zero bytes."""
+    form = ranged_form(13, 64, lo, hi, 32, False, seed=0)
+    packed = PackedBlocks.of(form)
+    assert (packed.code_bias, packed.code_span) == (bias, span)
+    assert packed.code_form == (-1 if bias is None else bias, span)
+    assert packed.codes.dtype == (torch.int8 if bias is None else torch.uint8)
+    rows = packed.codes.transpose(1, 2).reshape(16, 64)  # [groups * 8, in]
+    assert torch.equal(rows[:13].to(torch.int16) - (bias or 0), form.codes.to(torch.int16))
+    assert not rows[13:].any()
+
+
+def _gguf_like(weight: torch.Tensor, lo: int, hi: int, block: int) -> BlockWeights:
+    """A symmetric block form of `weight` with codes in lo..hi (Q5_0: -16..15, Q6_K: -32..31)."""
+    out = weight.shape[0]
+    grouped = weight.detach().view(out, -1, block)
+    scales = (grouped.abs().amax(-1) / -lo).half().float()
+    codes = (grouped / scales.unsqueeze(-1)).round().clamp(lo, hi)
+    return BlockWeights(codes.to(torch.int8).view(out, -1).contiguous(), scales, None, block)
+
+
+@pytest.mark.parametrize("arch", ["gemma3", "llama"])
+def test_c_layers_multiply_unsigned_codes_as_the_kernel_does(arch):
+    """The C decoder layer on the default model's mix of formats (Q5_0 q/k/v and gate/up, Q4_K o,
+    Q6_K down, Q8_0 head: unsigned codes with code_bias 16, 0 and 32) gives the logits of the
+    PyTorch layer, whose linears call the kernel from Python, in int8 numerics: to float32
+    rounding in most rows; a rounding difference before a quantization may move an activation
+    code by one step, so a few rows differ by up to about 1% (a code_bias lost or off by one on
+    the way to the kernel moves every row by about the logits' size)."""
+    from verispec.model import Target
+
+    model = helpers.make_model(helpers.make_config(arch), seed=4)
+    formats = {"down_proj": (-32, 31, 16), "lm_head": (-127, 127, 32)}  # others Q5_0-like, o_proj Q4_K-like
+    blocks = {}
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            leaf = name.rsplit(".", 1)[-1]
+            if not isinstance(module, torch.nn.Linear):
+                continue
+            if leaf == "o_proj":
+                form = helpers.block_quantize(module.weight, 32, True)  # codes 0..15 with offsets
+            else:
+                form = _gguf_like(module.weight, *formats.get(leaf, (-16, 15, 32)))
+            module.weight.copy_(form.dequantize())
+            blocks[module] = form
+    target = Target(model, None, fast=True, blocks=blocks, numerics="int8")
+    fast = target._fast
+    assert fast.native_layers == len(fast.layers)
+    first = fast.layers[0]
+    assert [linear.blocks.packed.code_bias for linear in (first.qkv, first.o, first.gate_up, first.down)] == [16, 0, 16, 32]
+    tokens = torch.randint(0, target.vocab_size, (23,), generator=torch.Generator().manual_seed(4)).tolist()
+    logits = []
+    for native in (True, False):
+        fast.use_native = native
+        target.reset()
+        logits.append([target.forward(tokens[:20]), target.forward(tokens[20:21]), target.forward(tokens[21:])])
+    mine, reference = torch.cat(logits[0]), torch.cat(logits[1])
+    rows = (mine - reference).abs().amax(-1) / max(reference.abs().max().item(), 1.0)  # [23]
+    assert rows.max().item() <= 0.02 and rows.median().item() <= 1e-5, rows.tolist()
 
 
 def test_variant_choice_follows_the_cpu_flags():

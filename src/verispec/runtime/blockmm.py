@@ -11,8 +11,10 @@ float32 scale (and offset) per block of inputs, in two numerics:
 - "int8" (`kernels/blockmm_int8.c`): each row of activations quantized per block (symmetric int8,
   a float32 scale per row and block from that row alone), exact integer products with the weight
   codes (in `gguf_blocks.PackedBlocks`' layout: 8 outputs per vector lane group, no horizontal
-  sums), then one float32 multiply-add per block in block order: batch-invariant (a row's result
-  does not depend on the other rows, the thread count or the instruction set), bit for bit.
+  sums; codes of a range of at most 129 values stored unsigned, u = code + code_bias, and summed
+  as sum(u * x) - code_bias * sum(x), wider ones as signed int8), then one float32 multiply-add per
+  block in block order: batch-invariant (a row's result does not depend on the other rows, the
+  thread count or the instruction set), bit for bit.
 
 The library is compiled for one instruction-set variant (`VARIANTS`), chosen at run time from
 the flags the CPU reports (never `-march=native`): AVX-512 VNNI, AVX-VNNI, AVX2+FMA+F16C, or
@@ -159,7 +161,10 @@ class Kernel:
         self._fns = {"fp32": library.blockmm, "int8": library.blockmm_int8}
         for fn in self._fns.values():
             fn.restype = ctypes.c_int
-            fn.argtypes = [pointer, size, size, pointer, pointer, pointer, size, size, pointer, ctypes.c_int]
+        # x, M, K, codes, scales, offsets, N, B, (int8: code_bias, code_span,) y, threads
+        library.blockmm.argtypes = [pointer, size, size, pointer, pointer, pointer, size, size, pointer, ctypes.c_int]
+        library.blockmm_int8.argtypes = [pointer, size, size, pointer, pointer, pointer, size, size, ctypes.c_int,
+                                         ctypes.c_int, pointer, ctypes.c_int]
         compiled = library.blockmm_isa
         compiled.restype = ctypes.c_char_p
         self.compiled_isa = compiled().decode()  # what the C preprocessor saw: "avx512vnni", ..., "portable"
@@ -178,9 +183,10 @@ class Kernel:
         codes, scales, offsets = weights.codes, weights.scales, weights.offsets
         assert codes.is_contiguous() and scales.is_contiguous() and (offsets is None or offsets.is_contiguous())
         y = torch.empty(m, outputs, dtype=torch.float32)
+        code_form = () if numerics == "fp32" else weights.code_form
         status = self._fns[numerics](
             x.data_ptr(), m, inputs, codes.data_ptr(), scales.data_ptr(),
-            None if offsets is None else offsets.data_ptr(), outputs, form.block, y.data_ptr(),
+            None if offsets is None else offsets.data_ptr(), outputs, form.block, *code_form, y.data_ptr(),
             torch.get_num_threads(),
         )
         if status != 0:

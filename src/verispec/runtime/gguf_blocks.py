@@ -100,14 +100,29 @@ class BlockWeights:
 @dataclass(frozen=True)
 class PackedBlocks:
     """A `BlockWeights` laid out for the int8 kernel (`kernels/blockmm_int8.c`): outputs in groups
-    of 8 (the last padded with zero codes), and per group, for each 4 consecutive inputs, the 4
-    codes of each of the 8 outputs, so that one 32-byte load feeds 8 output lanes."""
+    of 8 (the last padded), and per group, for each 4 consecutive inputs, the 4 codes of each of
+    the 8 outputs, so that one 32-byte load feeds 8 output lanes. The codes are stored in one of
+    two forms, chosen per matrix from lo = min(its smallest code, 0) and hi = its largest code:
+      unsigned (hi - lo <= 128: Q4_K's 0..15, Q5_0's -16..15, Q6_K's -32..31): u = code - lo as
+        uint8 in 0..code_span (= hi - lo), code_bias = -lo; the kernel sums u * x exactly and
+        subtracts code_bias * sum(x) per block;
+      signed (a wider range, Q8_0): the int8 codes, code_bias None.
+    The padding's bytes are 0 (code lo in the unsigned form); padded outputs are never stored."""
 
-    codes: torch.Tensor  # [groups, in // 4, 8, 4] int8
+    codes: torch.Tensor  # [groups, in // 4, 8, 4] int8 (signed) or uint8 (unsigned)
     scales: torch.Tensor  # [groups, in // block, 8] float32
     offsets: torch.Tensor | None  # [groups, in // block, 8] float32, or None
     block: int
     outputs: int  # the real number of outputs (the padding is not part of the matrix)
+    code_bias: int | None  # u = code + code_bias (unsigned form), or None (signed form)
+    code_span: int  # the largest u (unsigned form; hi - lo in the signed form, where it is unused)
+
+    MAX_SPAN = 128  # widest unsigned range: a vpmaddubsw pair of 2 * 128 * 127 fits in int16
+
+    @property
+    def code_form(self) -> tuple[int, int]:
+        """blockmm_int8's (code_bias, code_span) arguments: code_bias -1 for signed codes."""
+        return (-1 if self.code_bias is None else self.code_bias, self.code_span)
 
     @staticmethod
     def of(blocks: BlockWeights) -> "PackedBlocks":
@@ -119,10 +134,14 @@ class PackedBlocks:
             t = torch.nn.functional.pad(t, (0, 0, 0, pad))
             return t.view(groups, 8, -1).transpose(1, 2).contiguous()
 
-        codes = torch.nn.functional.pad(blocks.codes, (0, 0, 0, pad))  # [groups * 8, in]
+        lo, hi = min(int(blocks.codes.min()), 0), int(blocks.codes.max())  # the real rows' codes
+        codes, bias = blocks.codes, None
+        if hi - lo <= PackedBlocks.MAX_SPAN:
+            codes, bias = (codes.to(torch.int16) - lo).to(torch.uint8), -lo
+        codes = torch.nn.functional.pad(codes, (0, 0, 0, pad))  # [groups * 8, in]
         codes = codes.view(groups, 8, inputs // 4, 4).transpose(1, 2).contiguous()  # [groups, in // 4, 8, 4]
         offsets = None if blocks.offsets is None else per_group(blocks.offsets)
-        return PackedBlocks(codes, per_group(blocks.scales), offsets, blocks.block, out)
+        return PackedBlocks(codes, per_group(blocks.scales), offsets, blocks.block, out, bias, hi - lo)
 
 
 def block_scales(raw: np.ndarray, type_name: str, columns: int) -> tuple[int, np.ndarray, np.ndarray | None]:

@@ -37,7 +37,7 @@
 int blockmm(const float *x, int64_t M, int64_t K, const int8_t *codes, const float *scales,
             const float *offsets, int64_t N, int64_t B, float *y, int threads);
 int blockmm_int8(const float *x, int64_t M, int64_t K, const int8_t *codes, const float *scales,
-                 const float *offsets, int64_t N, int64_t B, float *y, int threads);
+                 const float *offsets, int64_t N, int64_t B, int code_bias, int code_span, float *y, int threads);
 
 enum { QKV = 0, O = 1, GATE_UP = 2, DOWN = 3 };
 enum { ACT_GELU_TANH = 0, ACT_SILU = 1 };
@@ -47,6 +47,7 @@ typedef struct {
     const int8_t *codes;
     const float *scales, *offsets, *bias; /* offsets and bias may be NULL */
     int64_t out, in, block;
+    int code_bias, code_span; /* the packed codes' form (blockmm_int8.c; int8 numerics only) */
 } BlockLinear;
 
 typedef struct {
@@ -65,9 +66,11 @@ typedef struct {
 } Layer;
 
 static int linear(const BlockLinear *l, int numerics, const float *x, int64_t n, float *y, int threads) {
-    int (*multiply)(const float *, int64_t, int64_t, const int8_t *, const float *, const float *, int64_t, int64_t,
-                    float *, int) = numerics == NUMERICS_INT8 ? blockmm_int8 : blockmm;
-    if (multiply(x, n, l->in, l->codes, l->scales, l->offsets, l->out, l->block, y, threads) != 0) return -1;
+    const int status = numerics == NUMERICS_INT8
+        ? blockmm_int8(x, n, l->in, l->codes, l->scales, l->offsets, l->out, l->block, l->code_bias, l->code_span, y,
+                       threads)
+        : blockmm(x, n, l->in, l->codes, l->scales, l->offsets, l->out, l->block, y, threads);
+    if (status != 0) return -1;
     if (l->bias)
         for (int64_t r = 0; r < n; r++)
             for (int64_t j = 0; j < l->out; j++) y[r * l->out + j] += l->bias[j];
