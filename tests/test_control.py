@@ -301,3 +301,26 @@ def test_controller_memories_are_bounded_and_least_recently_used_goes_first():
     assert len(target.attachments["controller-memories"]) == CONTROLLER_MEMORIES
     first_evicted = SamplingConfig(1.0)
     assert (first_evicted.temperature, 0, 1.0) not in {key[-3:] for key in target.attachments["controller-memories"]}
+
+
+def test_one_slow_forward_does_not_price_a_width_out():
+    """A width's cost is robust to an outlier: one forward slowed 20x (another process, a page
+    fault) must not make the controller stop drafting, which would also stop re-measuring it."""
+    cost = CostModel()
+    for _ in range(6):
+        cost.observe(1, 0.010)
+        cost.observe(2, 0.011)
+    cost.observe(2, 0.200)
+    assert cost.verify(2) == pytest.approx(1.1)
+    assert ExpectedThroughput(16, ControllerMemory(cost)).cut([0.7], 1) == 1
+
+
+def test_a_width_seen_once_costs_at_most_what_the_others_say():
+    cost = CostModel()
+    for width, seconds in [(1, 0.010)] * 3 + [(4, 0.016)] * 3:
+        cost.observe(width, seconds)
+    cost.observe(2, 0.100)  # first measurement of width 2, an outlier
+    assert cost.verify(2) == pytest.approx(1.2)  # interpolated between 1 and 4 until confirmed
+    cost.observe(2, 0.100)
+    cost.observe(2, 0.100)
+    assert cost.verify(2) == pytest.approx(10.0)  # confirmed: it really is that slow
