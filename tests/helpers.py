@@ -388,3 +388,22 @@ def assert_fits(outcomes, exact: dict, label: str, alpha: float = 1e-4) -> float
     statistic, pvalue, df = chi_square_pvalue(Counter(outcomes), exact)
     assert pvalue > alpha, f"{label}: chi2={statistic:.1f}, df={df}, p={pvalue:.2e}"
     return pvalue
+
+
+def assert_cli_refuses_before_loading(monkeypatch, folder, args: list[str], message: str) -> None:
+    """`verispec ARGS` (run in `folder`) exits 2 with one `error:` line containing `message`, no
+    traceback, and without loading a model."""
+    from typer.testing import CliRunner
+
+    import verispec.cli as cli
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the CLI loaded a model before validating its arguments")
+
+    monkeypatch.setattr(cli, "_load", refuse)
+    monkeypatch.chdir(folder)
+    result = CliRunner().invoke(cli.app, args)
+    assert result.exit_code == 2 and isinstance(result.exception, SystemExit), result.output
+    assert "Traceback" not in result.output
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert lines[0].startswith("error:") and message in " ".join(result.stderr.split()), result.stderr

@@ -9,7 +9,6 @@ from __future__ import annotations
 import random
 
 import pytest
-from typer.testing import CliRunner
 
 import helpers
 from verispec.drafters.ngram import MEMORY_ATTACHMENT, AnpdDrafter, NgramConfig, NgramMemory, span_kind
@@ -170,17 +169,7 @@ def test_outputs_equal_ar_with_and_without_long_matches(span_min):
     (["bench", "--methods", "ar,anpd/span_min=40"], "span_min must be 0 (off) or an integer from 4 to 32"),
 ])
 def test_the_cli_refuses_bad_span_options_before_loading(monkeypatch, tmp_path, args, message):
-    import verispec.cli as cli
-
-    def refuse(*args, **kwargs):
-        raise AssertionError("the CLI loaded a model before validating its arguments")
-
-    monkeypatch.setattr(cli, "_load", refuse)
-    monkeypatch.chdir(tmp_path)
-    result = CliRunner().invoke(cli.app, args)
-    assert result.exit_code == 2 and isinstance(result.exception, SystemExit), result.output
-    lines = [line for line in result.stderr.splitlines() if line.strip()]
-    assert lines[0].startswith("error:") and message in " ".join(result.stderr.split()), result.stderr
+    helpers.assert_cli_refuses_before_loading(monkeypatch, tmp_path, args, message)
 
 
 def test_the_option_reaches_the_drafter():

@@ -28,7 +28,6 @@ from collections import Counter
 
 import pytest
 import torch
-from typer.testing import CliRunner
 
 import helpers
 from verispec.acceptance import Verdict, argmax, greedy_match, sampled_match, tree_match, verify_lossless
@@ -518,18 +517,7 @@ def test_tree_options_are_checked(tiny_targets):
     (["bench", "--methods", "ar,pld/tree=2"], "tree is an anpd option"),
 ])
 def test_the_cli_refuses_bad_tree_options_before_loading(monkeypatch, tmp_path, args, message):
-    import verispec.cli as cli
-
-    def refuse(*args, **kwargs):
-        raise AssertionError("the CLI loaded a model before validating its arguments")
-
-    monkeypatch.setattr(cli, "_load", refuse)
-    monkeypatch.chdir(tmp_path)
-    result = CliRunner().invoke(cli.app, args)
-    assert result.exit_code == 2 and isinstance(result.exception, SystemExit), result.output
-    assert "Traceback" not in result.output
-    lines = [line for line in result.stderr.splitlines() if line.strip()]
-    assert lines[0].startswith("error:") and message in " ".join(result.stderr.split()), result.stderr
+    helpers.assert_cli_refuses_before_loading(monkeypatch, tmp_path, args, message)
 
 
 # -- sampling (statistical) -----------------------------------------------------------------------
