@@ -82,10 +82,9 @@ class CostModel:
     """Measured cost of a step, relative to a one-token target forward.
 
     Verify: the seconds of a target forward by width (tokens), each width the median of its last
-    `window` measurements (so one slow forward, a page fault or another process, moves nothing;
-    an exponential average had let one outlier price a width out for good, since a width that is
-    never chosen is never measured again: a benchmark's ANPD run fell from 2.0 to 1.6 tokens per
-    forward that way); unmeasured widths are interpolated linearly between measured ones, and
+    `window` measurements, so that one slow forward (a page fault, another process) moves
+    nothing: an average can let one outlier price a width out for good, since a width that is
+    never chosen is never measured again; unmeasured widths are interpolated linearly between measured ones, and
     before any measurement the prior 1 + prior_slope * (w - 1) is used, deliberately optimistic
     so that wide forwards get tried and measured. A width measured fewer than `trusted` times
     costs at most what the other widths say (optimism until confirmed, for the same reason).
