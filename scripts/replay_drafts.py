@@ -1,0 +1,99 @@
+"""Offline replay of ANPD's drafter against the greedy answers `ar` gave in a benchmark run: for
+each prompt (in the run's order, one memory across requests for the whole pass, as the benchmark
+gives each method), the drafter proposes, the adaptive controller's rule cuts the draft under
+fixed step costs, and the recorded answer decides what is accepted. Prints tokens per target
+forward, acceptance and a modelled speed against `ar`, for drafter settings side by side, in
+seconds and without the model's forward (the tokenizer only), so drafting ideas can be compared
+before a timed benchmark. Single-turn datasets only (`spec-bench`, `code-edit`, `builtin`).
+
+    verispec bench --dataset code-edit --methods ar --peers '' --max-new-tokens 128 --out runs/ce
+    python scripts/replay_drafts.py runs/ce --ratios 1.10,1.48,2.60,4.40,9.90
+
+--ratios: `verispec profile`'s verify costs of widths 2, 4, 8, 16, 32 relative to width 1
+(interpolated linearly between them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from verispec.bench.datasets import encode_question, load_dataset
+from verispec.control import best_draft_length
+from verispec.drafters.ngram import AnpdDrafter, NgramConfig, shared_memory
+from verispec.model import load
+
+WIDTHS = (1, 2, 4, 8, 16, 32)
+VARIANTS = {  # label -> (NgramConfig, memory across requests)
+    "anpd": (NgramConfig(), True),
+    "anpd, no long matches": (NgramConfig(span_min=0), True),
+    "anpd, no memory": (NgramConfig(), False),
+    "anpd, neither": (NgramConfig(span_min=0), False),
+}
+
+
+def verify_cost(ratios: dict[int, float], width: int) -> float:
+    if width in ratios:
+        return ratios[width]
+    below = max(w for w in ratios if w < width)
+    above = min((w for w in ratios if w > width), default=None)
+    if above is None:
+        return ratios[below] * width / below
+    t = (width - below) / (above - below)
+    return (1 - t) * ratios[below] + t * ratios[above]
+
+
+def replay(answers: list[tuple[list[int], list[int]]], config: NgramConfig, memory: bool, ratios: dict[int, float],
+           k: int = 16) -> tuple[float, float, float, str]:
+    """(tokens per forward, acceptance, modelled speed vs ar, what the memory learned of long-match
+    copies) of one pass over (prompt, answer)."""
+    attachments: dict = {}
+    forwards = tokens = drafted = 0
+    cost = 0.0
+    for prompt, answer in answers:
+        drafter = AnpdDrafter(config, shared_memory(attachments, config) if memory else None)
+        drafter.begin(prompt)
+        context, position = list(prompt), 0
+        while position < len(answer):
+            draft = drafter.propose(context, min(k, len(answer) - position - 1))
+            proposal = draft.tokens.tolist()
+            proposal = proposal[: best_draft_length(draft.confidence or (), lambda n: verify_cost(ratios, n + 1))]
+            accepted = 0
+            while accepted < len(proposal) and proposal[accepted] == answer[position + accepted]:
+                accepted += 1
+            committed = answer[position : position + accepted + 1]
+            drafter.commit(committed, len(proposal))
+            context += committed
+            position += len(committed)
+            forwards, tokens, drafted = forwards + 1, tokens + len(committed), drafted + len(proposal)
+            cost += verify_cost(ratios, len(proposal) + 1)
+    copies = [outcome for kind, outcome in shared_memory(attachments, config).outcomes.items() if kind[0] == "span"]
+    accepted, rejected = sum(o[0] for o in copies), sum(o[1] for o in copies)
+    learned = f"  long-match copies accepted {accepted / (accepted + rejected):.0%} of {accepted + rejected}" if (
+        memory and copies) else ""
+    return tokens / forwards, (tokens - forwards) / max(drafted, 1), tokens / cost, learned
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("run", type=Path, help="a `verispec bench --out` directory with an `ar` greedy run")
+    parser.add_argument("--ratios", default="1.10,1.48,2.60,4.40,9.90")
+    args = parser.parse_args()
+    ratios = dict(zip(WIDTHS, [1.0, *map(float, args.ratios.split(","))]))
+    settings = json.loads((args.run / "config.json").read_text())["settings"]
+    records = [json.loads(line) for line in (args.run / "records.jsonl").open()]
+    answers_by_id = {r["question_id"]: r["token_ids"] for r in records if r["method"] == "ar" and r["repeat"] == 0}
+    _, questions = load_dataset(settings["dataset"], settings["categories"] or None, settings["per_category"])
+    tokenizer = load().tokenizer
+    answers = [(encode_question(tokenizer, q), answers_by_id[q.question_id]) for q in questions
+               if q.question_id in answers_by_id]
+    print(f"{len(answers)} answers from {args.run}")
+    for label, (config, memory) in VARIANTS.items():
+        per_forward, acceptance, speed, learned = replay(answers, config, memory, ratios)
+        print(f"{label:24s} tokens/forward {per_forward:.2f}  acceptance {acceptance:.2f}  modelled vs ar {speed:.2f}x"
+              f"{learned}")
+
+
+if __name__ == "__main__":
+    main()
