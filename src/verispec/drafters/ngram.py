@@ -240,7 +240,9 @@ class NgramConfig:
 # roughly the last 32k distinct token contexts on each level: about a hundred requests of 300
 # tokens. Half the per-request tables' bound: one request never needs more than its own hold.
 MEMORY_MAX_KEYS = 1 << 15
-MEMORY_MAX_TOKENS = 1 << 20  # tokens of the requests' streams for long matches (4 MiB of ids and index)
+# Tokens of the requests' streams for long matches (`SpanIndex`), whose index keeps its default 2^16
+# most recently written 4-grams: ~21 MiB at both bounds (tracemalloc, random 600-token requests).
+MEMORY_MAX_TOKENS = 1 << 18
 MEMORY_STORES = 4  # configs (e.g. ngram_max_n values) with a store on one target; LRU beyond
 MEMORY_ATTACHMENT = "ngram-memory"  # Target.attachments key: {NgramConfig: NgramMemory} or None (off)
 

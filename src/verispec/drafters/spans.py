@@ -19,7 +19,8 @@ positions per key (the most recent).
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+from array import array
+from collections import OrderedDict
 from dataclasses import dataclass
 from itertools import count
 from typing import Sequence
@@ -31,28 +32,29 @@ from ..errors import ConfigError
 class Span:
     """A match: `stream[start:]` followed `length` tokens equal to the end of the stream looked up."""
 
-    stream: list[int]
+    stream: array  # of int32 token ids
     start: int
     length: int
     other: bool  # found in another stream than the one looked up (an earlier request)
 
     def tokens(self, k: int) -> list[int]:
         """The first k tokens that followed the match (fewer where its stream ends)."""
-        return self.stream[self.start : self.start + k]
+        return self.stream[self.start : self.start + k].tolist()
 
 
 class SpanIndex:
     """Token streams and the index of their `key`-token n-grams (pure: no torch, no model)."""
 
-    def __init__(self, key: int = 4, per_key: int = 8, max_back: int = 32, max_tokens: int = 1 << 20,
-                 max_keys: int = 1 << 18):
+    def __init__(self, key: int = 4, per_key: int = 8, max_back: int = 32, max_tokens: int = 1 << 18,
+                 max_keys: int = 1 << 16):
         if not (1 <= key <= max_back) or per_key < 1 or max_tokens < 1 or max_keys < 1:
             raise ConfigError(f"span index bounds need 1 <= key <= max_back and positive limits, got key={key}, "
                               f"per_key={per_key}, max_back={max_back}, max_tokens={max_tokens}, max_keys={max_keys}")
         self.key, self.per_key, self.max_back = key, per_key, max_back
         self.max_tokens, self.max_keys = max_tokens, max_keys
-        self._streams: OrderedDict[int, list[int]] = OrderedDict()  # oldest first
-        self._ends: OrderedDict[tuple[int, ...], deque[tuple[int, int]]] = OrderedDict()  # key -> (stream, end)
+        self._streams: OrderedDict[int, array] = OrderedDict()  # oldest first; int32 token ids
+        # key (the n-gram's int32 bytes) -> its last `per_key` ends, each stream << 32 | end
+        self._ends: OrderedDict[bytes, list[int]] = OrderedDict()
         self._ids = count()
         self._total = 0
 
@@ -67,7 +69,7 @@ class SpanIndex:
     def new_stream(self) -> int:
         """An empty stream; returns its id for `extend` and `longest`."""
         stream = next(self._ids)
-        self._streams[stream] = []
+        self._streams[stream] = array("i")
         return stream
 
     def extend(self, stream: int, tokens: Sequence[int]) -> None:
@@ -78,15 +80,17 @@ class SpanIndex:
         for token in tokens:
             tokens_of.append(int(token))
             if len(tokens_of) >= self.key:
-                key = tuple(tokens_of[-self.key :])
+                key = tokens_of[-self.key :].tobytes()
                 ends = self._ends.get(key)
                 if ends is None:
-                    ends = self._ends[key] = deque(maxlen=self.per_key)
+                    ends = self._ends[key] = []
                     if len(self._ends) > self.max_keys:
                         self._ends.popitem(last=False)
                 else:
                     self._ends.move_to_end(key)
-                ends.append((stream, len(tokens_of)))
+                    if len(ends) == self.per_key:
+                        del ends[0]
+                ends.append(stream << 32 | len(tokens_of))
         self._total += len(tokens)
         while self._total > self.max_tokens and len(self._streams) > 1:
             oldest = next(iter(self._streams))
@@ -101,9 +105,10 @@ class SpanIndex:
         tail = self._streams.get(stream)
         if tail is None or len(tail) < self.key:
             return None
-        ends = self._ends.get(tuple(tail[-self.key :]))
+        ends = self._ends.get(tail[-self.key :].tobytes())
         best: Span | None = None
-        for source, end in reversed(ends or ()):
+        for packed in reversed(ends or ()):
+            source, end = packed >> 32, packed & 0xFFFFFFFF
             tokens = self._streams.get(source)
             if tokens is None or end >= len(tokens):  # stream gone, or nothing after the match yet
                 continue
