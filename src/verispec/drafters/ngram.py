@@ -34,11 +34,11 @@ context it was seen with; ties go to the request's own tables. The memory also h
 streams of the requests for long matches (`NgramMemory.spans`). The memory's tokens and the long
 matches carry confidence kinds of their own (`AnpdDrafter`), so the adaptive controller learns
 separately how far to trust them, and what it learns of those kinds is kept with the memory
-(`NgramMemory.outcomes`), for the next requests. Cost: one more look-up per level, for a token the own tables do not match at the largest n, and
-one more update per level for each token indexed: still O(max_n) per token. Bounds:
-MEMORY_MAX_KEYS keys per level, with the tables' LRU over writes and per-key candidate cap, and
+(`NgramMemory.outcomes`), for the next requests. Cost: one more look-up per level, for a token
+the own tables do not match at the largest n, and one more update per level for each token
+indexed: still O(max_n) per token. Bounds: MEMORY_MAX_KEYS keys per level, with the tables' LRU
+over writes and per-key candidate cap; MEMORY_MAX_TOKENS tokens of streams (oldest request out);
 at most MEMORY_STORES configs per target (least recently used out).
-Streams: at most MEMORY_MAX_TOKENS tokens (oldest request out).
 `switch_off_memory` turns it off for a whole target (the server's --no-ngram-memory).
 
 Tree drafts (`AnpdDrafter(tree=N)`, the method option `tree`): the draft branches where a key
@@ -348,7 +348,7 @@ class AnpdDrafter:
         self._spans: SpanIndex | None = None  # the memory's, or this request's own
         self._stream = -1  # this request's stream in `_spans`
         self._outcomes: dict[tuple, list[int]] = {}  # kind -> [accepted, rejected]
-        self._last_kinds: list[tuple[int, int, bool]] = []
+        self._last_kinds: list[tuple] = []  # confidence kinds of the last linear draft's tokens
         self._last_tree: tuple[list[int], list[int], list[tuple]] | None = None  # tokens, parents, kinds
 
     @classmethod
