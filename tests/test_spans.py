@@ -177,3 +177,16 @@ def test_the_option_reaches_the_drafter():
     for span_min in (0, 12):
         drafter = build("anpd", target, MethodOptions(span_min=span_min)).drafter
         assert drafter.config.span_min == span_min
+
+
+def test_a_tree_drafter_copies_a_long_match_as_a_single_path_within_its_budget():
+    context, copied, frequent = long_match_context()
+    drafter = AnpdDrafter(NgramConfig(), tree=3)
+    drafter.begin(context)
+    draft = drafter.propose(context, 8)
+    assert draft.tokens.tolist() == [copied, *context[17:19]] and draft.parents is None
+    drafter.commit([copied, context[17], 0], 3)  # two accepted: outcomes learned as a linear draft's
+    assert drafter._outcomes[span_kind(16, False)] == [2, 1]  # match lengths 16..18 share a kind
+    no_spans = AnpdDrafter(NgramConfig(span_min=0), tree=3)
+    no_spans.begin(context)
+    assert no_spans.propose(context, 8).parents is not None  # elsewhere: a tree from the tables

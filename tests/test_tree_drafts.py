@@ -611,7 +611,8 @@ def test_tree_verification_follows_ars_distribution(micro, sampling):
     helpers.assert_fits(ar, exact, "ar")
     recipes = {
         "likely tree": lambda: Recipe(LikelyTree(exact), ConstantLength(6), verify_lossless),
-        "anpd tree": lambda: build("anpd", micro, MethodOptions(tree=6, controller="constant:6"), sampling),
+        # no long-match copies: every run re-sends PROMPT, which the memory would copy as a single path
+        "anpd tree": lambda: build("anpd", micro, MethodOptions(tree=6, controller="constant:6", span_min=0), sampling),
     }
     for label, make_recipe in recipes.items():
         # with a seed: one draw per committed token, so ar's own sample (up to float rounding)
@@ -644,7 +645,8 @@ def test_greedy_anpd_with_trees_equals_ar_on_the_default_model():
         prompt = ("Repeat the list exactly.\nList: apple, banana, cherry, date, elderberry, fig, grape.\n"
                   "Again: apple, banana, cherry, date, elderberry, fig, grape.\nAgain: apple, banana, cherry,")
         ar = verispec.generate(target, prompt, method="ar", max_new_tokens=48)
-        for options in (MethodOptions(tree=8), MethodOptions(tree=8, controller="constant:8")):
+        for options in (MethodOptions(tree=8), MethodOptions(tree=8, controller="constant:8"),
+                        MethodOptions(tree=8, controller="constant:8", span_min=0)):  # trees, not copies
             result = verispec.generate(target, prompt, method="anpd", max_new_tokens=48, options=options)
             assert result.token_ids == ar.token_ids, options
             assert result.stats.accepted > 0

@@ -43,8 +43,8 @@ at most MEMORY_STORES configs per target (least recently used out).
 
 Tree drafts (`AnpdDrafter(tree=N)`, the method option `tree`): the draft branches where a key
 was followed by several tokens, grown best first by path probability up to N tokens, and the
-target verifies every branch in one forward (`Draft.parents`; see `AnpdDrafter`). Tree drafts
-branch on the tables only (no long-match copies).
+target verifies every branch in one forward (`Draft.parents`; see `AnpdDrafter`). Where a long
+match is found, its copy is drafted as a single path instead (within the same node budget).
 
 Privacy, in a server: outputs never depend on the memory (every drafted token is verified by
 the target, so each output is exactly `ar`'s), but speed does. One user's prompts and outputs
@@ -374,10 +374,12 @@ class AnpdDrafter:
         self._outcomes, self._last_kinds, self._last_tree = {}, [], None
 
     def propose(self, context: Sequence[int], k: int, keep: Keep = keep_all) -> Draft:
-        if self.tree:
-            return self._propose_tree(min(k, self.tree), keep)
         span = self._long_match()
-        if span is not None:
+        if self.tree:
+            k = min(k, self.tree)
+            if span is None:
+                return self._propose_tree(k, keep)
+        if span is not None:  # a long match is copied as a single path, trees or not
             tokens = span.tokens(k)
             kinds = [span_kind(span.length + j, span.other) for j in range(len(tokens))]
         else:
