@@ -391,8 +391,8 @@ def assert_fits(outcomes, exact: dict, label: str, alpha: float = 1e-4) -> float
 
 
 def assert_cli_refuses_before_loading(monkeypatch, folder, args: list[str], message: str) -> None:
-    """`verispec ARGS` (run in `folder`) exits 2 with one `error:` line containing `message`, no
-    traceback, and without loading a model."""
+    """`verispec ARGS` (run in `folder`) exits 2 with exactly one line, an `error:` line containing
+    `message`, no traceback, and without loading a model."""
     from typer.testing import CliRunner
 
     import verispec.cli as cli
@@ -406,4 +406,5 @@ def assert_cli_refuses_before_loading(monkeypatch, folder, args: list[str], mess
     assert result.exit_code == 2 and isinstance(result.exception, SystemExit), result.output
     assert "Traceback" not in result.output
     lines = [line for line in result.stderr.splitlines() if line.strip()]
-    assert lines[0].startswith("error:") and message in " ".join(result.stderr.split()), result.stderr
+    assert len(lines) == 1 and lines[0].startswith("error:") and message in " ".join(result.stderr.split()), \
+        result.stderr

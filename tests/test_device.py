@@ -35,7 +35,6 @@ from typer.testing import CliRunner
 
 import helpers
 import verispec
-import verispec.cli as cli
 import verispec.device as device_module
 from verispec.acceptance import verify_joint, verify_lossless
 from verispec.cli import app
@@ -152,14 +151,6 @@ def test_auto_map_without_accelerate_is_refused(monkeypatch):
 runner = CliRunner()
 
 
-@pytest.fixture
-def no_model_loading(monkeypatch):
-    def refuse(*args, **kwargs):
-        raise AssertionError("the CLI loaded a model before checking --device")
-
-    monkeypatch.setattr(cli, "_load", refuse)
-
-
 COMMANDS = [["generate", "hi"], ["bench", "--peers", ""], ["serve", "--port", "0"], ["info"], ["profile"],
             ["train-exit"]]
 
@@ -171,24 +162,18 @@ COMMANDS = [["generate", "hi"], ["bench", "--peers", ""], ["serve", "--port", "0
     ("gpu", "device must be one of auto | cpu | cuda | cuda:N | auto-map, got 'gpu'"),
     ("cuda:x", "got 'cuda:x'"),
 ])
-def test_cli_refuses_an_absent_or_misspelt_device(no_cuda, no_model_loading, tmp_path, command, value, fragment):
+def test_cli_refuses_an_absent_or_misspelt_device(no_cuda, monkeypatch, tmp_path, command, value, fragment):
     extra = ["--out", str(tmp_path / "run")] if command[0] in ("bench", "train-exit") else []
-    result = runner.invoke(app, [*command, *extra, "--device", value])
-    assert result.exit_code == 2, result.output
-    assert isinstance(result.exception, SystemExit) and "Traceback" not in result.output
-    lines = [line for line in result.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error:"), result.stderr
-    assert fragment in " ".join(result.stderr.split())
+    helpers.assert_cli_refuses_before_loading(monkeypatch, tmp_path, [*command, *extra, "--device", value], fragment)
     assert not (tmp_path / "run").exists()  # nothing was written (the benchmark's directory, the head's)
 
 
 @pytest.mark.parametrize("command", [c for c in COMMANDS if c[0] in ("generate", "bench", "serve", "profile")],
                          ids=lambda c: c[0])
-def test_cli_refuses_compile_on_the_cpu(no_model_loading, tmp_path, command):
+def test_cli_refuses_compile_on_the_cpu(monkeypatch, tmp_path, command):
     extra = ["--out", str(tmp_path / "run")] if command[0] == "bench" else []
-    result = runner.invoke(app, [*command, *extra, "--device", "cpu", "--compile"])
-    assert result.exit_code == 2, result.output
-    assert result.stderr.startswith("error:") and "is for CUDA devices" in result.stderr
+    helpers.assert_cli_refuses_before_loading(monkeypatch, tmp_path, [*command, *extra, "--device", "cpu", "--compile"],
+                                              "is for CUDA devices")
 
 
 @pytest.mark.long
