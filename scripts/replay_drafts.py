@@ -10,7 +10,7 @@ before a timed benchmark. Single-turn datasets only (`spec-bench`, `code-edit`, 
     python scripts/replay_drafts.py runs/ce --ratios 1.10,1.48,2.60,4.40,9.90
 
 --ratios: `verispec profile`'s verify costs of widths 2, 4, 8, 16, 32 relative to width 1
-(interpolated linearly between them).
+(interpolated linearly between them, past 32 with the controller's prior slope).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import json
 from pathlib import Path
 
 from verispec.bench.datasets import encode_question, load_dataset
-from verispec.control import best_draft_length
+from verispec.control import CostModel, best_draft_length
 from verispec.drafters.ngram import AnpdDrafter, NgramConfig, shared_memory
 from verispec.model import load
 
@@ -33,24 +33,22 @@ VARIANTS = {  # label -> (NgramConfig, memory across requests)
 }
 
 
-def verify_cost(ratios: dict[int, float], width: int) -> float:
-    if width in ratios:
-        return ratios[width]
-    below = max(w for w in ratios if w < width)
-    above = min((w for w in ratios if w > width), default=None)
-    if above is None:
-        return ratios[below] * width / below
-    t = (width - below) / (above - below)
-    return (1 - t) * ratios[below] + t * ratios[above]
+def step_costs(ratios: dict[int, float]) -> CostModel:
+    """The adaptive controller's cost model, having seen each width's relative cost (trusted)."""
+    cost = CostModel()
+    for width, ratio in ratios.items():
+        for _ in range(cost.trusted):
+            cost.observe(width, ratio)
+    return cost
 
 
-def replay(answers: list[tuple[list[int], list[int]]], config: NgramConfig, memory: bool, ratios: dict[int, float],
+def replay(answers: list[tuple[list[int], list[int]]], config: NgramConfig, memory: bool, cost: CostModel,
            k: int = 16) -> tuple[float, float, float, str]:
     """(tokens per forward, acceptance, modelled speed vs ar, what the memory learned of long-match
     copies) of one pass over (prompt, answer)."""
     attachments: dict = {}
     forwards = tokens = drafted = 0
-    cost = 0.0
+    seconds = 0.0  # in one-token steps
     for prompt, answer in answers:
         drafter = AnpdDrafter(config, shared_memory(attachments, config) if memory else None)
         drafter.begin(prompt)
@@ -58,7 +56,7 @@ def replay(answers: list[tuple[list[int], list[int]]], config: NgramConfig, memo
         while position < len(answer):
             draft = drafter.propose(context, min(k, len(answer) - position - 1))
             proposal = draft.tokens.tolist()
-            proposal = proposal[: best_draft_length(draft.confidence or (), lambda n: verify_cost(ratios, n + 1))]
+            proposal = proposal[: best_draft_length(draft.confidence or (), cost.relative)]
             accepted = 0
             while accepted < len(proposal) and proposal[accepted] == answer[position + accepted]:
                 accepted += 1
@@ -67,12 +65,12 @@ def replay(answers: list[tuple[list[int], list[int]]], config: NgramConfig, memo
             context += committed
             position += len(committed)
             forwards, tokens, drafted = forwards + 1, tokens + len(committed), drafted + len(proposal)
-            cost += verify_cost(ratios, len(proposal) + 1)
+            seconds += cost.relative(len(proposal))
     copies = [outcome for kind, outcome in shared_memory(attachments, config).outcomes.items() if kind[0] == "span"]
     accepted, rejected = sum(o[0] for o in copies), sum(o[1] for o in copies)
     learned = f"  long-match copies accepted {accepted / (accepted + rejected):.0%} of {accepted + rejected}" if (
         memory and copies) else ""
-    return tokens / forwards, (tokens - forwards) / max(drafted, 1), tokens / cost, learned
+    return tokens / forwards, (tokens - forwards) / max(drafted, 1), tokens / seconds, learned
 
 
 def main() -> None:
@@ -90,7 +88,7 @@ def main() -> None:
                if q.question_id in answers_by_id]
     print(f"{len(answers)} answers from {args.run}")
     for label, (config, memory) in VARIANTS.items():
-        per_forward, acceptance, speed, learned = replay(answers, config, memory, ratios)
+        per_forward, acceptance, speed, learned = replay(answers, config, memory, step_costs(ratios))
         print(f"{label:24s} tokens/forward {per_forward:.2f}  acceptance {acceptance:.2f}  modelled vs ar {speed:.2f}x"
               f"{learned}")
 

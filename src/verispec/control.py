@@ -133,12 +133,12 @@ class CostModel:
         base = self.base()
         if base is None or width == 1:
             return 1.0 + self.prior_slope * (width - 1)
+        measured = self.seconds.get(width)
+        if measured is not None and len(self._recent[width]) >= self.trusted:
+            return measured / base
         others = {w: s for w, s in self.seconds.items() if w != width}
         guess = self._between(width, {1: base, **others}, base)
-        if width not in self.seconds:
-            return guess
-        measured = self.seconds[width] / base
-        return measured if len(self._recent[width]) >= self.trusted else min(measured, guess)
+        return guess if measured is None else min(measured / base, guess)
 
     def _between(self, width: int, known: dict[int, float], base: float) -> float:
         """Relative seconds at `width` interpolated between the known widths' (extrapolated with

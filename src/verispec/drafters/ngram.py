@@ -76,9 +76,8 @@ SPAN_KEY = 4  # tokens of the n-grams a long match is looked up by (`SpanIndex.k
 SPAN_MAX_BACK = 32  # the longest match measured (`SpanIndex.max_back`)
 SPAN_BUCKETS = (4, 6, 8, 12, 16, 24, 32)  # match lengths grouped into confidence kinds
 # Long-match kinds start from Beta(1 + 2, 1) (mean 0.75), not Beta(1, 1): a copy after 8 or more
-# matching tokens was accepted 92-97% of the time (an offline replay, as scripts/replay_drafts.py
-# does, of 26 Spec-Bench and 16 code-edit greedy answers), and at 0.5 a fresh request cut its
-# first copies to a token or two.
+# matching tokens was accepted 93-99% of the time (scripts/replay_drafts.py over 16 code-edit and
+# 26 Spec-Bench greedy answers), and at 0.5 a fresh request cut its first copies to a token or two.
 SPAN_PRIOR_ACCEPTED = 2
 
 
