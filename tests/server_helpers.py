@@ -48,7 +48,7 @@ class HookedTarget(Target):
         self._fail_ids = tokenizer(FAIL_MARKER)["input_ids"]
         self._block_ids = tokenizer(BLOCK_MARKER)["input_ids"]
 
-    def forward(self, tokens, last_only: bool = False):
+    def forward(self, tokens, last_only: bool = False, lazy: bool = False):
         if self.length == 0:  # the prefill of a request
             if _contains(tokens, self._fail_ids):
                 raise RuntimeError("injected fault in the target forward")
@@ -60,7 +60,7 @@ class HookedTarget(Target):
                     self.blocked.clear()
         if self.delay:
             time.sleep(self.delay)
-        return super().forward(tokens, last_only)
+        return super().forward(tokens, last_only, lazy)
 
 
 def text_target(tokenizer, delay: float = 0.0, max_positions: int = 256, cls=HookedTarget) -> Target:

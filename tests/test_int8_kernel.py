@@ -71,6 +71,11 @@ def variants_here() -> list[str]:
     return blockmm.supported_variants()
 
 
+def builds_here() -> list[str]:
+    """The variants this CPU runs and the test builds it runs (the VNNI paths emulated on AVX2)."""
+    return variants_here() + [name for name in blockmm.TEST_BUILDS if blockmm.load_variant(name)[0] is not None]
+
+
 def kernel_of(variant: str) -> blockmm.Kernel:
     found, why = blockmm.load_variant(variant)
     assert found is not None, why  # every variant this CPU reports must build and load
@@ -118,13 +123,13 @@ def activations(rows: int, inputs: int, seed: int) -> torch.Tensor:
     return x
 
 
-@pytest.mark.parametrize("variant", ["portable", "avx2"])
+@pytest.mark.parametrize("variant", ["portable", "avx2", "vnni-emulated"])
 @pytest.mark.parametrize("block,affine,inputs", [
     (32, False, 640), (16, False, 208), (32, True, 192), (16, True, 304), (64, True, 256), (48, False, 144),
 ])
 @pytest.mark.parametrize("rows", [1, 3, 4, 9])
 def test_int8_product_equals_its_numpy_definition(variant, block, affine, inputs, rows):
-    if variant not in variants_here():  # the portable build runs everywhere; AVX2 is required on x86 CI
+    if variant not in builds_here():  # the portable build runs everywhere; AVX2 is required on x86 CI
         pytest.fail(f"this CPU does not run the {variant} build: {blockmm.load_variant(variant)[1]}")
     form = wide_form(37, inputs, block, affine, seed=inputs + block + rows)
     x = activations(rows, inputs, seed=rows)
@@ -154,7 +159,7 @@ def test_reference_emulation_would_see_a_different_order():
     assert torch.allclose(torch.from_numpy(other), in_order, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("variant", ["portable", "avx2"])
+@pytest.mark.parametrize("variant", ["portable", "avx2", "vnni-emulated"])
 @pytest.mark.parametrize("block,affine", [(32, False), (32, True), (16, False)])
 def test_a_rows_result_does_not_depend_on_the_other_rows_or_threads(variant, block, affine):
     """Row r of a call with M rows (any M from 1 to 64, the other rows random) equals row r of
@@ -185,13 +190,13 @@ def test_fp32_numerics_are_not_batch_invariant_but_int8_are():
     assert torch.equal(together("int8"), one("int8"))
 
 
-@pytest.mark.parametrize("variant", list(blockmm.VARIANTS))
+@pytest.mark.parametrize("variant", [*blockmm.VARIANTS, *blockmm.TEST_BUILDS])
 def test_every_variant_builds_and_those_this_cpu_runs_equal_the_portable_build(variant):
     """Every variant compiles here (the VNNI ones need only the compiler, not the CPU); the ones
     this CPU can run give the portable build's bits; the others are refused with the flags the
     CPU lacks."""
     assert blockmm.build_variant(variant).is_file()
-    if variant in variants_here():
+    if variant in builds_here():
         form = wide_form(97, 656, 16, False, seed=5)  # 41 blocks of 16: the 16-input tail too
         x = activations(11, 656, seed=5)
         portable = run(kernel_of("portable"), x, form)
@@ -237,7 +242,7 @@ def ranged_form(outputs: int, inputs: int, lo: int, hi: int, block: int, affine:
 
 def assert_every_build_gives(x: torch.Tensor, form: BlockWeights, expected: torch.Tensor, widths) -> None:
     """Rows 0..m-1 of x, for each width m, give expected[:m] on every build here at 1 and 2 threads."""
-    for variant in variants_here():
+    for variant in builds_here():
         kernel = kernel_of(variant)
         for m in widths:
             for threads in (1, 2):
@@ -356,6 +361,19 @@ def test_variant_choice_follows_the_cpu_flags():
     assert blockmm.supported_variants(avx2 | {"avx_vnni"}) == ["avxvnni", "avx2", "portable"]
     zen4 = avx2 | {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"}
     assert blockmm.supported_variants(zen4)[0] == "avx512vnni"
+    assert not set(blockmm.TEST_BUILDS) & set(blockmm.supported_variants(zen4 | {"avx_vnni"}))  # never chosen
+
+
+def test_the_emulated_vnni_build_runs_the_vnni_paths():
+    """"vnni-emulated" really compiles the VNNI code: on Q8_0-like signed codes it subtracts
+    128 * sum(xq) per block (a VNNI-only step), so a kernel that skipped that step would be off by
+    about 128 / 127 * |x| per block; it is instead bit-identical to the portable build."""
+    kernel = kernel_of("vnni-emulated")
+    lo, hi, block, affine = CODE_RANGES["q8_0"]
+    form = ranged_form(24, 256, lo, hi, block, affine, seed=3)
+    x = activations(6, 256, seed=3)
+    assert kernel.compiled_isa == "vnni-emulated"
+    assert torch.equal(run(kernel, x, form, threads=2), reference_int8(x, form))
 
 
 @pytest.fixture

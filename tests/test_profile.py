@@ -19,8 +19,11 @@ def test_profile_reports_every_width_its_ratio_and_the_draft_step(path):
         assert profile["ratios"][width] == pytest.approx(profile["widths"][width] / profile["widths"]["1"], rel=1e-2)
     assert profile["context"] == 24 and profile["draft_ms"] > 0
     assert profile["numerics"] == target.numerics
+    assert list(profile["rejected"]) == ["2", "4"] and list(profile["rejected_ratios"]) == ["2", "4"]
+    assert all(ms > 0 for ms in profile["rejected"].values())
     text = format_profile(profile)
     assert "EESD draft token" in text and len(text.splitlines()) == 6
+    assert "rejected ms" in text and f"{profile['rejected']['4']:12.2f}" in text.splitlines()[-2]
     assert target.cache.length == 24  # the context stays; the timed forwards were cropped
 
 

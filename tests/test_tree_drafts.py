@@ -431,8 +431,8 @@ def test_after_another_branch_wins_the_next_step_is_ars(tiny_targets, path, cont
     expected: list[torch.Tensor] = []  # ar's logits at each step
     original = target.forward
 
-    def recording(ids, last_only=False):
-        out = original(ids, last_only)
+    def recording(ids, last_only=False, lazy=False):
+        out = original(ids, last_only)  # a tensor: ar's steps are one row
         expected.append(out[-1])
         return out
 
@@ -442,7 +442,7 @@ def test_after_another_branch_wins_the_next_step_is_ars(tiny_targets, path, cont
         drafter = TreeScript(reference, SCRIPTS[script])
         got: list[torch.Tensor] = []
 
-        def recording_tree(ids, last_only=False):
+        def recording_tree(ids, last_only=False, lazy=False):
             out = original(ids, last_only)
             got.append(out[0])  # a one-token step after the tree: ar's next position
             return out

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from .drafters.base import Draft
+from .lazy_rows import LazyRows, materialize
 from .sampling import SamplingConfig, probabilities, sample
 
 
@@ -165,9 +166,10 @@ def joint_likelihood(
 
 
 def verify_lossless(
-    draft: Draft, logits: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator
+    draft: Draft, logits: "torch.Tensor | LazyRows", sampling: SamplingConfig, generator: torch.Generator
 ) -> Verdict:
-    """The lossless rule for any draft. logits: [k+1, vocab] target logits.
+    """The lossless rule for any draft. logits: [k+1, vocab] target logits, a tensor or
+    `LazyRows` (rows computed when read: this rule reads them in order, see `reads_rows_in_order`).
 
     Greedy decoding compares argmaxes; under sampling, deterministic drafts use `sampled_match`
     and drafts with q use `speculative_sample`, both on the target's warped distribution. A tree
@@ -181,10 +183,14 @@ def verify_lossless(
                           lambda row: sample(probabilities(row.unsqueeze(0), sampling)[0], generator))
     if sampling.greedy:
         return greedy_match(draft.tokens, logits)
-    p = probabilities(logits, sampling)  # [k+1, vocab]
     if draft.q is None:
+        warp = lambda rows: probabilities(rows, sampling)  # noqa: E731 - row-wise: [m, vocab] -> [m, vocab]
+        p = logits.map(warp) if isinstance(logits, LazyRows) else warp(logits)  # [k+1, vocab]
         return sampled_match(draft.tokens, p, generator)
-    return speculative_sample(draft.tokens, draft.q, p, generator)
+    return speculative_sample(draft.tokens, draft.q, probabilities(materialize(logits), sampling), generator)
+
+
+verify_lossless.reads_rows_in_order = True  # the engine may pass LazyRows (see engine.Rule)
 
 
 def verify_joint(tau: float):

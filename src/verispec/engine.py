@@ -33,6 +33,8 @@ from .stats import GenerationStats
 if TYPE_CHECKING:  # the loop needs only the Target interface (reset, forward, crop, device, trees)
     from .model import Target
 
+# A rule gets the target's logits [k+1, vocab] as a tensor, or as `lazy_rows.LazyRows` if it says
+# it reads rows in order and stops at a rejection (an attribute `reads_rows_in_order = True`).
 Rule = Callable[[Draft, torch.Tensor, SamplingConfig, torch.Generator], Verdict]
 
 
@@ -106,15 +108,18 @@ def decode(
         draft_s = time.perf_counter() - started
         # 2. verify: the last committed token (not yet in the cache) and the draft, one forward
         #    (a tree of drafts: every branch in the same forward, the committed token its root)
+        #    (`lazy`: a rule that reads rows in order may get them as `LazyRows`, the LM head
+        #    computed only for the rows it reads)
         verify_started = time.perf_counter()
         tokens = [context[-1], *draft.tokens.tolist()]
+        lazy = getattr(rule, "reads_rows_in_order", False)
         if draft.parents is None:
-            logits = target.forward(tokens)  # [k+1, vocab]
+            logits = target.forward(tokens, lazy=lazy)  # [k+1, vocab]
         else:
-            logits = target.forward_tree(tokens, [-1, *(draft.parents + 1).tolist()])  # [k+1, vocab]
-        verify_s = time.perf_counter() - verify_started
+            logits = target.forward_tree(tokens, [-1, *(draft.parents + 1).tolist()], lazy=lazy)  # [k+1, vocab]
         # 3. accept n drafts, then one token from the target
         verdict = rule(draft, logits, config.sampling, generator)
+        verify_s = time.perf_counter() - verify_started  # the rule's reads included: they may run the head
         n = verdict.n_accepted
         # 4. commit: keep the cache of context + accepted drafts (a tree's accepted path moved
         #    to its positions); roll the drafter back

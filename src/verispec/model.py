@@ -49,7 +49,9 @@ from .cache import StaticKV, Tree, cache_length, crop_to, new_cache
 from .device import (
     AUTO_MAP, STATIC_CACHE_TOKENS, CompiledStep, default_dtype, model_device, resolve_device, spread_over_devices,
 )
+from . import lazy_rows
 from .errors import ModelLoadError
+from .lazy_rows import LazyRows
 from .paths import cache_root
 from .runtime import blockmm
 from .runtime.fastpath import FastDecoder
@@ -477,8 +479,10 @@ class Target:
             crop_to(self.cache, length)
 
     @torch.inference_mode()
-    def forward(self, tokens: Sequence[int], last_only: bool = False) -> torch.Tensor:
-        """Append `tokens` to the cache; return logits [n, vocab] (or [1, vocab] if last_only)."""
+    def forward(self, tokens: Sequence[int], last_only: bool = False, lazy: bool = False) -> "torch.Tensor | LazyRows":
+        """Append `tokens` to the cache; return logits [n, vocab] (or [1, vocab] if last_only).
+        lazy=True may return them as `LazyRows` (the LM head run on the rows a rule reads), where
+        that gives the same bits (`_logits`)."""
         assert self.cache is not None, "call reset() before forward()"
         assert len(tokens) > 0, "forward needs at least one token"
         ids = torch.tensor([list(tokens)], dtype=torch.long, device=self.device)  # [1, n]
@@ -488,7 +492,17 @@ class Target:
             keep = 1 if last_only else 0
             return self._ready(self.model(input_ids=ids, cache=self.cache, use_cache=True, logits_to_keep=keep).logits[0])
         hidden = self.hidden_states(ids)  # [n, hidden]
-        return self._head(hidden[-1:] if last_only else hidden)
+        return self._head(hidden[-1:]) if last_only else self._logits(hidden, lazy)
+
+    def _logits(self, hidden: torch.Tensor, lazy: bool) -> "torch.Tensor | LazyRows":
+        """The LM head on final-normed states [n, hidden] -> [n, vocab]; as `LazyRows` if `lazy`,
+        the head is batch-invariant (the int8 block kernel: a row's logits do not depend on the
+        rows sharing its call) and there are at least `lazy_rows.MIN_ROWS` rows."""
+        head = self._head
+        invariant = isinstance(head, BlockLinear) and head.numerics == "int8" and hidden.shape[0] <= head.max_rows
+        if lazy and invariant and hidden.shape[0] >= lazy_rows.MIN_ROWS:
+            return LazyRows.of_head(hidden, head, self.vocab_size)
+        return head(hidden)
 
     def _ready(self, logits: torch.Tensor) -> torch.Tensor:
         """`logits`, computed: on CUDA this waits for the forward, so that its time counts as the
@@ -506,7 +520,7 @@ class Target:
         return self._fast is not None
 
     @torch.inference_mode()
-    def forward_tree(self, tokens: Sequence[int], parents: Sequence[int]) -> torch.Tensor:
+    def forward_tree(self, tokens: Sequence[int], parents: Sequence[int], lazy: bool = False) -> "torch.Tensor | LazyRows":
         """Run a tree of tokens after the cache in one forward; return logits [m, vocab], row i
         the distribution after row i's path. Row i is a child of row parents[i] (< i) or, for
         -1, follows the cache (the engine's root: the last committed token). Placement:
@@ -514,7 +528,7 @@ class Target:
         slots). Each row's logits are those its position would get in a contiguous forward of
         its path (bit for bit on the C layers, which are batch-invariant; to float32 rounding on
         the PyTorch layers, which are not). The cache's length is left alone: `keep_path` then
-        keeps one path."""
+        keeps one path. `lazy`: as in `forward`."""
         assert self._fast is not None, "tree verification needs the fast path (see verifies_trees)"
         assert not self._capture_layer, "tree verification does not capture exit states"
         assert len(tokens) == len(parents) > 0, "one parent per token"
@@ -523,7 +537,7 @@ class Target:
         ids = torch.tensor(list(tokens), dtype=torch.long, device=self.device)  # [m]
         x = self._fast.run(self._fast.embed(ids), start, self.cache, tree=tree)
         self._tree_slots = (start, tree.slots.tolist())
-        return self._head(self._fast.norm(x))
+        return self._logits(self._fast.norm(x), lazy)
 
     def keep_path(self, rows: Sequence[int]) -> None:
         """After `forward_tree`: keep `rows` (a path down the tree, from a -1 row, in order) as the

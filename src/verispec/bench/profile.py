@@ -4,7 +4,9 @@ Owns the timing of a loaded target's forwards: a 1-token step and verify forward
 widths after a context, as milliseconds and as ratios to the 1-token step, plus one draft step
 of an EESD exit head where one is given. These ratios decide whether drafting can pay here (a
 draft of k tokens must commit more than the cost ratio of a (k + 1)-token forward), and they are
-what the controllers' cost models learn online (`control.CostModel`).
+what the controllers' cost models learn online (`control.CostModel`). A verify costs less when
+its first draft token is rejected, where the LM head runs only on the rows the rule reads
+(`lazy_rows`): the "rejected" figures.
 
 Each figure is the median of `repeats` timed calls after 3 warm-ups, the widths measured in
 interleaved rounds so that a slow period of the machine shows in every width alike.
@@ -40,13 +42,18 @@ def timing_context(length: int = DEFAULT_CONTEXT, vocab_size: int = 20000) -> li
     return torch.randint(low, max(low + 1, vocab_size), (length,), generator=torch.Generator().manual_seed(0)).tolist()
 
 
-def target_step_seconds(target, context: list[int], width: int = 1, repeats: int = 15) -> float:
-    """Median seconds of a target forward of `width` tokens after `context` (left in the cache)."""
+def target_step_seconds(target, context: list[int], width: int = 1, repeats: int = 15,
+                        rejected: bool = False) -> float:
+    """Median seconds of a target forward of `width` tokens after `context` (left in the cache).
+    rejected=True: a verify whose first draft token is rejected, as the engine runs it (the
+    logits asked for lazily, row 0 read: where the head is batch-invariant, it runs on the first
+    chunk of rows only, `lazy_rows`)."""
     target.reset()
     target.forward(context, last_only=True)
 
     def step():
-        target.forward(context[:width])
+        logits = target.forward(context[:width], lazy=rejected)
+        logits[0]  # noqa: B018 - reading row 0 computes it
         target.crop(len(context))
 
     return median_time(step, repeats)
@@ -74,13 +81,19 @@ def draft_step_seconds(target, prepared, context: list[int], repeats: int = 15) 
 def profile_target(target, context_length: int = DEFAULT_CONTEXT, widths: Sequence[int] = DEFAULT_WIDTHS,
                    prepared_head=None, repeats: int = 15, rounds: int = 3) -> dict:
     """Forward costs of `target` after a context of `context_length` tokens:
-    {"numerics", "context", "widths": {"1": ms, ...}, "ratios": {"2": r, ...}, "draft_ms"}
-    (draft_ms None without `prepared_head`). Each width's figure is the median over `rounds`
+    {"numerics", "context", "widths": {"1": ms, ...}, "ratios": {"2": r, ...}, "rejected":
+    {"2": ms, ...}, "rejected_ratios": {"2": r, ...}, "draft_ms", "draft_ratio"} (the draft's
+    None without `prepared_head`; "rejected": a verify of that width whose first draft token is
+    rejected, see `target_step_seconds`). Each width's figure is the median over `rounds`
     interleaved rounds of medians of `repeats` calls."""
     widths = sorted(set(int(w) for w in widths) | {1})
     context = timing_context(context_length, target.vocab_size)
-    per_round = [[target_step_seconds(target, context, width, repeats) for width in widths] for _ in range(rounds)]
-    seconds = {width: statistics.median(run[i] for run in per_round) for i, width in enumerate(widths)}
+    cases = [(width, False) for width in widths] + [(width, True) for width in widths if width > 1]
+    per_round = [[target_step_seconds(target, context, width, repeats, rejected) for width, rejected in cases]
+                 for _ in range(rounds)]
+    times = {case: statistics.median(run[i] for run in per_round) for i, case in enumerate(cases)}
+    seconds = {width: times[(width, False)] for width in widths}
+    rejected = {width: times[(width, True)] for width in widths if width > 1}
     draft = None
     if prepared_head is not None:
         draft = draft_step_seconds(target, prepared_head, context, repeats)
@@ -90,6 +103,8 @@ def profile_target(target, context_length: int = DEFAULT_CONTEXT, widths: Sequen
         "context": context_length,
         "widths": {str(w): round(s * 1e3, 3) for w, s in seconds.items()},
         "ratios": {str(w): round(s / base, 3) for w, s in seconds.items() if w != 1},
+        "rejected": {str(w): round(s * 1e3, 3) for w, s in rejected.items()},
+        "rejected_ratios": {str(w): round(s / base, 3) for w, s in rejected.items()},
         "draft_ms": None if draft is None else round(draft * 1e3, 3),
         "draft_ratio": None if draft is None else round(draft / base, 3),
     }
@@ -97,11 +112,14 @@ def profile_target(target, context_length: int = DEFAULT_CONTEXT, widths: Sequen
 
 def format_profile(profile: dict) -> str:
     """The profile as a small table for a terminal."""
-    lines = [f"numerics {profile['numerics']}, context {profile['context']} tokens",
-             f"{'width':>6} {'ms':>9} {'x 1-token':>10}"]
+    lines = [f"numerics {profile['numerics']}, context {profile['context']} tokens; rejected: a verify whose "
+             f"first draft token is rejected",
+             f"{'width':>6} {'ms':>9} {'x 1-token':>10} {'rejected ms':>12} {'x 1-token':>10}"]
     for width, ms in profile["widths"].items():
-        ratio = profile["ratios"].get(width, 1.0)
-        lines.append(f"{width:>6} {ms:9.2f} {ratio:10.2f}")
+        line = f"{width:>6} {ms:9.2f} {profile['ratios'].get(width, 1.0):10.2f}"
+        if width in profile["rejected"]:
+            line += f" {profile['rejected'][width]:12.2f} {profile['rejected_ratios'][width]:10.2f}"
+        lines.append(line)
     if profile["draft_ms"] is not None:
         lines.append(f"EESD draft token: {profile['draft_ms']:.2f} ms ({profile['draft_ratio']:.2f} x 1-token)")
     return "\n".join(lines)

@@ -49,6 +49,13 @@ VARIANTS = {
     "avx2": (("-mavx2", "-mfma", "-mf16c"), ("avx2", "fma", "f16c")),
     "portable": ((), ()),
 }
+# Builds never chosen for running, only for tests: "vnni-emulated" compiles the VNNI code paths
+# for an AVX2 CPU, with vpdpbusd computed exactly from AVX2 instructions (slower than "avx2"), so
+# that a machine without VNNI checks their logic bit for bit; `VERISPEC_KERNEL_ISA` can force it.
+TEST_BUILDS = {
+    "vnni-emulated": (("-mavx2", "-mfma", "-mf16c", "-DBLOCKMM_EMULATE_VNNI"), ("avx2", "fma", "f16c")),
+}
+_BUILDS = {**VARIANTS, **TEST_BUILDS}
 NUMERICS = ("int8", "fp32")
 ISA_ENV = "VERISPEC_KERNEL_ISA"
 _state: dict = {}
@@ -123,7 +130,7 @@ def supported_variants(flags: frozenset[str] | None = None) -> list[str]:
 
 
 def build_variant(variant: str, compiler: str | None = None) -> Path:
-    """The shared library of `variant` (a key of VARIANTS), compiled once per variant, compiler and
+    """The shared library of `variant` (a key of VARIANTS or TEST_BUILDS), compiled once per variant, compiler and
     source text, then cached. Compiling does not need a CPU that runs the variant (loading and
     calling it does). Raises RuntimeError if the compiler fails."""
     compiler = compiler or _compiler()
@@ -131,7 +138,7 @@ def build_variant(variant: str, compiler: str | None = None) -> Path:
         raise RuntimeError("no C compiler (cc) found")
     folder = resources.files("verispec.runtime.kernels")
     sources = {name: folder.joinpath(name).read_text() for name in SOURCES}
-    flags = (*FLAGS, *VARIANTS[variant][0])
+    flags = (*FLAGS, *_BUILDS[variant][0])
     key = hashlib.sha256("|".join([*sources.values(), compiler, *flags]).encode()).hexdigest()[:16]
     target = _cache_dir() / f"blockmm-{variant}-{key}.so"
     if target.exists():
@@ -198,10 +205,10 @@ def load_variant(variant: str) -> tuple[Kernel | None, str | None]:
     """(the kernel of `variant`, None), or (None, why it cannot run here): an unknown name, a
     CPU without the variant's instructions, no compiler, a failed build. Cached per variant."""
     if variant not in _variants:
-        if variant not in VARIANTS:
+        if variant not in _BUILDS:
             _variants[variant] = f"unknown kernel variant {variant!r} (choose one of {', '.join(VARIANTS)})"
         else:
-            missing = sorted(set(VARIANTS[variant][1]) - cpu_flags())
+            missing = sorted(set(_BUILDS[variant][1]) - cpu_flags())
             if missing:
                 _variants[variant] = (f"this CPU cannot run the {variant} kernel variant (it lacks "
                                       f"{', '.join(missing)}; it runs {', '.join(supported_variants())})")

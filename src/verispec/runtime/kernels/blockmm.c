@@ -211,7 +211,9 @@ static void rows(const float *x, const float *xsum, int64_t M, int64_t K, const 
 
 /* Which instruction-set variant this library was compiled as (blockmm.py checks it). */
 const char *blockmm_isa(void) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#if defined(BLOCKMM_EMULATE_VNNI)
+    return "vnni-emulated";
+#elif defined(__AVX512VNNI__) && defined(__AVX512VL__)
     return "avx512vnni";
 #elif defined(__AVXVNNI__)
     return "avxvnni";

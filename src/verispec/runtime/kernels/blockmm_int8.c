@@ -15,7 +15,7 @@
  * Each row m of x is quantized per block of B inputs from that row alone: xs[m, b] = max |x| / 127
  * (float32 division), xq = round-to-nearest-even(x / xs) clamped to [-127, 127] (all zero where
  * the block is); xo[m, b] = xs[m, b] * (float)sum(xq) (offsets only), xt[m, b] = code_bias * sum(xq)
- * (exact int32; unsigned codes with code_bias > 0 only). Then, for every (row m, output n), one
+ * (exact int32; unsigned codes with code_bias > 0, and signed codes on VNNI with 128). Then, for every (row m, output n), one
  * fixed sequence of float32 operations over the blocks in order:
  *
  *   acc = 0; shift = 0
@@ -29,7 +29,8 @@
  * AVX-512 VNNI or AVX-VNNI) give the same bits. The exact integer sum of a block, per code form:
  *   signed:   sum(code * xq). AVX2: vpmaddubsw(|w|, sign(x, w)) then vpmaddwd(., 1) into int32 per
  *             4 inputs (|w| <= 128 and |x| <= 127, so a pair 2 * 128 * 127 fits in int16); VNNI:
- *             vpdpbusd(|w|, sign(x, w)).
+ *             vpdpbusd(code + 128, xq) (the code's top bit flipped: an unsigned byte), then minus
+ *             xt[m, b] = 128 * sum(xq), as the unsigned form does.
  *   unsigned: sum(u * xq) - xt[m, b]. AVX2: vpmaddubsw(u, xq) gives int16 pairs of at most
  *             2 * code_span * 127 in magnitude, added in int16 (vpaddw) over chunks of at most
  *             steps16 steps of 4 inputs, then vpmaddwd(., 1) into int32 (at every chunk and block
@@ -44,7 +45,9 @@
  * (unsigned codes: the int16 and int32 sums of one group fill the registers): per 4 inputs it
  * loads 32 bytes of codes per group once for all rows and does, per row and group, one sign, one
  * vpmaddubsw, one vpmaddwd and one add on signed codes, one vpmaddubsw and one vpaddw on unsigned
- * ones (one vpdpbusd with VNNI); the float work is once per block.
+ * ones (one vpdpbusd with VNNI, for both forms); the float work is once per block. The AVX-512
+ * VNNI build runs two whole groups as one 16-lane tile (`tile_wide`, one 512-bit vpdpbusd per row
+ * and step). BLOCKMM_EMULATE_VNNI builds the VNNI paths for AVX2 (a test build, see blockmm.py).
  *
  * x [M, K] float32, y [M, N] float32; B divides K and is a multiple of 4. */
 #include <math.h>
@@ -114,7 +117,18 @@ static void quantize_row(const float *x, int64_t K, int64_t B, int8_t *q, float 
 }
 
 #ifdef INT8_SIMD
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#if defined(BLOCKMM_EMULATE_VNNI)
+/* A test build (blockmm.py's "vnni-emulated"): the VNNI code paths on an AVX2 CPU, with vpdpbusd
+ * computed exactly from AVX2 instructions, so that a machine without VNNI tests their logic. */
+#define INT8_VNNI 1
+#define DPBUSD dpbusd_emulated
+static inline __m256i dpbusd_emulated(__m256i acc, __m256i u, __m256i s) {
+    const __m256i low = _mm256_set1_epi16(0x00FF);
+    const __m256i u_even = _mm256_and_si256(u, low), u_odd = _mm256_srli_epi16(u, 8);       /* zero-extended */
+    const __m256i s_even = _mm256_srai_epi16(_mm256_slli_epi16(s, 8), 8), s_odd = _mm256_srai_epi16(s, 8);
+    return _mm256_add_epi32(acc, _mm256_add_epi32(_mm256_madd_epi16(u_even, s_even), _mm256_madd_epi16(u_odd, s_odd)));
+}
+#elif defined(__AVX512VNNI__) && defined(__AVX512VL__)
 #define INT8_VNNI 1
 #define DPBUSD _mm256_dpbusd_epi32
 #elif defined(__AVXVNNI__)
@@ -122,14 +136,60 @@ static void quantize_row(const float *x, int64_t K, int64_t B, int8_t *q, float 
 #define DPBUSD _mm256_dpbusd_avx_epi32
 #endif
 
-/* acc + the integer sums of 4 products per lane: |w| (unsigned, <= 128) times sign(x, w). */
-static inline __m256i dot_step(__m256i acc, __m256i aw, __m256i sx) {
-#ifdef INT8_VNNI
-    return DPBUSD(acc, aw, sx);
-#else
-    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(aw, sx), _mm256_set1_epi16(1)));
-#endif
+#if defined(BLOCKMM_EMULATE_VNNI) || (defined(__AVX512VNNI__) && defined(__AVX512VL__))
+/* Two output groups (16 lanes) in one 512-bit vector: `tile_wide` below. In the emulated build a
+ * "wide" vector is a pair of 256-bit ones and every operation is applied to both halves, so the
+ * tile's logic (lane order, loads, corrections) is tested on AVX2; the AVX-512 build uses one zmm. */
+#define INT8_WIDE 1
+#ifdef BLOCKMM_EMULATE_VNNI
+typedef struct { __m256i lo, hi; } wide_i;
+typedef struct { __m256 lo, hi; } wide_f;
+static inline wide_i wide_load2(const int8_t *a, const int8_t *b) {
+    return (wide_i){_mm256_loadu_si256((const __m256i *)a), _mm256_loadu_si256((const __m256i *)b)};
 }
+static inline wide_f wide_load2_ps(const float *a, const float *b) { return (wide_f){_mm256_loadu_ps(a), _mm256_loadu_ps(b)}; }
+static inline wide_i wide_zero(void) { return (wide_i){_mm256_setzero_si256(), _mm256_setzero_si256()}; }
+static inline wide_f wide_zero_ps(void) { return (wide_f){_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+static inline wide_i wide_set1(int32_t v) { return (wide_i){_mm256_set1_epi32(v), _mm256_set1_epi32(v)}; }
+static inline wide_f wide_set1_ps(float v) { return (wide_f){_mm256_set1_ps(v), _mm256_set1_ps(v)}; }
+static inline wide_i wide_flip(wide_i w) {
+    const __m256i flip = _mm256_set1_epi8((char)0x80);
+    return (wide_i){_mm256_xor_si256(w.lo, flip), _mm256_xor_si256(w.hi, flip)};
+}
+static inline wide_i wide_dpbusd(wide_i acc, wide_i u, wide_i s) {
+    return (wide_i){DPBUSD(acc.lo, u.lo, s.lo), DPBUSD(acc.hi, u.hi, s.hi)};
+}
+static inline wide_i wide_sub(wide_i a, wide_i b) { return (wide_i){_mm256_sub_epi32(a.lo, b.lo), _mm256_sub_epi32(a.hi, b.hi)}; }
+static inline wide_f wide_cvt(wide_i a) { return (wide_f){_mm256_cvtepi32_ps(a.lo), _mm256_cvtepi32_ps(a.hi)}; }
+static inline wide_f wide_add_ps(wide_f a, wide_f b) { return (wide_f){_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)}; }
+static inline wide_f wide_sub_ps(wide_f a, wide_f b) { return (wide_f){_mm256_sub_ps(a.lo, b.lo), _mm256_sub_ps(a.hi, b.hi)}; }
+static inline wide_f wide_mul_ps(wide_f a, wide_f b) { return (wide_f){_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
+static inline void wide_store_ps(float *y, wide_f v) { _mm256_storeu_ps(y, v.lo), _mm256_storeu_ps(y + GROUP, v.hi); }
+#else
+typedef __m512i wide_i;
+typedef __m512 wide_f;
+static inline wide_i wide_load2(const int8_t *a, const int8_t *b) {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)a)),
+                              _mm256_loadu_si256((const __m256i *)b), 1);
+}
+static inline wide_f wide_load2_ps(const float *a, const float *b) {
+    return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(_mm256_loadu_ps(a))),
+                                               _mm256_castps_pd(_mm256_loadu_ps(b)), 1));
+}
+static inline wide_i wide_zero(void) { return _mm512_setzero_si512(); }
+static inline wide_f wide_zero_ps(void) { return _mm512_setzero_ps(); }
+static inline wide_i wide_set1(int32_t v) { return _mm512_set1_epi32(v); }
+static inline wide_f wide_set1_ps(float v) { return _mm512_set1_ps(v); }
+static inline wide_i wide_flip(wide_i w) { return _mm512_xor_si512(w, _mm512_set1_epi8((char)0x80)); }
+static inline wide_i wide_dpbusd(wide_i acc, wide_i u, wide_i s) { return _mm512_dpbusd_epi32(acc, u, s); }
+static inline wide_i wide_sub(wide_i a, wide_i b) { return _mm512_sub_epi32(a, b); }
+static inline wide_f wide_cvt(wide_i a) { return _mm512_cvtepi32_ps(a); }
+static inline wide_f wide_add_ps(wide_f a, wide_f b) { return _mm512_add_ps(a, b); }
+static inline wide_f wide_sub_ps(wide_f a, wide_f b) { return _mm512_sub_ps(a, b); }
+static inline wide_f wide_mul_ps(wide_f a, wide_f b) { return _mm512_mul_ps(a, b); }
+static inline void wide_store_ps(float *y, wide_f v) { _mm512_storeu_ps(y, v); }
+#endif
+#endif
 
 /* 32 bytes of codes of step s (4 inputs x 8 outputs) of both groups, prefetching ahead. */
 static inline __attribute__((always_inline)) void load_step(__m256i w[2], const int8_t *w0, const int8_t *w1,
@@ -165,15 +225,30 @@ static inline __attribute__((always_inline)) void tile(
         for (int r = 0; r < R; r++)
             for (int g = 0; g < G; g++) sums[r][g] = _mm256_setzero_si256();
         if (!S) {
+#ifdef INT8_VNNI
+            const __m256i flip = _mm256_set1_epi8((char)0x80);
+            for (int64_t s = first; s < end; s++) { /* u = code + 128 (a flipped top bit); xt removes 128 * sum(xq) */
+                __m256i w[2];
+                load_step(w, w0, w1, G, s);
+                for (int g = 0; g < G; g++) w[g] = _mm256_xor_si256(w[g], flip);
+                for (int r = 0; r < R; r++) {
+                    const __m256i xb = row_step(xq, K, r, s);
+                    for (int g = 0; g < G; g++) sums[r][g] = DPBUSD(sums[r][g], w[g], xb);
+                }
+            }
+#else
             for (int64_t s = first; s < end; s++) {
                 __m256i w[2], aw[2];
                 load_step(w, w0, w1, G, s);
                 for (int g = 0; g < G; g++) aw[g] = _mm256_abs_epi8(w[g]);
                 for (int r = 0; r < R; r++) {
                     const __m256i xb = row_step(xq, K, r, s);
-                    for (int g = 0; g < G; g++) sums[r][g] = dot_step(sums[r][g], aw[g], _mm256_sign_epi8(xb, w[g]));
+                    for (int g = 0; g < G; g++)
+                        sums[r][g] = _mm256_add_epi32(sums[r][g], _mm256_madd_epi16(_mm256_maddubs_epi16(
+                            aw[g], _mm256_sign_epi8(xb, w[g])), _mm256_set1_epi16(1)));
                 }
             }
+#endif
         } else {
             __m256i w[2];
 #ifdef INT8_VNNI
@@ -202,12 +277,12 @@ static inline __attribute__((always_inline)) void tile(
                         sums[r][g] = _mm256_add_epi32(sums[r][g], _mm256_madd_epi16(pairs[r][g], _mm256_set1_epi16(1)));
             }
 #endif
-            if (xt)
-                for (int r = 0; r < R; r++) {
-                    const __m256i correction = _mm256_set1_epi32(xt[r * nb + b]);
-                    for (int g = 0; g < G; g++) sums[r][g] = _mm256_sub_epi32(sums[r][g], correction);
-                }
         }
+        if (xt) /* code_bias * sum(xq): unsigned codes, and signed ones on VNNI */
+            for (int r = 0; r < R; r++) {
+                const __m256i correction = _mm256_set1_epi32(xt[r * nb + b]);
+                for (int g = 0; g < G; g++) sums[r][g] = _mm256_sub_epi32(sums[r][g], correction);
+            }
         for (int g = 0; g < G; g++) {
             const __m256 ws = _mm256_loadu_ps(scales + ((g0 + g) * nb + b) * GROUP);
             for (int r = 0; r < R; r++) {
@@ -234,6 +309,73 @@ static inline __attribute__((always_inline)) void tile(
             }
         }
 }
+
+#ifdef INT8_WIDE
+/* `tile` for two whole output groups at once on VNNI builds (both code forms: flip = 1 for signed
+ * codes, summed as code + 128), lanes 0-7 group g0 and 8-15 group g0 + 1: per row and step one
+ * 64-multiply-add vpdpbusd; the same per-lane operations as `tile`, so the same bits. */
+static inline __attribute__((always_inline)) void tile_wide(
+        const int8_t *xq, const float *xs, const float *xo, const int32_t *xt, const int R, const int flip, int64_t K,
+        int64_t B, const int8_t *codes, const float *scales, const float *offsets, int64_t N, float *y, int64_t g0) {
+    const int64_t nb = K / B, steps_per_block = B / 4;
+    const int8_t *w0 = codes + g0 * K * GROUP, *w1 = w0 + K * GROUP;
+    wide_f acc[ROW_TILE], shift[ROW_TILE];
+    for (int r = 0; r < R; r++) acc[r] = wide_zero_ps(), shift[r] = wide_zero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        wide_i sums[ROW_TILE];
+        for (int r = 0; r < R; r++) sums[r] = wide_zero();
+        for (int64_t s = b * steps_per_block; s < (b + 1) * steps_per_block; s++) {
+            wide_i w = wide_load2(w0 + s * 32, w1 + s * 32);
+            _mm_prefetch((const char *)(w0 + s * 32 + 2048), _MM_HINT_T0);
+            _mm_prefetch((const char *)(w1 + s * 32 + 2048), _MM_HINT_T0);
+            if (flip) w = wide_flip(w);
+            for (int r = 0; r < R; r++) {
+                int32_t four;
+                memcpy(&four, xq + r * K + s * 4, 4);
+                sums[r] = wide_dpbusd(sums[r], w, wide_set1(four));
+            }
+        }
+        if (xt)
+            for (int r = 0; r < R; r++) sums[r] = wide_sub(sums[r], wide_set1(xt[r * nb + b]));
+        const wide_f ws = wide_load2_ps(scales + (g0 * nb + b) * GROUP, scales + ((g0 + 1) * nb + b) * GROUP);
+        for (int r = 0; r < R; r++)
+            acc[r] = wide_add_ps(acc[r], wide_mul_ps(wide_cvt(sums[r]), wide_mul_ps(wide_set1_ps(xs[r * nb + b]), ws)));
+        if (offsets) {
+            const wide_f wo = wide_load2_ps(offsets + (g0 * nb + b) * GROUP, offsets + ((g0 + 1) * nb + b) * GROUP);
+            for (int r = 0; r < R; r++) shift[r] = wide_add_ps(shift[r], wide_mul_ps(wo, wide_set1_ps(xo[r * nb + b])));
+        }
+    }
+    const int64_t n = g0 * GROUP, count = N - n < 2 * GROUP ? N - n : 2 * GROUP;
+    for (int r = 0; r < R; r++) {
+        const wide_f v = offsets ? wide_sub_ps(acc[r], shift[r]) : acc[r];
+        if (count == 2 * GROUP) {
+            wide_store_ps(y + r * N + n, v);
+        } else { /* the last group is short: only its real outputs */
+            float lanes[2 * GROUP];
+            wide_store_ps(lanes, v);
+            memcpy(y + r * N + n, lanes, sizeof(float) * (size_t)count);
+        }
+    }
+}
+
+#define TILE_WIDE(R, F) tile_wide(xq, xs, xo, xt, R, F, K, B, codes, scales, offsets, N, y, g0)
+static __attribute__((noinline)) void tiles_wide(const int8_t *xq, const float *xs, const float *xo,
+                                                 const int32_t *xt, int64_t rows, int flip, int64_t K, int64_t B,
+                                                 const int8_t *codes, const float *scales, const float *offsets,
+                                                 int64_t N, float *y, int64_t g0) {
+    switch (rows * 2 + flip) {
+        case 2: TILE_WIDE(1, 0); break;
+        case 3: TILE_WIDE(1, 1); break;
+        case 4: TILE_WIDE(2, 0); break;
+        case 5: TILE_WIDE(2, 1); break;
+        case 6: TILE_WIDE(3, 0); break;
+        case 7: TILE_WIDE(3, 1); break;
+        case 8: TILE_WIDE(4, 0); break;
+        default: TILE_WIDE(4, 1); break;
+    }
+}
+#undef TILE_WIDE
+#endif
 
 #define TILE(R, G, S) tile(xq, xs, xo, xt, R, G, S, K, B, codes, scales, offsets, N, y, g)
 #define TILE_ROWS(G, S)                 \
@@ -275,6 +417,12 @@ static __attribute__((noinline)) void tiles_unsigned(const int8_t *xq, const flo
 static void tile_any(const int8_t *xq, const float *xs, const float *xo, const int32_t *xt, int64_t rows,
                      int64_t groups, int64_t K, int64_t B, const int8_t *codes, const float *scales,
                      const float *offsets, int steps16, int64_t N, float *y, int64_t g0) {
+#ifdef INT8_WIDE
+    if (groups == 2) {
+        tiles_wide(xq, xs, xo, xt, rows, !steps16, K, B, codes, scales, offsets, N, y, g0);
+        return;
+    }
+#endif
     if (steps16)
         tiles_unsigned(xq, xs, xo, xt, rows, groups, K, B, codes, scales, offsets, steps16, N, y, g0);
     else
@@ -326,8 +474,13 @@ int blockmm_int8(const float *x, int64_t M, int64_t K, const int8_t *codes, cons
     const int steps16 = code_bias < 0 ? 0 : code_span <= 32 ? 4 : code_span <= 64 ? 2 : 1; /* 0: signed codes */
     int8_t *xq = malloc((size_t)(M * K));
     float *xs = malloc(sizeof(float) * (size_t)(M * 2 * nb));
-    int32_t *xt = code_bias > 0 ? malloc(sizeof(int32_t) * (size_t)(M * nb)) : NULL;
-    if (!xq || !xs || (code_bias > 0 && !xt)) {
+#ifdef INT8_VNNI
+    const int xt_bias = code_bias >= 0 ? code_bias : 128; /* signed codes are summed as code + 128 (see tile) */
+#else
+    const int xt_bias = code_bias;
+#endif
+    int32_t *xt = xt_bias > 0 ? malloc(sizeof(int32_t) * (size_t)(M * nb)) : NULL;
+    if (!xq || !xs || (xt_bias > 0 && !xt)) {
         free(xq);
         free(xs);
         free(xt);
@@ -336,7 +489,7 @@ int blockmm_int8(const float *x, int64_t M, int64_t K, const int8_t *codes, cons
     float *xo = offsets ? xs + M * nb : NULL;
     for (int64_t m = 0; m < M; m++)
         quantize_row(x + m * K, K, B, xq + m * K, xs + m * nb, xo ? xo + m * nb : NULL, xt ? xt + m * nb : NULL,
-                     code_bias);
+                     xt_bias);
 #pragma omp parallel for num_threads(threads) schedule(static) if (tasks > 1)
     for (int64_t t = 0; t < tasks; t++) {
         const int64_t first = t * GROUPS_PER_TASK, last = first + GROUPS_PER_TASK < groups ? first + GROUPS_PER_TASK : groups;
