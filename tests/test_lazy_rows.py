@@ -1,9 +1,10 @@
-"""The LM head run only on the rows a rule reads (`lazy_rows.LazyRows`, `Target.forward(lazy=True)`).
+"""Verify rows computed only when a rule reads them (`lazy_rows.LazyRows`, `Target.forward(lazy=True)`).
 
-A lazy verify must give the rules the same bits as the whole head (it is exact because the int8
-block kernel is batch-invariant), compute the head for rows after the first chunk only when a
-rule reads one of them, and keep every lossless method's output equal to `ar`'s, greedy and
-seeded sampled; where the head is not batch-invariant (fp32 numerics) it must not be lazy.
+A lazy verify must give the rules the same bits as one whole forward (it is exact because the C
+layers and the int8 LM head are batch-invariant), run the tokens after the first chunk through
+the layers and the head only when a rule reads one of their rows, and keep every lossless
+method's output equal to `ar`'s, greedy and seeded sampled; where the forward is not
+batch-invariant (fp32 numerics) it must not be lazy.
 """
 
 from __future__ import annotations
@@ -73,7 +74,7 @@ def test_greedy_match_stops_computing_at_the_first_rejection():
     assert greedy_match(torch.tensor(argmaxes[:11]), rows).n_accepted == 11 and len(head.calls) == 2
 
 
-def test_a_lazy_forward_gives_the_whole_heads_bits():
+def test_a_lazy_forward_gives_the_whole_forwards_bits_and_runs_the_rest_only_when_read():
     target = int8_target("gemma3", seed=5)
     sequence = tokens(40, seed=5)
     target.reset()
@@ -82,8 +83,12 @@ def test_a_lazy_forward_gives_the_whole_heads_bits():
     target.crop(20)
     lazy = target.forward(sequence[20:32], lazy=True)
     assert isinstance(lazy, LazyRows) and lazy.shape == whole.shape
-    for i in (3, 0, 11, 7):
+    for i in (3, 0):
         assert torch.equal(lazy[i], whole[i]), i
+    assert target.length == 20 + lazy_rows.FIRST  # the rest of the tokens have not run through the layers
+    for i in (11, 7):
+        assert torch.equal(lazy[i], whole[i]), i
+    assert target.length == 32
     target.crop(20)
     assert isinstance(target.forward(sequence[20:20 + lazy_rows.MIN_ROWS - 1], lazy=True), torch.Tensor)  # too few rows
     target.numerics = "fp32"  # not batch-invariant: never lazy
@@ -143,3 +148,12 @@ def test_seeded_sampled_verification_draws_what_the_whole_head_draws(monkeypatch
             assert lazy_rows.FIRST in calls  # lazy verifies happened
     reference = helpers.run(target, build("ar", target, sampling=sampling), prompt, 40, sampling)[0]
     assert outputs[0] == outputs[1] == reference
+
+
+def test_drafts_likely_accepted_whole_are_verified_in_one_part():
+    """Deferring pays when the first chunk probably holds a rejection: drafts without confidences
+    (prompt lookup) or with a low chance that their first 4 tokens all pass; not when it is high."""
+    assert lazy_rows.worth_deferring(())
+    assert lazy_rows.worth_deferring((0.9, 0.9))  # too short to tell: its verify is narrow anyway
+    assert lazy_rows.worth_deferring((0.9, 0.8, 0.7, 0.9, 0.99))  # 0.45 that rows 4.. are read
+    assert not lazy_rows.worth_deferring((0.95, 0.9, 0.9, 0.9, 0.1))  # 0.69

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Callable, Iterator, NamedTuple, Sequence
 
 import torch
 
+from . import lazy_rows
 from .acceptance import Verdict
 from .control import Controller
 from .drafters.base import EMPTY_DRAFT, Draft, Drafter
@@ -108,11 +109,11 @@ def decode(
         draft_s = time.perf_counter() - started
         # 2. verify: the last committed token (not yet in the cache) and the draft, one forward
         #    (a tree of drafts: every branch in the same forward, the committed token its root)
-        #    (`lazy`: a rule that reads rows in order may get them as `LazyRows`, the LM head
-        #    computed only for the rows it reads)
+        #    (`lazy`: a rule that reads rows in order may get them as `LazyRows`, the rows after
+        #    the first few run through the layers and the head only if the rule reads them)
         verify_started = time.perf_counter()
         tokens = [context[-1], *draft.tokens.tolist()]
-        lazy = getattr(rule, "reads_rows_in_order", False)
+        lazy = getattr(rule, "reads_rows_in_order", False) and lazy_rows.worth_deferring(draft.confidence)
         if draft.parents is None:
             logits = target.forward(tokens, lazy=lazy)  # [k+1, vocab]
         else:

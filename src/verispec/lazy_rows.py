@@ -1,22 +1,30 @@
 """Rows of a verify forward's logits, computed when a rule first reads them.
 
 Owns `LazyRows`: an [n, vocab] stack of rows made in two chunks, rows 0..FIRST-1 and then the
-rest, each the first time one of its rows is read. The engine asks the target for it when the
-rule reads rows in order and stops at the first rejection (`acceptance.greedy_match`,
-`sampled_match`, `tree_match`): on the CPU the LM head is most of a wide verify's arithmetic
-(the default model's is 262,144 x 640, 63% of a row's multiply-adds), and the rows after a
-rejected draft token are never read, so their head is never computed.
+rest, each the first time one of its rows is read, and `worth_deferring`, the engine's choice of
+when to ask for it. The lossless rules read a verify's rows in order and stop at the first
+rejected draft token (`acceptance.greedy_match`, `sampled_match`, `tree_match`), so the rows
+after it are never needed. `model.Target` fills `LazyRows` in one of two ways:
+
+- a staged forward (`Target.forward(lazy=True)`, linear drafts): the first FIRST tokens run
+  through the layers and the LM head at once, the rest only if a rule reads one of their rows
+  (appended to the KV cache then);
+- a lazy head (`forward_tree(lazy=True)`, or where the layers are not all in C): every token
+  runs through the layers, the LM head (the default model's is 262,144 x 640, 63% of a row's
+  multiply-adds) only on the chunks read.
 
 Why the chunks are 4 rows and the rest, and only from 8 rows on (`MIN_ROWS`): the head's call
 costs about one read of its weights up to 4 rows and grows by one row's arithmetic per row after
 that (timed on the default model's head on 2 AVX2 cores: 9.9 ms for 1 row, 13.8 for 4, 24.4 for
-8, 42.8 for 16), so a first chunk of 4 costs little more than 1 row, and a second call costs
-about one more read of the weights (about 5 ms) when every row is needed.
+8, 42.8 for 16), and the layers behave alike, so a first chunk of 4 costs little more than 1 row,
+and a second call costs about one more read of the weights when every row is needed. That is why
+a draft whose own confidences say its first 4 tokens are probably all accepted is verified in
+one part (`worth_deferring`).
 
-It is exact only where a row's logits do not depend on which other rows share the head's call:
-the int8 block kernel, which is batch-invariant bit for bit; `model.Target` returns a plain tensor
-everywhere else. `map` gives the same rows through a row-wise function (the sampling warp), chunk
-by chunk.
+It is exact only where a row's logits do not depend on which other rows share the call: the C
+decoder layers and the int8 block kernel are batch-invariant bit for bit; `model.Target` returns
+a plain tensor everywhere else. `map` gives the same rows through a row-wise function (the
+sampling warp), chunk by chunk.
 """
 
 from __future__ import annotations
@@ -28,6 +36,20 @@ import torch
 FIRST = 4  # rows of the first chunk (see the module docstring)
 MIN_ROWS = 8  # fewer rows are computed in one call: the second call's extra read of the weights
 #   (about 5 ms) outweighs what skipping 1 to 3 rows saves (about 2.3 ms each)
+
+
+def worth_deferring(confidence: tuple[float, ...]) -> bool:
+    """Whether a draft's verify should compute its rows lazily, from the drafter's per-token
+    confidences (estimated acceptance probabilities; none known: yes). Row FIRST and later are
+    read only if the first FIRST draft tokens are all accepted; when the confidences say that is
+    more likely than not, the later rows would be computed anyway and deferring them would cost
+    one more read of the weights, so no."""
+    if len(confidence) < FIRST:
+        return True
+    whole = 1.0
+    for value in confidence[:FIRST]:
+        whole *= value
+    return whole < 0.5
 
 
 class LazyRows:

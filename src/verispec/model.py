@@ -491,18 +491,47 @@ class Target:
         if self._head is None:
             keep = 1 if last_only else 0
             return self._ready(self.model(input_ids=ids, cache=self.cache, use_cache=True, logits_to_keep=keep).logits[0])
+        if lazy and not last_only and self._batch_invariant(ids.shape[1], layers=True):
+            return self._staged(ids)
         hidden = self.hidden_states(ids)  # [n, hidden]
         return self._head(hidden[-1:]) if last_only else self._logits(hidden, lazy)
 
-    def _logits(self, hidden: torch.Tensor, lazy: bool) -> "torch.Tensor | LazyRows":
-        """The LM head on final-normed states [n, hidden] -> [n, vocab]; as `LazyRows` if `lazy`,
-        the head is batch-invariant (the int8 block kernel: a row's logits do not depend on the
-        rows sharing its call) and there are at least `lazy_rows.MIN_ROWS` rows."""
+    def _batch_invariant(self, rows: int, layers: bool) -> bool:
+        """Whether `rows` (at least `lazy_rows.MIN_ROWS`) can be computed in parts with the same
+        bits: the LM head on the int8 block kernel and, with `layers`, every decoder layer in C
+        (both batch-invariant: a row's result does not depend on the rows sharing its call)."""
         head = self._head
-        invariant = isinstance(head, BlockLinear) and head.numerics == "int8" and hidden.shape[0] <= head.max_rows
-        if lazy and invariant and hidden.shape[0] >= lazy_rows.MIN_ROWS:
-            return LazyRows.of_head(hidden, head, self.vocab_size)
-        return head(hidden)
+        if not (rows >= lazy_rows.MIN_ROWS and isinstance(head, BlockLinear) and head.numerics == "int8"
+                and rows <= head.max_rows):  # max_rows: also the widest chunk the C layers take
+            return False
+        fast = self._fast
+        return not layers or (fast.use_native and fast.native_layers == len(fast.layers))
+
+    def _logits(self, hidden: torch.Tensor, lazy: bool) -> "torch.Tensor | LazyRows":
+        """The LM head on final-normed states [n, hidden] -> [n, vocab]; as `LazyRows` (the head
+        run on the rows read) if `lazy` and that gives the same bits (`_batch_invariant`)."""
+        if lazy and self._batch_invariant(hidden.shape[0], layers=False):
+            return LazyRows.of_head(hidden, self._head, self.vocab_size)
+        return self._head(hidden)
+
+    def _staged(self, ids: torch.Tensor) -> LazyRows:
+        """A verify forward of `ids` [1, n] in two parts, as `LazyRows`: the first
+        `lazy_rows.FIRST` tokens run now (appended to the cache, their logits computed), the
+        rest only when a rule reads one of their rows (appended then, after the first part). A
+        rule that stops at a rejection within the first part never pays the layers or the head
+        for the rest. The same bits as one forward: the C layers and the int8 head are
+        batch-invariant, and the rest's positions see the first part's keys in the cache."""
+        start = self.cache.length
+        first = self._head(self.hidden_states(ids[:, : lazy_rows.FIRST]))  # [FIRST, vocab]
+
+        def compute(begin: int, end: int) -> torch.Tensor:
+            if begin == 0:
+                return first
+            assert self.cache.length == start + begin, "a staged verify's rows are read before the cache moves"
+            with torch.inference_mode():  # called by the rule, after `forward` returned
+                return self._head(self.hidden_states(ids[:, begin:end]))
+
+        return LazyRows(ids.shape[1], compute, (self.vocab_size,), self.device, torch.float32)
 
     def _ready(self, logits: torch.Tensor) -> torch.Tensor:
         """`logits`, computed: on CUDA this waits for the forward, so that its time counts as the
