@@ -297,7 +297,7 @@ def test_packing_stores_a_range_of_at_most_129_codes_unsigned(lo, hi, bias, span
     form = ranged_form(13, 64, lo, hi, 32, False, seed=0)
     packed = PackedBlocks.of(form)
     assert (packed.code_bias, packed.code_span) == (bias, span)
-    assert packed.code_form == (-1 if bias is None else bias, span)
+    assert packed.kernel_form == (-1 if bias is None else bias, span, 1)  # ranged_form: float16 scales
     assert packed.codes.dtype == (torch.int8 if bias is None else torch.uint8)
     rows = packed.codes.transpose(1, 2).reshape(16, 64)  # [groups * 8, in]
     assert torch.equal(rows[:13].to(torch.int16) - (bias or 0), form.codes.to(torch.int16))
@@ -435,3 +435,28 @@ def test_the_compiled_probe_agrees_with_proc_cpuinfo():
     compared = needed - {"avx_vnni"}  # the probe knows AVX-VNNI only when built by GCC 11 or later
     assert probed & compared == blockmm.cpu_flags() & compared
     assert "avx2" in probed  # x86 CI and this machine have AVX2: the probe really ran
+
+
+def test_scales_that_are_float16_are_packed_as_float16_and_give_the_same_bits():
+    """GGUF Q8_0/Q5_0 scales are float16 values: packed as float16 (half the bytes a one-token
+    step reads for them), converted exactly (F16C or the portable conversion, subnormals too),
+    so the product equals the float32-scales product bit for bit on every build. Scales that are
+    not all float16 values (such as Q4_K's d * sc products) stay float32."""
+    import dataclasses
+
+    form = ranged_form(45, 256, -128, 127, 32, False, seed=9)
+    scales = form.scales.clone()
+    scales[2, 1], scales[3, 2] = 2.0 ** -20, -(2.0 ** -24)  # float16 subnormals
+    form = BlockWeights(form.codes, scales, None, 32)
+    assert form.packed.scales.dtype == torch.float16 and form.packed.kernel_form[2] == 1
+    as_float32 = BlockWeights(form.codes, scales, None, 32)
+    as_float32.__dict__["packed"] = dataclasses.replace(form.packed, scales=form.packed.scales.float())
+    assert as_float32.packed.kernel_form[2] == 0
+    x = activations(7, 256, seed=9)
+    expected = reference_int8(x, form)
+    for variant in builds_here():
+        for threads in (1, 2):
+            assert torch.equal(run(kernel_of(variant), x, form, threads), expected), variant
+            assert torch.equal(run(kernel_of(variant), x, as_float32, threads), expected), variant
+    products = BlockWeights(form.codes, scales * 1.0001, None, 32)  # float32 values off the float16 grid
+    assert products.packed.scales.dtype == torch.float32 and products.packed.kernel_form[2] == 0

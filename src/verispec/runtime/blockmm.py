@@ -168,10 +168,10 @@ class Kernel:
         self._fns = {"fp32": library.blockmm, "int8": library.blockmm_int8}
         for fn in self._fns.values():
             fn.restype = ctypes.c_int
-        # x, M, K, codes, scales, offsets, N, B, (int8: code_bias, code_span,) y, threads
+        # x, M, K, codes, scales, offsets, N, B, (int8: code_bias, code_span, half_scales,) y, threads
         library.blockmm.argtypes = [pointer, size, size, pointer, pointer, pointer, size, size, pointer, ctypes.c_int]
         library.blockmm_int8.argtypes = [pointer, size, size, pointer, pointer, pointer, size, size, ctypes.c_int,
-                                         ctypes.c_int, pointer, ctypes.c_int]
+                                         ctypes.c_int, ctypes.c_int, pointer, ctypes.c_int]
         compiled = library.blockmm_isa
         compiled.restype = ctypes.c_char_p
         self.compiled_isa = compiled().decode()  # what the C preprocessor saw: "avx512vnni", ..., "portable"
@@ -190,7 +190,7 @@ class Kernel:
         codes, scales, offsets = weights.codes, weights.scales, weights.offsets
         assert codes.is_contiguous() and scales.is_contiguous() and (offsets is None or offsets.is_contiguous())
         y = torch.empty(m, outputs, dtype=torch.float32)
-        code_form = () if numerics == "fp32" else weights.code_form
+        code_form = () if numerics == "fp32" else weights.kernel_form
         status = self._fns[numerics](
             x.data_ptr(), m, inputs, codes.data_ptr(), scales.data_ptr(),
             None if offsets is None else offsets.data_ptr(), outputs, form.block, *code_form, y.data_ptr(),

@@ -27,7 +27,7 @@ NUMERICS = {"int8": 0, "fp32": 1}  # the C enum: blockmm_int8.c or blockmm.c for
 class _CLinear(ctypes.Structure):
     _fields_ = [("codes", ctypes.c_void_p), ("scales", ctypes.c_void_p), ("offsets", ctypes.c_void_p),
                 ("bias", ctypes.c_void_p), ("out", ctypes.c_int64), ("inputs", ctypes.c_int64), ("block", ctypes.c_int64),
-                ("code_bias", ctypes.c_int), ("code_span", ctypes.c_int)]
+                ("code_bias", ctypes.c_int), ("code_span", ctypes.c_int), ("half_scales", ctypes.c_int)]
 
 
 class _CNorm(ctypes.Structure):
@@ -138,7 +138,7 @@ class NativeLayer:
             for linear in self._linears:
                 b = linear.blocks
                 weights = b.packed if numerics == "int8" else b
-                code_form = weights.code_form if numerics == "int8" else (-1, 0)
+                code_form = weights.kernel_form if numerics == "int8" else (-1, 0, 0)
                 bias = linear.dense.bias
                 structs.append(_CLinear(_pointer(weights.codes, self._keep), _pointer(weights.scales, self._keep),
                                         _pointer(weights.offsets, self._keep),

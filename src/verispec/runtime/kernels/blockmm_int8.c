@@ -5,7 +5,8 @@
  * outputs in groups of 8 (the last group padded), and within a group, for each 4 consecutive
  * inputs, the 4 codes of output 0, then of output 1, ..., of output 7 (32 bytes):
  *   codes  [G, K / 4, 8, 4] bytes     code[n, k] = codes[n / 8, k / 4, n % 8, k % 4] (- code_bias)
- *   scales [G, K / B, 8] float32      scale[n, b] = scales[n / 8, b, n % 8] (offsets alike)
+ *   scales [G, K / B, 8] float32      scale[n, b] = scales[n / 8, b, n % 8] (offsets alike), or
+ *                                     float16 (half_scales) where every scale is one exactly
  * so that one 32-byte load gives 8 outputs x 4 inputs and the products of a row land in 8 lanes,
  * one per output: no horizontal sums. The bytes are one of (chosen per matrix when packing):
  *   signed codes   (code_bias < 0): the int8 codes themselves, any of -128..127 (Q8_0);
@@ -54,7 +55,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define INT8_SIMD 1
 #include <immintrin.h>
 #endif
@@ -62,6 +63,30 @@
 #define GROUP 8           /* outputs per packed group: one float32 lane each */
 #define GROUPS_PER_TASK 4 /* output groups per OpenMP task */
 #define ROW_TILE 4        /* rows of x sharing each loaded step of codes */
+
+/* The packed scales [G, K / B, 8]: float32, or float16 where every scale is one exactly (a GGUF
+ * Q8_0 or Q5_0 matrix's own fp16 scales: half the bytes a one-token step reads for them). Either
+ * way a scale enters the float sequence as the same float32 value. */
+typedef struct {
+    const void *data;
+    int half;
+} Scales;
+
+/* Scale i of the packed scales, as float32 (exact: every float16 is a float32). */
+static inline float scale_at(Scales scales, int64_t i) {
+    if (!scales.half) return ((const float *)scales.data)[i];
+    const uint16_t h = ((const uint16_t *)scales.data)[i];
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exponent = (h >> 10) & 0x1Fu, mantissa = h & 0x3FFu;
+    if (exponent == 0) { /* zero or subnormal: mantissa * 2^-24, exact in float32 */
+        const float value = ldexpf((float)mantissa, -24);
+        return sign ? -value : value;
+    }
+    const uint32_t bits = exponent == 31 ? sign | 0x7F800000u | (mantissa << 13)
+                                         : sign | ((exponent + 112u) << 23) | (mantissa << 13);
+    float value;
+    memcpy(&value, &bits, sizeof value);
+    return value;
+}
 
 /* Row m of x quantized per block: q [K] int8, xs [nb], xo [nb] (when offsets are used), xt [nb]
  * (code_bias * sum(q), when given). */
@@ -148,6 +173,7 @@ static inline wide_i wide_load2(const int8_t *a, const int8_t *b) {
     return (wide_i){_mm256_loadu_si256((const __m256i *)a), _mm256_loadu_si256((const __m256i *)b)};
 }
 static inline wide_f wide_load2_ps(const float *a, const float *b) { return (wide_f){_mm256_loadu_ps(a), _mm256_loadu_ps(b)}; }
+static inline wide_f wide_pair_ps(__m256 lo, __m256 hi) { return (wide_f){lo, hi}; }
 static inline wide_i wide_zero(void) { return (wide_i){_mm256_setzero_si256(), _mm256_setzero_si256()}; }
 static inline wide_f wide_zero_ps(void) { return (wide_f){_mm256_setzero_ps(), _mm256_setzero_ps()}; }
 static inline wide_i wide_set1(int32_t v) { return (wide_i){_mm256_set1_epi32(v), _mm256_set1_epi32(v)}; }
@@ -172,10 +198,10 @@ static inline wide_i wide_load2(const int8_t *a, const int8_t *b) {
     return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)a)),
                               _mm256_loadu_si256((const __m256i *)b), 1);
 }
-static inline wide_f wide_load2_ps(const float *a, const float *b) {
-    return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(_mm256_loadu_ps(a))),
-                                               _mm256_castps_pd(_mm256_loadu_ps(b)), 1));
+static inline wide_f wide_pair_ps(__m256 lo, __m256 hi) {
+    return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(lo)), _mm256_castps_pd(hi), 1));
 }
+static inline wide_f wide_load2_ps(const float *a, const float *b) { return wide_pair_ps(_mm256_loadu_ps(a), _mm256_loadu_ps(b)); }
 static inline wide_i wide_zero(void) { return _mm512_setzero_si512(); }
 static inline wide_f wide_zero_ps(void) { return _mm512_setzero_ps(); }
 static inline wide_i wide_set1(int32_t v) { return _mm512_set1_epi32(v); }
@@ -207,12 +233,18 @@ static inline __m256i row_step(const int8_t *xq, int64_t K, int r, int64_t s) {
     return _mm256_set1_epi32(four);
 }
 
+/* Scales i .. i+7 of the packed scales, as float32 (F16C converts float16 exactly). */
+static inline __m256 scales8(Scales scales, int64_t i) {
+    return scales.half ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)scales.data + i)))
+                       : _mm256_loadu_ps((const float *)scales.data + i);
+}
+
 /* Rows 0..R-1 of the quantized rows (xq [R, K], xs/xo/xt [R, nb]) times output groups g0 .. g0+G-1,
  * on signed codes (S = 0) or unsigned ones (S = steps16, see the header; R <= ROW_TILE, G <= 2 and S
  * are compile-time constants after inlining). */
 static inline __attribute__((always_inline)) void tile(
         const int8_t *xq, const float *xs, const float *xo, const int32_t *xt, const int R, const int G, const int S,
-        int64_t K, int64_t B, const int8_t *codes, const float *scales, const float *offsets, int64_t N, float *y,
+        int64_t K, int64_t B, const int8_t *codes, Scales scales, const float *offsets, int64_t N, float *y,
         int64_t g0) {
     const int64_t nb = K / B, steps_per_block = B / 4;
     const int8_t *w0 = codes + g0 * K * GROUP, *w1 = w0 + K * GROUP; /* K / 4 steps of 32 bytes per group */
@@ -284,7 +316,7 @@ static inline __attribute__((always_inline)) void tile(
                 for (int g = 0; g < G; g++) sums[r][g] = _mm256_sub_epi32(sums[r][g], correction);
             }
         for (int g = 0; g < G; g++) {
-            const __m256 ws = _mm256_loadu_ps(scales + ((g0 + g) * nb + b) * GROUP);
+            const __m256 ws = scales8(scales, ((g0 + g) * nb + b) * GROUP);
             for (int r = 0; r < R; r++) {
                 const __m256 scale = _mm256_mul_ps(_mm256_set1_ps(xs[r * nb + b]), ws);
                 acc[r][g] = _mm256_add_ps(acc[r][g], _mm256_mul_ps(_mm256_cvtepi32_ps(sums[r][g]), scale));
@@ -316,7 +348,7 @@ static inline __attribute__((always_inline)) void tile(
  * 64-multiply-add vpdpbusd; the same per-lane operations as `tile`, so the same bits. */
 static inline __attribute__((always_inline)) void tile_wide(
         const int8_t *xq, const float *xs, const float *xo, const int32_t *xt, const int R, const int flip, int64_t K,
-        int64_t B, const int8_t *codes, const float *scales, const float *offsets, int64_t N, float *y, int64_t g0) {
+        int64_t B, const int8_t *codes, Scales scales, const float *offsets, int64_t N, float *y, int64_t g0) {
     const int64_t nb = K / B, steps_per_block = B / 4;
     const int8_t *w0 = codes + g0 * K * GROUP, *w1 = w0 + K * GROUP;
     wide_f acc[ROW_TILE], shift[ROW_TILE];
@@ -337,7 +369,7 @@ static inline __attribute__((always_inline)) void tile_wide(
         }
         if (xt)
             for (int r = 0; r < R; r++) sums[r] = wide_sub(sums[r], wide_set1(xt[r * nb + b]));
-        const wide_f ws = wide_load2_ps(scales + (g0 * nb + b) * GROUP, scales + ((g0 + 1) * nb + b) * GROUP);
+        const wide_f ws = wide_pair_ps(scales8(scales, (g0 * nb + b) * GROUP), scales8(scales, ((g0 + 1) * nb + b) * GROUP));
         for (int r = 0; r < R; r++)
             acc[r] = wide_add_ps(acc[r], wide_mul_ps(wide_cvt(sums[r]), wide_mul_ps(wide_set1_ps(xs[r * nb + b]), ws)));
         if (offsets) {
@@ -361,7 +393,7 @@ static inline __attribute__((always_inline)) void tile_wide(
 #define TILE_WIDE(R, F) tile_wide(xq, xs, xo, xt, R, F, K, B, codes, scales, offsets, N, y, g0)
 static __attribute__((noinline)) void tiles_wide(const int8_t *xq, const float *xs, const float *xo,
                                                  const int32_t *xt, int64_t rows, int flip, int64_t K, int64_t B,
-                                                 const int8_t *codes, const float *scales, const float *offsets,
+                                                 const int8_t *codes, Scales scales, const float *offsets,
                                                  int64_t N, float *y, int64_t g0) {
     switch (rows * 2 + flip) {
         case 2: TILE_WIDE(1, 0); break;
@@ -389,7 +421,7 @@ static __attribute__((noinline)) void tiles_wide(const int8_t *xq, const float *
  * register allocation of the signed tiles' inner loop gets worse. */
 static __attribute__((noinline)) void tiles_signed(const int8_t *xq, const float *xs, const float *xo,
                                                    const int32_t *xt, int64_t rows, int64_t groups, int64_t K,
-                                                   int64_t B, const int8_t *codes, const float *scales,
+                                                   int64_t B, const int8_t *codes, Scales scales,
                                                    const float *offsets, int64_t N, float *y, int64_t g) {
     if (groups > 1) {
         TILE_ROWS(2, 0);
@@ -400,7 +432,7 @@ static __attribute__((noinline)) void tiles_signed(const int8_t *xq, const float
 
 static __attribute__((noinline)) void tiles_unsigned(const int8_t *xq, const float *xs, const float *xo,
                                                      const int32_t *xt, int64_t rows, int64_t groups, int64_t K,
-                                                     int64_t B, const int8_t *codes, const float *scales,
+                                                     int64_t B, const int8_t *codes, Scales scales,
                                                      const float *offsets, int steps16, int64_t N, float *y,
                                                      int64_t g0) {
     for (int64_t g = g0; g < g0 + groups; g++) {
@@ -415,7 +447,7 @@ static __attribute__((noinline)) void tiles_unsigned(const int8_t *xq, const flo
 }
 
 static void tile_any(const int8_t *xq, const float *xs, const float *xo, const int32_t *xt, int64_t rows,
-                     int64_t groups, int64_t K, int64_t B, const int8_t *codes, const float *scales,
+                     int64_t groups, int64_t K, int64_t B, const int8_t *codes, Scales scales,
                      const float *offsets, int steps16, int64_t N, float *y, int64_t g0) {
 #ifdef INT8_WIDE
     if (groups == 2) {
@@ -433,7 +465,7 @@ static void tile_any(const int8_t *xq, const float *xs, const float *xo, const i
 #else
 /* Portable C: the header's sequence, output by output (at most ROW_TILE rows, G groups). */
 static void tile_any(const int8_t *xq, const float *xs, const float *xo, const int32_t *xt, int64_t rows,
-                     int64_t groups, int64_t K, int64_t B, const int8_t *codes, const float *scales,
+                     int64_t groups, int64_t K, int64_t B, const int8_t *codes, Scales scales,
                      const float *offsets, int steps16, int64_t N, float *y, int64_t g0) {
     const int64_t nb = K / B;
     const uint8_t *u = (const uint8_t *)codes; /* unsigned codes (steps16 > 0) */
@@ -449,7 +481,7 @@ static void tile_any(const int8_t *xq, const float *xs, const float *xo, const i
                         sum += (steps16 ? (int32_t)u[at] : (int32_t)codes[at]) * xq[m * K + k];
                     }
                     if (xt) sum -= xt[m * nb + b];
-                    const float scale = xs[m * nb + b] * scales[(g * nb + b) * GROUP + lane];
+                    const float scale = xs[m * nb + b] * scale_at(scales, (g * nb + b) * GROUP + lane);
                     const float term = (float)sum * scale;
                     acc = acc + term;
                     if (offsets) {
@@ -465,9 +497,11 @@ static void tile_any(const int8_t *xq, const float *xs, const float *xo, const i
 /* Returns 0 on success, -1 for unsupported shapes or no memory. codes, scales and offsets are
  * packed (see the header); offsets may be NULL; code_bias < 0: signed codes, else unsigned ones
  * u = code + code_bias in 0..code_span (code_bias and code_span at most 128). */
-int blockmm_int8(const float *x, int64_t M, int64_t K, const int8_t *codes, const float *scales,
-                 const float *offsets, int64_t N, int64_t B, int code_bias, int code_span, float *y, int threads) {
+int blockmm_int8(const float *x, int64_t M, int64_t K, const int8_t *codes, const void *scale_data,
+                 const float *offsets, int64_t N, int64_t B, int code_bias, int code_span, int half_scales, float *y,
+                 int threads) {
     if (M < 1 || N < 1 || B < 4 || B % 4 != 0 || K % B != 0) return -1;
+    const Scales scales = {scale_data, half_scales != 0};
     if (code_bias > 128 || (code_bias >= 0 && (code_span < 0 || code_span > 128))) return -1;
     const int64_t nb = K / B, groups = (N + GROUP - 1) / GROUP;
     const int64_t tasks = (groups + GROUPS_PER_TASK - 1) / GROUPS_PER_TASK;

@@ -36,8 +36,9 @@
 
 int blockmm(const float *x, int64_t M, int64_t K, const int8_t *codes, const float *scales,
             const float *offsets, int64_t N, int64_t B, float *y, int threads);
-int blockmm_int8(const float *x, int64_t M, int64_t K, const int8_t *codes, const float *scales,
-                 const float *offsets, int64_t N, int64_t B, int code_bias, int code_span, float *y, int threads);
+int blockmm_int8(const float *x, int64_t M, int64_t K, const int8_t *codes, const void *scales,
+                 const float *offsets, int64_t N, int64_t B, int code_bias, int code_span, int half_scales, float *y,
+                 int threads);
 
 enum { QKV = 0, O = 1, GATE_UP = 2, DOWN = 3 };
 enum { ACT_GELU_TANH = 0, ACT_SILU = 1 };
@@ -45,9 +46,10 @@ enum { NUMERICS_INT8 = 0, NUMERICS_FP32 = 1 }; /* blockmm_int8.c or blockmm.c fo
 
 typedef struct {
     const int8_t *codes;
-    const float *scales, *offsets, *bias; /* offsets and bias may be NULL */
+    const void *scales; /* float32, or float16 where half_scales */
+    const float *offsets, *bias; /* offsets and bias may be NULL */
     int64_t out, in, block;
-    int code_bias, code_span; /* the packed codes' form (blockmm_int8.c; int8 numerics only) */
+    int code_bias, code_span, half_scales; /* the packed form (blockmm_int8.c; int8 numerics only) */
 } BlockLinear;
 
 typedef struct {
@@ -67,9 +69,9 @@ typedef struct {
 
 static int linear(const BlockLinear *l, int numerics, const float *x, int64_t n, float *y, int threads) {
     const int status = numerics == NUMERICS_INT8
-        ? blockmm_int8(x, n, l->in, l->codes, l->scales, l->offsets, l->out, l->block, l->code_bias, l->code_span, y,
-                       threads)
-        : blockmm(x, n, l->in, l->codes, l->scales, l->offsets, l->out, l->block, y, threads);
+        ? blockmm_int8(x, n, l->in, l->codes, l->scales, l->offsets, l->out, l->block, l->code_bias, l->code_span,
+                       l->half_scales, y, threads)
+        : blockmm(x, n, l->in, l->codes, (const float *)l->scales, l->offsets, l->out, l->block, y, threads);
     if (status != 0) return -1;
     if (l->bias)
         for (int64_t r = 0; r < n; r++)
