@@ -157,8 +157,9 @@ def test_speculative_methods_equal_ar_on_int8_numerics(arch):
 def test_the_portable_build_gives_the_simd_builds_logits(arch, monkeypatch):
     """The instruction set does not change a bit either: the whole forward (one-token steps,
     verify widths, a prompt in C) on the forced portable build equals the best build this CPU
-    runs and the VNNI code paths run emulated (`blockmm.TEST_BUILDS`) (its C layers emulate the vector paths' operations lane by lane: FMA chains, the
-    vectorised exp, the int8 kernel's lanes)."""
+    runs, and the VNNI code run emulated (`blockmm.TEST_BUILDS`). The portable build's C layers
+    repeat the vector paths' operations lane by lane: FMA chains, the vectorised exp, the int8
+    kernel's lanes."""
     from verispec.runtime import blockmm
 
     best = blockmm.supported_variants()[0]

@@ -13,13 +13,14 @@ after it are never needed. `model.Target` fills `LazyRows` in one of two ways:
   runs through the layers, the LM head (the default model's is 262,144 x 640, 63% of a row's
   multiply-adds) only on the chunks read.
 
-Why the chunks are 4 rows and the rest, and only from 8 rows on (`MIN_ROWS`): the head's call
-costs about one read of its weights up to 4 rows and grows by one row's arithmetic per row after
-that (timed on the default model's head on 2 AVX2 cores: 9.9 ms for 1 row, 13.8 for 4, 24.4 for
-8, 42.8 for 16), and the layers behave alike, so a first chunk of 4 costs little more than 1 row,
-and a second call costs about one more read of the weights when every row is needed. That is why
-a draft whose own confidences say its first 4 tokens are probably all accepted is verified in
-one part (`worth_deferring`).
+Why the chunks are 4 rows and the rest, and only from 8 rows on (`MIN_ROWS`): up to about 4
+rows a forward costs little more than one row's (mostly one read of the weights), and each row
+after that adds its arithmetic (`verispec profile` on 2 AVX2 cores: 4 tokens 1.3x a one-token
+step, 8 tokens 2.3x, 16 tokens 4.2x). So a first chunk of 4 is cheap, and what a split costs,
+when every row is read after all, is a second pass over the weights
+(`scripts/staged_verify_cost.py`: +3 to 6 ms at 8 tokens, +10 to 11 ms at 16). That is why a
+draft whose own confidences say its first 4 tokens are probably all accepted is verified in one
+part (`worth_deferring`), and a verify of fewer than 8 rows too (too little to skip).
 
 It is exact only where a row's logits do not depend on which other rows share the call: the C
 decoder layers and the int8 block kernel are batch-invariant bit for bit; `model.Target` returns
@@ -29,13 +30,13 @@ sampling warp), chunk by chunk.
 
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 import torch
 
 FIRST = 4  # rows of the first chunk (see the module docstring)
-MIN_ROWS = 8  # fewer rows are computed in one call: the second call's extra read of the weights
-#   (about 5 ms) outweighs what skipping 1 to 3 rows saves (about 2.3 ms each)
+MIN_ROWS = 8  # narrower verifies run in one call (see the module docstring)
 
 
 def worth_deferring(confidence: tuple[float, ...]) -> bool:
@@ -44,12 +45,7 @@ def worth_deferring(confidence: tuple[float, ...]) -> bool:
     read only if the first FIRST draft tokens are all accepted; when the confidences say that is
     more likely than not, the later rows would be computed anyway and deferring them would cost
     one more read of the weights, so no."""
-    if len(confidence) < FIRST:
-        return True
-    whole = 1.0
-    for value in confidence[:FIRST]:
-        whole *= value
-    return whole < 0.5
+    return len(confidence) < FIRST or math.prod(confidence[:FIRST]) < 0.5
 
 
 class LazyRows:
@@ -63,7 +59,6 @@ class LazyRows:
         self.shape = torch.Size((n, *row_shape))
         self.device, self.dtype = device, dtype
         self._chunks: list[torch.Tensor] = []  # [FIRST, vocab], then [n - FIRST, vocab]
-        self.computed = 0  # rows computed so far (FIRST or n once read)
 
     @staticmethod
     def of_head(hidden: torch.Tensor, head: Callable[[torch.Tensor], torch.Tensor], vocab: int) -> "LazyRows":
@@ -79,11 +74,9 @@ class LazyRows:
 
     def _chunk(self, index: int) -> torch.Tensor:
         """Chunk `index` (0: rows [0, FIRST), 1: the rest), computed on first use."""
-        while len(self._chunks) <= index:
-            start = self.computed
-            end = min(self._n, FIRST) if not self._chunks else self._n
-            self._chunks.append(self._compute(start, end))
-            self.computed = end
+        while len(self._chunks) <= index:  # in order: a staged forward's rest follows its first part
+            start = FIRST if self._chunks else 0
+            self._chunks.append(self._compute(start, self._n if self._chunks else min(self._n, FIRST)))
         return self._chunks[index]
 
     def __getitem__(self, i: int) -> torch.Tensor:

@@ -5,7 +5,7 @@ widths after a context, as milliseconds and as ratios to the 1-token step, plus 
 of an EESD exit head where one is given. These ratios decide whether drafting can pay here (a
 draft of k tokens must commit more than the cost ratio of a (k + 1)-token forward), and they are
 what the controllers' cost models learn online (`control.CostModel`). A verify costs less when
-its first draft token is rejected, where the LM head runs only on the rows the rule reads
+its first draft token is rejected, where only the rows the rule reads are computed
 (`lazy_rows`): the "rejected" figures.
 
 Each figure is the median of `repeats` timed calls after 3 warm-ups, the widths measured in
@@ -46,8 +46,8 @@ def target_step_seconds(target, context: list[int], width: int = 1, repeats: int
                         rejected: bool = False) -> float:
     """Median seconds of a target forward of `width` tokens after `context` (left in the cache).
     rejected=True: a verify whose first draft token is rejected, as the engine runs it (the
-    logits asked for lazily, row 0 read: where the head is batch-invariant, it runs on the first
-    chunk of rows only, `lazy_rows`)."""
+    logits asked for lazily and row 0 read: where that is exact, only the first chunk of rows is
+    computed, `lazy_rows`)."""
     target.reset()
     target.forward(context, last_only=True)
 

@@ -190,10 +190,10 @@ class Kernel:
         codes, scales, offsets = weights.codes, weights.scales, weights.offsets
         assert codes.is_contiguous() and scales.is_contiguous() and (offsets is None or offsets.is_contiguous())
         y = torch.empty(m, outputs, dtype=torch.float32)
-        code_form = () if numerics == "fp32" else weights.kernel_form
+        form_arguments = () if numerics == "fp32" else weights.kernel_form
         status = self._fns[numerics](
             x.data_ptr(), m, inputs, codes.data_ptr(), scales.data_ptr(),
-            None if offsets is None else offsets.data_ptr(), outputs, form.block, *code_form, y.data_ptr(),
+            None if offsets is None else offsets.data_ptr(), outputs, form.block, *form_arguments, y.data_ptr(),
             torch.get_num_threads(),
         )
         if status != 0:

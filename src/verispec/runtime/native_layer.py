@@ -138,12 +138,12 @@ class NativeLayer:
             for linear in self._linears:
                 b = linear.blocks
                 weights = b.packed if numerics == "int8" else b
-                code_form = weights.kernel_form if numerics == "int8" else (-1, 0, 0)
+                form_arguments = weights.kernel_form if numerics == "int8" else (-1, 0, 0)
                 bias = linear.dense.bias
                 structs.append(_CLinear(_pointer(weights.codes, self._keep), _pointer(weights.scales, self._keep),
                                         _pointer(weights.offsets, self._keep),
                                         _pointer(None if bias is None else bias.float(), self._keep),
-                                        b.codes.shape[0], b.codes.shape[1], b.block, *code_form))
+                                        b.codes.shape[0], b.codes.shape[1], b.block, *form_arguments))
             self._described[numerics] = structs
         return self._described[numerics]
 

@@ -16,8 +16,8 @@
  * Each row m of x is quantized per block of B inputs from that row alone: xs[m, b] = max |x| / 127
  * (float32 division), xq = round-to-nearest-even(x / xs) clamped to [-127, 127] (all zero where
  * the block is); xo[m, b] = xs[m, b] * (float)sum(xq) (offsets only), xt[m, b] = code_bias * sum(xq)
- * (exact int32; unsigned codes with code_bias > 0, and signed codes on VNNI with 128). Then, for every (row m, output n), one
- * fixed sequence of float32 operations over the blocks in order:
+ * (exact int32; unsigned codes with code_bias > 0, and signed codes on VNNI with 128). Then, for
+ * every (row m, output n), one fixed sequence of float32 operations over the blocks in order:
  *
  *   acc = 0; shift = 0
  *   for b = 0 .. K/B - 1:
@@ -226,11 +226,16 @@ static inline __attribute__((always_inline)) void load_step(__m256i w[2], const 
     if (G > 1) _mm_prefetch((const char *)(w1 + s * 32 + 2048), _MM_HINT_T0);
 }
 
-/* The 4 activations of step s of row r, in each 32-bit lane. */
-static inline __m256i row_step(const int8_t *xq, int64_t K, int r, int64_t s) {
+/* The 4 activations of step s of row r as one 32-bit value. */
+static inline int32_t row_four(const int8_t *xq, int64_t K, int r, int64_t s) {
     int32_t four;
     memcpy(&four, xq + r * K + s * 4, 4);
-    return _mm256_set1_epi32(four);
+    return four;
+}
+
+/* The 4 activations of step s of row r, in each 32-bit lane. */
+static inline __m256i row_step(const int8_t *xq, int64_t K, int r, int64_t s) {
+    return _mm256_set1_epi32(row_four(xq, K, r, s));
 }
 
 /* Scales i .. i+7 of the packed scales, as float32 (F16C converts float16 exactly). */
@@ -361,11 +366,7 @@ static inline __attribute__((always_inline)) void tile_wide(
             _mm_prefetch((const char *)(w0 + s * 32 + 2048), _MM_HINT_T0);
             _mm_prefetch((const char *)(w1 + s * 32 + 2048), _MM_HINT_T0);
             if (flip) w = wide_flip(w);
-            for (int r = 0; r < R; r++) {
-                int32_t four;
-                memcpy(&four, xq + r * K + s * 4, 4);
-                sums[r] = wide_dpbusd(sums[r], w, wide_set1(four));
-            }
+            for (int r = 0; r < R; r++) sums[r] = wide_dpbusd(sums[r], w, wide_set1(row_four(xq, K, r, s)));
         }
         if (xt)
             for (int r = 0; r < R; r++) sums[r] = wide_sub(sums[r], wide_set1(xt[r * nb + b]));
@@ -496,13 +497,14 @@ static void tile_any(const int8_t *xq, const float *xs, const float *xo, const i
 
 /* Returns 0 on success, -1 for unsupported shapes or no memory. codes, scales and offsets are
  * packed (see the header); offsets may be NULL; code_bias < 0: signed codes, else unsigned ones
- * u = code + code_bias in 0..code_span (code_bias and code_span at most 128). */
+ * u = code + code_bias in 0..code_span (code_bias and code_span at most 128); half_scales: the
+ * scales are float16, else float32. */
 int blockmm_int8(const float *x, int64_t M, int64_t K, const int8_t *codes, const void *scale_data,
                  const float *offsets, int64_t N, int64_t B, int code_bias, int code_span, int half_scales, float *y,
                  int threads) {
     if (M < 1 || N < 1 || B < 4 || B % 4 != 0 || K % B != 0) return -1;
-    const Scales scales = {scale_data, half_scales != 0};
     if (code_bias > 128 || (code_bias >= 0 && (code_span < 0 || code_span > 128))) return -1;
+    const Scales scales = {scale_data, half_scales != 0};
     const int64_t nb = K / B, groups = (N + GROUP - 1) / GROUP;
     const int64_t tasks = (groups + GROUPS_PER_TASK - 1) / GROUPS_PER_TASK;
     const int steps16 = code_bias < 0 ? 0 : code_span <= 32 ? 4 : code_span <= 64 ? 2 : 1; /* 0: signed codes */
