@@ -364,6 +364,67 @@ def test_variant_choice_follows_the_cpu_flags():
     assert not set(blockmm.TEST_BUILDS) & set(blockmm.supported_variants(zen4 | {"avx_vnni"}))  # never chosen
 
 
+@pytest.fixture
+def fresh_kernel_state(monkeypatch):
+    """blockmm's caches emptied for the test (and restored after it)."""
+    monkeypatch.setattr(blockmm, "_state", dict(blockmm._state))
+    blockmm._state.pop("kernel", None)
+    monkeypatch.setattr(blockmm, "_variants", {})
+    return monkeypatch
+
+
+def test_forced_variant_is_used(fresh_kernel_state):
+    fresh_kernel_state.setenv(blockmm.ISA_ENV, "portable")
+    found, why = blockmm.kernel()
+    assert why is None and found.isa == "portable" == found.compiled_isa
+    assert blockmm.kernel_isa() == "portable"
+
+
+@pytest.mark.parametrize("forced", ["sse9", "unavailable"])
+def test_forced_variant_the_cpu_cannot_run_is_refused_with_a_message(fresh_kernel_state, forced):
+    if forced == "unavailable":
+        missing = [name for name in blockmm.VARIANTS if name not in variants_here()]
+        forced = missing[0] if missing else "not-a-variant"  # a CPU with every variant: an unknown name
+    fresh_kernel_state.setenv(blockmm.ISA_ENV, forced)
+    found, why = blockmm.kernel()
+    assert found is None and blockmm.kernel_isa() is None
+    assert why.startswith(f"{blockmm.ISA_ENV}={forced}: ")
+    assert ("unknown kernel variant" in why) or ("cannot run" in why)
+
+
+def test_a_broken_compiler_gives_a_reason_and_the_fast_path_keeps_float32(fresh_kernel_state, capsys, tmp_path):
+    from verispec import model as model_module
+
+    fresh_kernel_state.setenv("CC", str(tmp_path / "no-such-cc"))
+    fresh_kernel_state.setenv("XDG_CACHE_HOME", str(tmp_path))  # nothing cached: it must compile
+    found, why = blockmm.kernel()
+    assert found is None and "could not build the block kernel" in why
+    model = helpers.make_model(helpers.make_config("llama"), seed=2)
+    assert model_module._gguf_blocks(tmp_path / "m.gguf", tmp_path, model) is None
+    assert "block kernel not used: could not build" in capsys.readouterr().err
+
+
+def test_fp32_numerics_on_a_portable_build_keep_pytorch_linears(fresh_kernel_state, capsys, tmp_path):
+    """Float32 activations on the portable scalar loop would be slower than PyTorch's float32
+    linears: the blocks are not used, with a message."""
+    from verispec import model as model_module
+
+    fresh_kernel_state.setenv(blockmm.ISA_ENV, "portable")
+    model = helpers.make_model(helpers.make_config("llama"), seed=2)
+    assert model_module._gguf_blocks(tmp_path / "m.gguf", tmp_path, model, "fp32") is None
+    assert "portable build" in capsys.readouterr().err
+
+
+def test_the_compiled_probe_agrees_with_proc_cpuinfo():
+    """Where /proc/cpuinfo is missing the flags come from a compiled `__builtin_cpu_supports`
+    probe; here both exist, and they must agree on every flag the variants need."""
+    probed = blockmm._probe_flags()
+    needed = {flag for _, flags in blockmm.VARIANTS.values() for flag in flags}
+    compared = needed - {"avx_vnni"}  # the probe knows AVX-VNNI only when built by GCC 11 or later
+    assert probed & compared == blockmm.cpu_flags() & compared
+    assert "avx2" in probed  # x86 CI and this machine have AVX2: the probe really ran
+
+
 def test_scales_that_are_float16_are_packed_as_float16_and_give_the_same_bits():
     """GGUF Q8_0/Q5_0 scales are float16 values: packed as float16 (half the bytes a one-token
     step reads for them), converted exactly (F16C or the portable conversion, subnormals too),
