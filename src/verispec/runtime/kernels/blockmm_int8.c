@@ -63,9 +63,9 @@
 #define GROUP 8           /* outputs per packed group: one float32 lane each */
 #define GROUPS_PER_TASK 4 /* output groups per OpenMP task */
 #define ROW_TILE 4        /* rows of x sharing each loaded step of codes */
-/* Bytes of codes prefetched ahead of the ones being read (load_step, tile_wide): at 2048 the LM head's
- * one-token read ran at ~20 GB/s on a 2-core AVX2 EPYC whose read bandwidth is ~30; 8192 reaches it
- * (`verispec profile`: one-token step 16.5 -> 13.9-14.9 ms; 16384 and more: no better). */
+/* Bytes of codes prefetched ahead of the ones being read (load_step, tile_wide). On a 2-core AVX2 EPYC
+ * (read bandwidth ~30 GB/s), 2048 left the LM head's one-token read at ~20 GB/s; 8192 brings it to ~30
+ * (`verispec profile`: a one-token step 16.5 -> 13.9-14.9 ms; 16384 and more: no better). */
 #define CODES_AHEAD 8192
 
 /* The packed scales [G, K / B, 8]: float32, or float16 where every scale is one exactly (a GGUF
