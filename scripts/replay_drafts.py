@@ -10,7 +10,9 @@ before a timed benchmark. Single-turn datasets only (`spec-bench`, `code-edit`, 
     python scripts/replay_drafts.py runs/ce --ratios 1.10,1.48,2.60,4.40,9.90
 
 --ratios: `verispec profile`'s verify costs of widths 2, 4, 8, 16, 32 relative to width 1
-(interpolated linearly between them, past 32 with the controller's prior slope).
+(interpolated linearly between them, past 32 with the controller's prior slope); other costs
+(e.g. a target CPU's) show what the same drafts would give there. The last line cuts each draft
+where the answer departs from it: the ceiling of any draft-length controller with this drafter.
 """
 
 from __future__ import annotations
@@ -43,9 +45,10 @@ def step_costs(ratios: dict[int, float]) -> CostModel:
 
 
 def replay(answers: list[tuple[list[int], list[int]]], config: NgramConfig, memory: bool, cost: CostModel,
-           k: int = 16) -> tuple[float, float, float, str]:
+           k: int = 16, oracle: bool = False) -> tuple[float, float, float, str]:
     """(tokens per forward, acceptance, modelled speed vs ar, what the memory learned of long-match
-    copies) of one pass over (prompt, answer)."""
+    copies) of one pass over (prompt, answer). oracle: cut each draft where the answer departs from
+    it instead of by the controller's rule (no controller can do better with this drafter)."""
     attachments: dict = {}
     forwards = tokens = drafted = 0
     seconds = 0.0  # in one-token steps
@@ -56,10 +59,12 @@ def replay(answers: list[tuple[list[int], list[int]]], config: NgramConfig, memo
         while position < len(answer):
             draft = drafter.propose(context, min(k, len(answer) - position - 1))
             proposal = draft.tokens.tolist()
-            proposal = proposal[: best_draft_length(draft.confidence or (), cost.relative)]
+            if not oracle:
+                proposal = proposal[: best_draft_length(draft.confidence or (), cost.relative)]
             accepted = 0
             while accepted < len(proposal) and proposal[accepted] == answer[position + accepted]:
                 accepted += 1
+            proposal = proposal[:accepted] if oracle else proposal
             committed = answer[position : position + accepted + 1]
             drafter.commit(committed, len(proposal))
             context += committed
@@ -91,6 +96,8 @@ def main() -> None:
         per_forward, acceptance, speed, learned = replay(answers, config, memory, step_costs(ratios))
         print(f"{label:24s} tokens/forward {per_forward:.2f}  acceptance {acceptance:.2f}  modelled vs ar {speed:.2f}x"
               f"{learned}")
+    per_forward, _, speed, _ = replay(answers, *VARIANTS["anpd"], step_costs(ratios), oracle=True)
+    print(f"{'anpd, cut by an oracle':24s} tokens/forward {per_forward:.2f}  modelled vs ar {speed:.2f}x")
 
 
 if __name__ == "__main__":
