@@ -12,6 +12,8 @@ compiler, must be refused with a message, not crash.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -430,8 +432,6 @@ def test_scales_that_are_float16_are_packed_as_float16_and_give_the_same_bits():
     step reads for them), converted exactly (F16C or the portable conversion, subnormals too),
     so the product equals the float32-scales product bit for bit on every build. Scales that are
     not all float16 values (such as Q4_K's d * sc products) stay float32."""
-    import dataclasses
-
     form = ranged_form(45, 256, -128, 127, 32, False, seed=9)
     scales = form.scales.clone()
     scales[2, 1], scales[3, 2] = 2.0 ** -20, -(2.0 ** -24)  # float16 subnormals

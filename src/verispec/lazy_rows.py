@@ -15,10 +15,11 @@ after it are never needed. `model.Target` fills `LazyRows` in one of two ways:
 
 Why the chunks are 4 rows and the rest, and only from 8 rows on (`MIN_ROWS`): up to about 4
 rows a forward costs little more than one row's (mostly one read of the weights), and each row
-after that adds its arithmetic (`verispec profile` on 2 AVX2 cores: 4 tokens 1.3x a one-token
-step, 8 tokens 2.3x, 16 tokens 4.2x). So a first chunk of 4 is cheap, and what a split costs,
-when every row is read after all, is a second pass over the weights
-(`scripts/staged_verify_cost.py`: +3 to 6 ms at 8 tokens, +10 to 11 ms at 16). That is why a
+after that adds its arithmetic (`verispec profile` on 2 AVX2 cores, two runs: 4 tokens 1.4-1.7x
+a one-token step, 8 tokens 2.6-3.0x, 16 tokens 4.9-6.2x). So a first chunk of 4 is cheap, and
+what a split costs, when every row is read after all, is a second pass over the weights
+(`scripts/staged_verify_cost.py`, two runs: +3.6 and +7.0 ms at 8 tokens on 42 ms, +3.2 and
++13.0 ms at 16 on 83 ms). That is why a
 draft whose own confidences say its first 4 tokens are probably all accepted is verified in one
 part (`worth_deferring`), and a verify of fewer than 8 rows too (too little to skip).
 
@@ -75,8 +76,8 @@ class LazyRows:
     def _chunk(self, index: int) -> torch.Tensor:
         """Chunk `index` (0: rows [0, FIRST), 1: the rest), computed on first use."""
         while len(self._chunks) <= index:  # in order: a staged forward's rest follows its first part
-            start = FIRST if self._chunks else 0
-            self._chunks.append(self._compute(start, self._n if self._chunks else min(self._n, FIRST)))
+            start, end = (FIRST, self._n) if self._chunks else (0, min(self._n, FIRST))
+            self._chunks.append(self._compute(start, end))
         return self._chunks[index]
 
     def __getitem__(self, i: int) -> torch.Tensor:

@@ -147,7 +147,7 @@ class PackedBlocks:
         offsets = None if blocks.offsets is None else per_group(blocks.offsets)
         scales = per_group(blocks.scales)
         half = scales.half()
-        if bool(torch.isfinite(half).all()) and torch.equal(half.float(), scales):  # each scale exactly a float16
+        if torch.equal(half.float(), scales):  # each scale exactly a float16 (the kernel converts any float16)
             scales = half
         return PackedBlocks(codes, scales, offsets, blocks.block, out, bias, hi - lo)
 
