@@ -7,9 +7,9 @@ overhead" is the step's wall time minus the time inside operators. On the `block
 forward's decoder layers run in C (`native_layer`), shown as one part; `blocks-torch` runs the same
 layers as PyTorch operators. Also measures the memory
 read bandwidth (2 threads, summing a 1 GiB tensor) and prints the bandwidth floor of one step:
-the bytes of the weights divided by that bandwidth; and the int8 kernel's multiply-adds per second
-at 1 thread and at all threads (the LM head's shape, 16 rows), with the arithmetic floor it sets
-on each verify row past the first.
+the bytes of the weights divided by that bandwidth; and the block kernel's multiply-adds per second
+at 1 thread and at all threads (`bench.profile.arithmetic_rate`: the LM head's codes, 16 rows),
+with the arithmetic each verify row past the first adds at that rate.
 
     python scripts/profile_step.py [--dtype float32] [--paths fast eager] [--widths 1 8 16]
 """
@@ -26,6 +26,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 import verispec
+from verispec.bench.profile import arithmetic_rate
 from verispec.model import Target
 
 
@@ -38,35 +39,6 @@ def read_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
         data.sum()
         times.append(time.perf_counter() - started)
     return data.numel() * 4 / min(times)
-
-
-def product_rate(target: Target, rows: int = 16, repeats: int = 5) -> dict[int, float] | None:
-    """Multiply-adds per second of the int8 block kernel on the LM head's block form with `rows`
-    rows (arithmetic-bound: the codes are read once per 4 rows' tile and reused from cache), at 1
-    thread and at the process's thread count; None off the block kernel."""
-    from verispec.runtime import blockmm
-
-    kernel, _ = blockmm.kernel()
-    if kernel is None or target.block_kernel_summary == "off":
-        return None
-    head = next(form for form in target._fast.blocks.values() if form.codes.shape[0] == target.vocab_size)
-    x = torch.randn(rows, head.codes.shape[1], generator=torch.Generator().manual_seed(0))
-    threads, rates = torch.get_num_threads(), {}
-    try:
-        for count in sorted({1, threads}):
-            torch.set_num_threads(count)
-            kernel.matmul(x, head, "int8")
-            best = min(timed(lambda: kernel.matmul(x, head, "int8")) for _ in range(repeats))
-            rates[count] = head.codes.numel() * rows / best
-    finally:
-        torch.set_num_threads(threads)
-    return rates
-
-
-def timed(fn) -> float:
-    started = time.perf_counter()
-    fn()
-    return time.perf_counter() - started
 
 
 def classify(name: str, shapes, vocab: int, hidden: int) -> str:
@@ -202,13 +174,13 @@ def main() -> None:
     for name in args.paths:
         size = weight_bytes(targets[name])
         print(f"{name} path: weights read per step {size / 1e9:.3f} GB, bandwidth floor {size / bandwidth * 1e3:.1f} ms/step")
-    rates = product_rate(blocks)
-    if rates:
-        row = sum(form.codes.numel() for form in blocks._fast.blocks.values())  # multiply-adds of one row
-        print("int8 products (the LM head, 16 rows): " + ", ".join(
-            f"{rate / 1e9:.1f} G multiply-adds/s on {count} thread{'s' * (count > 1)}" for count, rate in rates.items())
-            + f"; at that rate each verify row past the first adds {row / rates[max(rates)] * 1e3:.1f} ms"
-            + f" of arithmetic ({row / 1e6:.0f} M multiply-adds a row)")
+    arithmetic = arithmetic_rate(blocks)
+    if arithmetic:
+        print(f"{blocks.numerics} products (the largest block form, {arithmetic['rows']} rows): " + ", ".join(
+            f"{rate / 1e9:.1f} G multiply-adds/s on {count} thread{'s' * (count != '1')}"
+            for count, rate in arithmetic["multiply_adds_per_s"].items())
+            + f"; at that rate each verify row past the first adds {arithmetic['row_ms']:.1f} ms"
+            + f" of arithmetic ({arithmetic['row_multiply_adds'] / 1e6:.0f} M multiply-adds a row)")
     for width in args.widths:
         for name in args.paths:
             with native_layers(targets[name], name != "blocks-torch"):

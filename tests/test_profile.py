@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 import helpers
-from verispec.bench.profile import format_profile, profile_target, timing_context
+from verispec.bench.profile import arithmetic_rate, format_profile, profile_target, timing_context
 from verispec.drafters.early_exit import ExitHead, PreparedHead
 
 
@@ -22,9 +23,31 @@ def test_profile_reports_every_width_its_ratio_and_the_draft_step(path):
     assert list(profile["rejected"]) == ["2", "4"] and list(profile["rejected_ratios"]) == ["2", "4"]
     assert all(ms > 0 for ms in profile["rejected"].values())
     text = format_profile(profile)
-    assert "EESD draft token" in text and len(text.splitlines()) == 6
-    assert "rejected ms" in text and f"{profile['rejected']['4']:12.2f}" in text.splitlines()[-2]
+    on_blocks = path == "llama-blocks"
+    assert "EESD draft token" in text and len(text.splitlines()) == 6 + on_blocks
+    assert "rejected ms" in text and f"{profile['rejected']['4']:12.2f}" in text.splitlines()[-2 - on_blocks]
     assert target.cache.length == 24  # the context stays; the timed forwards were cropped
+    assert bool(target.block_forms) == on_blocks and (profile["arithmetic"] is not None) == on_blocks
+    if on_blocks:
+        arithmetic = profile["arithmetic"]
+        rates = arithmetic["multiply_adds_per_s"]
+        assert arithmetic["rows"] == 16 and set(rates) == {"1", str(torch.get_num_threads())}
+        assert all(rate > 0 for rate in rates.values())
+        assert arithmetic["row_multiply_adds"] == sum(form.codes.numel() for form in target.block_forms)
+        assert arithmetic["row_ms"] == pytest.approx(arithmetic["row_multiply_adds"] / max(rates.values()) * 1e3,
+                                                     abs=1e-3)  # rounded to microseconds
+        assert text.splitlines()[-1].startswith(f"{target.numerics} products: ")
+
+
+def test_arithmetic_rate_leaves_the_thread_count_as_it_was():
+    target = helpers.make_target_for_path("llama-blocks", seed=0)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        rates = arithmetic_rate(target, rows=4, repeats=1)["multiply_adds_per_s"]
+        assert set(rates) == {"1", "2"} and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_timing_context_is_fixed_and_inside_the_vocabulary():

@@ -679,6 +679,12 @@ class Target:
         return self._fast.on_blocks(dense, None if form is None else form.rows(rows))
 
     @property
+    def block_forms(self) -> list:
+        """The block forms (`gguf_blocks.BlockWeights`, [out, in]) that the block kernel multiplies
+        in a forward, one per linear it runs; empty off the block kernel."""
+        return [] if self._fast is None else list(self._fast.blocks.values())
+
+    @property
     def block_kernel_summary(self) -> str:
         """Which of the fast path's linears run on the int8 block kernel, for display."""
         if self._fast is None or not self._fast.blocks:

@@ -6,7 +6,9 @@ of an EESD exit head where one is given. These ratios decide whether drafting ca
 draft of k tokens must commit more than the cost ratio of a (k + 1)-token forward), and they are
 what the controllers' cost models learn online (`control.CostModel`). A verify costs less when
 its first draft token is rejected, where only the rows the rule reads are computed
-(`lazy_rows`): the "rejected" figures.
+(`lazy_rows`): the "rejected" figures. On the block kernel it also times the kernel's arithmetic
+alone (`arithmetic_rate`): about what each extra verify row costs in arithmetic, whatever the
+memory.
 
 Each figure is the median of `repeats` timed calls after 3 warm-ups, the widths measured in
 interleaved rounds so that a slow period of the machine shows in every width alike.
@@ -24,16 +26,18 @@ DEFAULT_WIDTHS = (1, 2, 4, 8, 16, 32)
 DEFAULT_CONTEXT = 256
 
 
+def _seconds(fn: Callable[[], object]) -> float:
+    """Seconds of one call of `fn()`."""
+    started = time.perf_counter()
+    fn()
+    return time.perf_counter() - started
+
+
 def median_time(fn: Callable[[], object], repeats: int = 15) -> float:
     """Median seconds of `fn()` over `repeats` calls, after 3 warm-up calls."""
     for _ in range(3):
         fn()
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - started)
-    return statistics.median(times)
+    return statistics.median(_seconds(fn) for _ in range(repeats))
 
 
 def timing_context(length: int = DEFAULT_CONTEXT, vocab_size: int = 20000) -> list[int]:
@@ -78,14 +82,46 @@ def draft_step_seconds(target, prepared, context: list[int], repeats: int = 15) 
                                          Tree.contiguous(len(context), 1, device)), repeats)
 
 
+def arithmetic_rate(target, rows: int = 16, repeats: int = 5) -> dict | None:
+    """The block kernel's multiply-adds per second in the target's numerics, on the largest of its
+    block forms (the default model's LM head) with `rows` rows (arithmetic-bound: each tile of 4
+    rows reuses the codes it loads; the fastest of `repeats` calls, the rate when nothing else
+    runs), at 1 thread and at the process's thread count, and what each
+    verify row adds at the faster rate: {"rows", "multiply_adds_per_s": {"1": r, "N": r},
+    "row_multiply_adds": every block form's multiply-adds for one row, "row_ms"}: a verify of w
+    tokens does about (w - 1) x row_ms more arithmetic than a one-token step (the rate is the
+    largest form's; smaller forms' codes may run faster or slower). None off the block kernel."""
+    from ..runtime import blockmm
+
+    forms = target.block_forms
+    kernel, _ = blockmm.kernel()
+    if not forms or kernel is None:
+        return None
+    largest = max(forms, key=lambda form: form.codes.numel())
+    x = torch.randn(rows, largest.codes.shape[1], generator=torch.Generator().manual_seed(0))  # [rows, in]
+    threads, rates = torch.get_num_threads(), {}
+    try:
+        for count in sorted({1, threads}):
+            torch.set_num_threads(count)
+            kernel.matmul(x, largest, target.numerics)  # warm-up
+            seconds = min(_seconds(lambda: kernel.matmul(x, largest, target.numerics)) for _ in range(repeats))
+            rates[str(count)] = largest.codes.numel() * rows / seconds
+    finally:
+        torch.set_num_threads(threads)
+    row = sum(form.codes.numel() for form in forms)
+    return {"rows": rows, "multiply_adds_per_s": {count: round(rate) for count, rate in rates.items()},
+            "row_multiply_adds": row, "row_ms": round(row / max(rates.values()) * 1e3, 3)}
+
+
 def profile_target(target, context_length: int = DEFAULT_CONTEXT, widths: Sequence[int] = DEFAULT_WIDTHS,
                    prepared_head=None, repeats: int = 15, rounds: int = 3) -> dict:
     """Forward costs of `target` after a context of `context_length` tokens:
     {"numerics", "context", "widths": {"1": ms, ...}, "ratios": {"2": r, ...}, "rejected":
-    {"2": ms, ...}, "rejected_ratios": {"2": r, ...}, "draft_ms", "draft_ratio"} (the draft's
-    None without `prepared_head`; "rejected": a verify of that width whose first draft token is
-    rejected, see `target_step_seconds`). Each width's figure is the median over `rounds`
-    interleaved rounds of medians of `repeats` calls."""
+    {"2": ms, ...}, "rejected_ratios": {"2": r, ...}, "draft_ms", "draft_ratio", "arithmetic"}
+    (the draft's None without `prepared_head`; "rejected": a verify of that width whose first
+    draft token is rejected, see `target_step_seconds`; "arithmetic": `arithmetic_rate`, None off
+    the block kernel). Each width's figure is the median over `rounds` interleaved rounds of
+    medians of `repeats` calls."""
     widths = sorted(set(int(w) for w in widths) | {1})
     context = timing_context(context_length, target.vocab_size)
     cases = [(width, False) for width in widths] + [(width, True) for width in widths if width > 1]
@@ -107,6 +143,7 @@ def profile_target(target, context_length: int = DEFAULT_CONTEXT, widths: Sequen
         "rejected_ratios": {str(w): round(s / base, 3) for w, s in rejected.items()},
         "draft_ms": None if draft is None else round(draft * 1e3, 3),
         "draft_ratio": None if draft is None else round(draft / base, 3),
+        "arithmetic": arithmetic_rate(target),
     }
 
 
@@ -122,4 +159,12 @@ def format_profile(profile: dict) -> str:
         lines.append(line)
     if profile["draft_ms"] is not None:
         lines.append(f"EESD draft token: {profile['draft_ms']:.2f} ms ({profile['draft_ratio']:.2f} x 1-token)")
+    arithmetic = profile.get("arithmetic")
+    if arithmetic:
+        rates = [f"{rate / 1e9:.1f} G on {count} thread{'s' * (count != '1')}"
+                 for count, rate in arithmetic["multiply_adds_per_s"].items()]
+        lines.append(f"{profile['numerics']} products: {rates[0].replace(' G ', ' G multiply-adds/s ')}"
+                     + "".join(f", {rate}" for rate in rates[1:])
+                     + f"; each verify row adds about {arithmetic['row_ms']:.2f} ms of arithmetic"
+                     f" ({arithmetic['row_multiply_adds'] / 1e6:.0f} M multiply-adds a row)")
     return "\n".join(lines)
