@@ -26,7 +26,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 import verispec
-from verispec.bench.profile import arithmetic_rate
+from verispec.bench.profile import arithmetic_rate, describe_arithmetic
 from verispec.model import Target
 
 
@@ -176,11 +176,7 @@ def main() -> None:
         print(f"{name} path: weights read per step {size / 1e9:.3f} GB, bandwidth floor {size / bandwidth * 1e3:.1f} ms/step")
     arithmetic = arithmetic_rate(blocks)
     if arithmetic:
-        print(f"{blocks.numerics} products (the largest block form, {arithmetic['rows']} rows): " + ", ".join(
-            f"{rate / 1e9:.1f} G multiply-adds/s on {count} thread{'s' * (count != '1')}"
-            for count, rate in arithmetic["multiply_adds_per_s"].items())
-            + f"; at that rate each verify row past the first adds {arithmetic['row_ms']:.1f} ms"
-            + f" of arithmetic ({arithmetic['row_multiply_adds'] / 1e6:.0f} M multiply-adds a row)")
+        print(describe_arithmetic(arithmetic, blocks.numerics) + f" (the largest block form, {arithmetic['rows']} rows)")
     for width in args.widths:
         for name in args.paths:
             with native_layers(targets[name], name != "blocks-torch"):

@@ -159,12 +159,14 @@ def format_profile(profile: dict) -> str:
         lines.append(line)
     if profile["draft_ms"] is not None:
         lines.append(f"EESD draft token: {profile['draft_ms']:.2f} ms ({profile['draft_ratio']:.2f} x 1-token)")
-    arithmetic = profile.get("arithmetic")
-    if arithmetic:
-        rates = [f"{rate / 1e9:.1f} G on {count} thread{'s' * (count != '1')}"
-                 for count, rate in arithmetic["multiply_adds_per_s"].items()]
-        lines.append(f"{profile['numerics']} products: {rates[0].replace(' G ', ' G multiply-adds/s ')}"
-                     + "".join(f", {rate}" for rate in rates[1:])
-                     + f"; each verify row adds about {arithmetic['row_ms']:.2f} ms of arithmetic"
-                     f" ({arithmetic['row_multiply_adds'] / 1e6:.0f} M multiply-adds a row)")
+    if profile.get("arithmetic"):
+        lines.append(describe_arithmetic(profile["arithmetic"], profile["numerics"]))
     return "\n".join(lines)
+
+
+def describe_arithmetic(arithmetic: dict, numerics: str) -> str:
+    """`arithmetic_rate`'s result as one line."""
+    rates = ", ".join(f"{rate / 1e9:.1f} G{' multiply-adds/s' * (i == 0)} on {count} thread{'s' * (count != '1')}"
+                      for i, (count, rate) in enumerate(arithmetic["multiply_adds_per_s"].items()))
+    return (f"{numerics} products: {rates}; each verify row adds about {arithmetic['row_ms']:.2f} ms of arithmetic "
+            f"({arithmetic['row_multiply_adds'] / 1e6:.0f} M multiply-adds a row)")
