@@ -75,10 +75,10 @@ def main() -> None:
                 target.crop(len(context))
     baseline = str(args.builds[0])
     for width in args.widths:
-        base = statistics.median(times[(baseline, width)])
+        medians = {name: statistics.median(times[(name, width)]) for name in kernels}
         print(f"width {width}: " + "  ".join(
-            f"{name} {statistics.median(times[(name, width)]) * 1e3:.2f} ms ({statistics.median(times[(name, width)]) / base:.3f}x,"
-            f" {len(times[(name, width)])} forwards)" for name in kernels))
+            f"{name} {seconds * 1e3:.2f} ms ({seconds / medians[baseline]:.3f}x, {len(times[(name, width)])} forwards)"
+            for name, seconds in medians.items()))
 
 
 if __name__ == "__main__":

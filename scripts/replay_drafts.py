@@ -64,7 +64,8 @@ def replay(answers: list[tuple[list[int], list[int]]], config: NgramConfig, memo
             accepted = 0
             while accepted < len(proposal) and proposal[accepted] == answer[position + accepted]:
                 accepted += 1
-            proposal = proposal[:accepted] if oracle else proposal
+            if oracle:
+                proposal = proposal[:accepted]
             committed = answer[position : position + accepted + 1]
             drafter.commit(committed, len(proposal))
             context += committed

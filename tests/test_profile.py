@@ -33,19 +33,30 @@ def test_profile_reports_every_width_its_ratio_and_the_draft_step(path):
         rates = arithmetic["multiply_adds_per_s"]
         assert arithmetic["rows"] == 16 and set(rates) == {"1", str(torch.get_num_threads())}
         assert all(rate > 0 for rate in rates.values())
-        assert arithmetic["row_multiply_adds"] == sum(form.codes.numel() for form in target.block_forms)
+        linears = [m for m in target.model.modules() if isinstance(m, torch.nn.Linear)]  # all on the block kernel
+        assert arithmetic["row_multiply_adds"] == sum(m.weight.numel() for m in linears)
         assert arithmetic["row_ms"] == pytest.approx(arithmetic["row_multiply_adds"] / max(rates.values()) * 1e3,
                                                      abs=1e-3)  # rounded to microseconds
-        assert text.splitlines()[-1].startswith(f"{target.numerics} products: ")
+        assert text.splitlines()[-1].startswith(f"{target.numerics} products, multiply-adds/s: ")
 
 
-def test_arithmetic_rate_leaves_the_thread_count_as_it_was():
+def test_arithmetic_rate_restores_the_thread_count_when_a_product_fails(monkeypatch):
+    """It times at 1 thread, then at the process's count: a failure at 1 thread must not leave
+    the process on 1 thread."""
+    from verispec.runtime import blockmm
+
     target = helpers.make_target_for_path("llama-blocks", seed=0)
+
+    def failing(self, x, form, numerics="fp32"):
+        raise RuntimeError("refused")
+
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        rates = arithmetic_rate(target, rows=4, repeats=1)["multiply_adds_per_s"]
-        assert set(rates) == {"1", "2"} and torch.get_num_threads() == 2
+        monkeypatch.setattr(blockmm.Kernel, "matmul", failing)
+        with pytest.raises(RuntimeError, match="refused"):
+            arithmetic_rate(target, rows=4, repeats=1)
+        assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(threads)
 

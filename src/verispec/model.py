@@ -681,8 +681,8 @@ class Target:
     @property
     def block_forms(self) -> list:
         """The block forms (`gguf_blocks.BlockWeights`, [out, in]) that the block kernel multiplies
-        in a forward, one per linear module of the model (fused linears, e.g. q/k/v, multiply
-        their modules' forms together); empty off the block kernel."""
+        in a forward, one per linear module of the model (a fused linear, e.g. q/k/v, multiplies
+        its modules' forms concatenated); empty off the block kernel."""
         return [] if self._fast is None else list(self._fast.blocks.values())
 
     @property

@@ -166,7 +166,7 @@ def format_profile(profile: dict) -> str:
 
 def describe_arithmetic(arithmetic: dict, numerics: str) -> str:
     """`arithmetic_rate`'s result as one line."""
-    rates = ", ".join(f"{rate / 1e9:.1f} G{' multiply-adds/s' * (i == 0)} on {count} thread{'s' * (count != '1')}"
-                      for i, (count, rate) in enumerate(arithmetic["multiply_adds_per_s"].items()))
-    return (f"{numerics} products: {rates}; each verify row adds about {arithmetic['row_ms']:.2f} ms of arithmetic "
-            f"({arithmetic['row_multiply_adds'] / 1e6:.0f} M multiply-adds a row)")
+    rates = ", ".join(f"{rate / 1e9:.1f} G on {count} thread{'' if count == '1' else 's'}"
+                      for count, rate in arithmetic["multiply_adds_per_s"].items())
+    return (f"{numerics} products, multiply-adds/s: {rates}; each verify row adds about {arithmetic['row_ms']:.2f} ms "
+            f"of arithmetic ({arithmetic['row_multiply_adds'] / 1e6:.0f} M multiply-adds a row)")
