@@ -13,6 +13,12 @@ before a timed benchmark. Single-turn datasets only (`spec-bench`, `code-edit`, 
 (interpolated linearly between them, past 32 with the controller's prior slope); other costs
 (e.g. a target CPU's) show what the same drafts would give there. The last line cuts each draft
 where the answer departs from it: the ceiling of any draft-length controller with this drafter.
+
+--tree-budgets 8,16: also replays tree drafts against single paths at a constant node budget
+(every drafted token verified, as `anpd/constant:B/tree=B` against `anpd/constant:B`), walking
+each tree along the recorded answer; prints tokens per target forward for both, and how often,
+where a single path failed, any of the tables' continuations (every level, the memory's too)
+was the answer's token: the most that trees of n-gram drafts could add.
 """
 
 from __future__ import annotations
@@ -79,10 +85,62 @@ def replay(answers: list[tuple[list[int], list[int]]], config: NgramConfig, memo
     return tokens / forwards, (tokens - forwards) / max(drafted, 1), tokens / seconds, learned
 
 
+def accepted_along(tokens: list[int], parents: list[int], answer: list[int]) -> int:
+    """How many drafted tokens a greedy walk from the root accepts: at each node, the child that
+    carries the answer's next token (a linear draft is the chain parents[i] = i - 1)."""
+    children: dict[int, list[int]] = {}
+    for i, parent in enumerate(parents):
+        children.setdefault(parent, []).append(i)
+    node, accepted = -1, 0
+    while accepted < len(answer):
+        node = next((c for c in children.get(node, ()) if tokens[c] == answer[accepted]), None)
+        if node is None:
+            break
+        accepted += 1
+    return accepted
+
+
+def held_anywhere(drafter: AnpdDrafter, tail: list[int], token: int) -> bool:
+    """Whether `token` followed `tail`'s last n - 1 tokens for some n, in the request's tables or
+    the memory's: the most any n-gram tree could offer after `tail`."""
+    tables = [drafter.tables] + ([drafter.memory.tables] if drafter.memory is not None else [])
+    return any(m.token == token for t in tables for n in range(t.min_n, t.max_n + 1) for m in t.candidates(tail, n))
+
+
+def replay_constant(answers: list[tuple[list[int], list[int]]], budget: int, tree: bool) -> tuple[float, float]:
+    """(tokens per target forward, share of failures whose token the tables held) of ANPD (default
+    config, memory on) drafting `budget` tokens a step, as a tree of that many nodes or as a
+    single path, every drafted token verified. A failure: a step that commits fewer tokens than
+    it drafted plus one, or drafted none."""
+    attachments: dict = {}
+    forwards = tokens = failures = held = 0
+    config = NgramConfig()
+    for prompt, answer in answers:
+        drafter = AnpdDrafter(config, shared_memory(attachments, config), tree=budget if tree else 0)
+        drafter.begin(prompt)
+        context, position = list(prompt), 0
+        while position < len(answer):
+            draft = drafter.propose(context, min(budget, len(answer) - position - 1))
+            ids = draft.tokens.tolist()
+            parents = draft.parents.tolist() if draft.parents is not None else list(range(-1, len(ids) - 1))
+            accepted = accepted_along(ids, parents, answer[position : len(answer) - 1])
+            if accepted < len(ids) or not ids:
+                failures += 1
+                tail = (context + answer[position : position + accepted])[-(config.max_n - 1) :]
+                held += held_anywhere(drafter, tail, answer[position + accepted])
+            committed = answer[position : position + accepted + 1]
+            drafter.commit(committed, len(ids))
+            context += committed
+            position += len(committed)
+            forwards, tokens = forwards + 1, tokens + len(committed)
+    return tokens / forwards, held / max(failures, 1)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("run", type=Path, help="a `verispec bench --out` directory with an `ar` greedy run")
     parser.add_argument("--ratios", default="1.10,1.48,2.60,4.40,9.90")
+    parser.add_argument("--tree-budgets", default="", help="node budgets to replay trees at, e.g. 8,16")
     args = parser.parse_args()
     ratios = dict(zip(WIDTHS, [1.0, *map(float, args.ratios.split(","))]))
     settings = json.loads((args.run / "config.json").read_text())["settings"]
@@ -99,6 +157,10 @@ def main() -> None:
               f"{learned}")
     per_forward, _, speed, _ = replay(answers, *VARIANTS["anpd"], step_costs(ratios), oracle=True)
     print(f"{'anpd, cut by an oracle':24s} tokens/forward {per_forward:.2f}  modelled vs ar {speed:.2f}x")
+    for budget in (int(b) for b in args.tree_budgets.split(",") if b):
+        (path, held), (tree, _) = replay_constant(answers, budget, False), replay_constant(answers, budget, True)
+        print(f"budget {budget:2d}: single path {path:.3f} tokens/forward, tree {tree:.3f} ({tree / path:.3f}x); "
+              f"where a single path failed, the tables held the answer's token {held:.0%} of the time")
 
 
 if __name__ == "__main__":

@@ -8,7 +8,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from verispec.drafters.ngram import AnpdDrafter, NgramConfig, NgramTables, PromptLookupDrafter, prompt_lookup
+from verispec.drafters.ngram import (ALTERNATIVE_PRIOR_REJECTED, AnpdDrafter, NgramConfig, NgramTables,
+                                    PromptLookupDrafter, prompt_lookup, tree_options)
 from verispec.errors import ConfigError
 
 # derandomize: the same examples on every run (CI must be deterministic); no example database.
@@ -322,3 +323,47 @@ def test_prompt_lookup_drafter():
     assert drafter.propose([1, 2, 3, 1, 2], 2).tokens.tolist() == [3, 1]
     with pytest.raises(ConfigError):
         PromptLookupDrafter(max_ngram=0)
+
+
+# -- what a tree may branch into -------------------------------------------------------------------
+
+def test_tree_options_offer_every_continuation_of_the_longest_key_then_other_keys_winners():
+    own = NgramTables(max_n=4, min_n=2)
+    # after (5, 6, 7): 1 twice, 2 once; after (6, 7) also 3 (twice, in another context); after (7,): 4 thrice
+    own.extend([5, 6, 7, 1, 5, 6, 7, 1, 5, 6, 7, 2, 9, 6, 7, 3, 8, 6, 7, 3, 0, 7, 4, 0, 7, 4, 0, 7, 4])
+    memory = NgramTables(max_n=4, min_n=2)
+    memory.extend([5, 6, 7, 8, 5, 6, 7, 8, 0, 0, 7, 2])  # the memory's winner after (5, 6, 7): 8
+    tail = [5, 6, 7]
+    options = tree_options(own, memory, tail)
+    # level 4, own: 1 then 2 (by count); level 4, memory: its winner 8; level 3: 3; level 2: 4
+    assert [m.token for m in options] == [1, 2, 8, 3, 4]
+    assert [(m.n, m.remembered) for m in options] == [(4, False), (4, False), (4, True), (3, False), (2, False)]
+    assert [m.token for m in tree_options(own, None, tail)] == [1, 2, 3, 4]
+    assert tree_options(NgramTables(max_n=4, min_n=2), None, tail) == []
+
+
+@PROPERTY
+@given(own_stream=st.lists(st.integers(0, 6), max_size=120), memory_stream=st.lists(st.integers(0, 6), max_size=120),
+       tail=st.lists(st.integers(0, 6), min_size=0, max_size=4), max_n=st.integers(2, 5))
+def test_a_trees_first_option_is_the_linear_drafts_token(own_stream, memory_stream, tail, max_n):
+    own, memory = NgramTables(max_n=max_n, min_n=2), NgramTables(max_n=max_n, min_n=2)
+    own_stream = own_stream + tail
+    own.extend(own_stream)
+    memory.extend(memory_stream)
+    tail = own.tail
+    linear = own.draft_matches(1, memory)
+    options = tree_options(own, memory, tail)
+    assert options[:1] == linear
+    tokens = [m.token for m in options]
+    assert len(tokens) == len(set(tokens))
+    for m in options:  # each option really followed its key, in its own tables
+        stream = memory_stream if m.remembered else own_stream
+        assert m.token in followers(stream, tuple(tail[len(tail) - (m.n - 1):]))
+
+
+def test_a_fresh_trees_alternatives_start_less_trusted_than_its_winners():
+    drafter = AnpdDrafter(NgramConfig())
+    drafter.begin([1, 2])
+    winner, alternative = (3, 1, False), (3, 1, False, 1)
+    assert drafter._confidence(winner) == 0.5
+    assert drafter._confidence(alternative) == pytest.approx(1 / (2 + ALTERNATIVE_PRIOR_REJECTED))

@@ -41,8 +41,9 @@ over writes and per-key candidate cap; MEMORY_MAX_TOKENS tokens of streams (olde
 at most MEMORY_STORES configs per target (least recently used out).
 `switch_off_memory` turns it off for a whole target (the server's --no-ngram-memory).
 
-Tree drafts (`AnpdDrafter(tree=N)`, the method option `tree`): the draft branches where a key
-was followed by several tokens, grown best first by path probability up to N tokens, and the
+Tree drafts (`AnpdDrafter(tree=N)`, the method option `tree`): the draft branches where the
+tables offer several next tokens (a key's other continuations, shorter keys' and the memory's
+winners: `tree_options`), grown best first by path probability up to N tokens, and the
 target verifies every branch in one forward (`Draft.parents`; see `AnpdDrafter`). Where a long
 match is found, its copy is drafted as a single path instead (within the same node budget).
 
@@ -79,6 +80,11 @@ SPAN_BUCKETS = (4, 6, 8, 12, 16, 24, 32)  # match lengths grouped into confidenc
 # matching tokens was accepted 93-99% of the time (scripts/replay_drafts.py over 16 code-edit and
 # 26 Spec-Bench greedy answers), and at 0.5 a fresh request cut its first copies to a token or two.
 SPAN_PRIOR_ACCEPTED = 2
+# A tree's alternatives (any continuation but the first option after a key) start from
+# Beta(1, 1 + 4) (mean 1/6), not Beta(1, 1): where the winner was wrong, an alternative carried the
+# target's token about a tenth of the time (offline replay of 26 Spec-Bench greedy answers), and at
+# 0.5 a fresh request's trees spent their budget on bushy, shallow branches.
+ALTERNATIVE_PRIOR_REJECTED = 4
 
 
 @dataclass
@@ -163,16 +169,16 @@ class NgramTables:
                     return Match(entry.best, n, entry.best_count, remembered)
         return None
 
-    def candidates(self, tail: Sequence[int], remembered: bool = False) -> list["Match"]:
-        """Every token that followed `tail` at the largest n that matches, as matches: the winner
-        (what `match` gives) first, then the others by decreasing count; [] on a miss."""
-        for n, level in self._levels.items():
-            if len(tail) >= n - 1:
-                entry = level.get(tuple(tail[len(tail) - (n - 1) :]))
-                if entry is not None:
-                    others = sorted((t for t in entry.counts if t != entry.best), key=lambda t: -entry.counts[t])
-                    return [Match(t, n, entry.counts[t], remembered) for t in (entry.best, *others)]
-        return []
+    def candidates(self, tail: Sequence[int], n: int, remembered: bool = False) -> list["Match"]:
+        """Every token that followed `tail`'s last n - 1 tokens (level n), as matches: the winner
+        (what `match` gives there) first, then the others by decreasing count; [] on a miss."""
+        if len(tail) < n - 1 or n not in self._levels:
+            return []
+        entry = self._levels[n].get(tuple(tail[len(tail) - (n - 1) :]))
+        if entry is None:
+            return []
+        others = sorted((t for t in entry.counts if t != entry.best), key=lambda t: -entry.counts[t])
+        return [Match(t, n, entry.counts[t], remembered) for t in (entry.best, *others)]
 
     @property
     def tail(self) -> list[int]:
@@ -201,6 +207,25 @@ class NgramTables:
             tail.append(match.token)
             del tail[0 : max(0, len(tail) - (self.max_n - 1))]
         return drafted
+
+
+def tree_options(own: NgramTables, memory: NgramTables | None, tail: Sequence[int]) -> list["Match"]:
+    """The continuations a tree offers after `tail`, likeliest source first: every token that
+    followed the longest matching key (the request's own tables before the memory at equal n),
+    then the winner of each shorter or other matching key, from the largest n down; each token
+    once. The first is the token a linear draft takes (`NgramTables.draft_matches`)."""
+    options: list[Match] = []
+    seen: set[int] = set()
+    for n in range(own.max_n, own.min_n - 1, -1):
+        for tables, remembered in ((own, False), (memory, True)):
+            if tables is None:
+                continue
+            found = tables.candidates(tail, n, remembered)
+            for match in found if not options else found[:1]:
+                if match.token not in seen:
+                    seen.add(match.token)
+                    options.append(match)
+    return options
 
 
 @dataclass(frozen=True)
@@ -323,14 +348,15 @@ class AnpdDrafter:
     the outcomes of long-match and remembered kinds are the memory's (`NgramMemory.outcomes`),
     learned over the requests; the others are this request's.
 
-    Trees (`tree` > 0: a node budget): the draft branches where a key was followed by several
+    Trees (`tree` > 0: a node budget): the draft branches where the tables offer several next
     tokens. Best first: from the context's end, the candidate with the largest path probability
-    (the product of the confidences down its path) joins the tree, its own continuations (every
-    token that followed its key at the largest matching level) become candidates, and so on
-    until min(k, tree) tokens. Alternatives to a key's winner carry kinds of their own (with
-    their rank among the key's continuations, 1 or 2 and beyond), learned like the winners': a
-    child of a node on the accepted path counts as accepted when it carries the target's token
-    there. Tokens come ordered by decreasing path probability (`Draft.parents`, `Draft.confidence`),
+    (the product of the confidences down its path) joins the tree, its own continuations
+    (`tree_options`: every token that followed the longest matching key, then the winners of the
+    shorter keys and of the memory's) become candidates, and so on until min(k, tree) tokens.
+    Alternatives to the first option carry kinds of their own (with their rank, 1 or 2 and
+    beyond, starting from a sceptical prior: ALTERNATIVE_PRIOR_REJECTED), learned like the
+    winners': a child of a node on the accepted path counts as accepted when it carries the
+    target's token there. Tokens come ordered by decreasing path probability (`Draft.parents`, `Draft.confidence`),
     so the primary branch is the linear draft whenever the winners are the likeliest children.
     """
 
@@ -409,10 +435,7 @@ class AnpdDrafter:
         order = count()
 
         def expand(parent: int, tail: list[int], probability: float) -> None:
-            options = self.tables.candidates(tail)
-            if not options and fallback is not None:
-                options = fallback.candidates(tail, remembered=True)
-            for rank, match in enumerate(options):
+            for rank, match in enumerate(tree_options(self.tables, fallback, tail)):
                 kind = (match.n, min(match.count, 3), match.remembered) + ((min(rank, 2),) if rank else ())
                 heapq.heappush(frontier, (-probability * self._confidence(kind), next(order), parent, match.token,
                                           kind, tail))
@@ -442,6 +465,8 @@ class AnpdDrafter:
         accepted, rejected = self._outcomes_of(kind).get(kind, (0, 0))
         if kind[0] == "span":
             accepted += SPAN_PRIOR_ACCEPTED
+        elif len(kind) > 3:  # a tree's alternative to the likeliest continuation
+            rejected += ALTERNATIVE_PRIOR_REJECTED
         return (1 + accepted) / (2 + accepted + rejected)
 
     def _learn(self, kind: tuple, accepted: bool) -> None:
