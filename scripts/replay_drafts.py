@@ -18,7 +18,8 @@ where the answer departs from it: the ceiling of any draft-length controller wit
 (every drafted token verified, as `anpd/constant:B/tree=B` against `anpd/constant:B`), walking
 each tree along the recorded answer; prints tokens per target forward for both, and how often,
 where a single path failed, any of the tables' continuations (every level, the memory's too)
-was the answer's token: the most that trees of n-gram drafts could add.
+was the answer's token: the most that trees of n-gram drafts could add; and how often a
+verify staged in two parts (`lazy_rows`) reads its second part.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import argparse
 import json
 from pathlib import Path
 
+from verispec import lazy_rows
 from verispec.bench.datasets import encode_question, load_dataset
 from verispec.control import CostModel, best_draft_length
 from verispec.drafters.ngram import AnpdDrafter, NgramConfig, shared_memory
@@ -85,19 +87,20 @@ def replay(answers: list[tuple[list[int], list[int]]], config: NgramConfig, memo
     return tokens / forwards, (tokens - forwards) / max(drafted, 1), tokens / seconds, learned
 
 
-def accepted_along(tokens: list[int], parents: list[int], answer: list[int]) -> int:
-    """How many drafted tokens a greedy walk from the root accepts: at each node, the child that
-    carries the answer's next token (a linear draft is the chain parents[i] = i - 1)."""
+def walk(tokens: list[int], parents: list[int], answer: list[int]) -> tuple[int, int]:
+    """(how many drafted tokens a greedy walk from the root accepts, the last verify row it reads):
+    at each node, the child that carries the answer's next token (a linear draft is the chain
+    parents[i] = i - 1). Row 0 is the root's, row i + 1 drafted token i's."""
     children: dict[int, list[int]] = {}
     for i, parent in enumerate(parents):
         children.setdefault(parent, []).append(i)
-    node, accepted = -1, 0
+    node, accepted, last_row = -1, 0, 0
     while accepted < len(answer):
         node = next((c for c in children.get(node, ()) if tokens[c] == answer[accepted]), None)
         if node is None:
             break
-        accepted += 1
-    return accepted
+        accepted, last_row = accepted + 1, max(last_row, node + 1)
+    return accepted, last_row
 
 
 def held_anywhere(drafter: AnpdDrafter, tail: list[int], token: int) -> bool:
@@ -107,13 +110,15 @@ def held_anywhere(drafter: AnpdDrafter, tail: list[int], token: int) -> bool:
     return any(m.token == token for t in tables for n in range(t.min_n, t.max_n + 1) for m in t.candidates(tail, n))
 
 
-def replay_constant(answers: list[tuple[list[int], list[int]]], budget: int, tree: bool) -> tuple[float, float]:
-    """(tokens per target forward, share of failures whose token the tables held) of ANPD (default
+def replay_constant(answers: list[tuple[list[int], list[int]]], budget: int,
+                    tree: bool) -> tuple[float, float, float]:
+    """(tokens per target forward, share of failures whose token the tables held, share of
+    verifies of MIN_ROWS rows or more whose rows past the first FIRST are read) of ANPD (default
     config, memory on) drafting `budget` tokens a step, as a tree of that many nodes or as a
     single path, every drafted token verified. A failure: a step that commits fewer tokens than
     it drafted plus one, or drafted none."""
     attachments: dict = {}
-    forwards = tokens = failures = held = 0
+    forwards = tokens = failures = held = wide = second_part = 0
     config = NgramConfig()
     for prompt, answer in answers:
         drafter = AnpdDrafter(config, shared_memory(attachments, config), tree=budget if tree else 0)
@@ -123,7 +128,9 @@ def replay_constant(answers: list[tuple[list[int], list[int]]], budget: int, tre
             draft = drafter.propose(context, min(budget, len(answer) - position - 1))
             ids = draft.tokens.tolist()
             parents = draft.parents.tolist() if draft.parents is not None else list(range(-1, len(ids) - 1))
-            accepted = accepted_along(ids, parents, answer[position : len(answer) - 1])
+            accepted, last_row = walk(ids, parents, answer[position : len(answer) - 1])
+            if len(ids) + 1 >= lazy_rows.MIN_ROWS:
+                wide, second_part = wide + 1, second_part + (last_row >= lazy_rows.FIRST)
             if accepted < len(ids) or not ids:
                 failures += 1
                 tail = (context + answer[position : position + accepted])[-(config.max_n - 1) :]
@@ -133,7 +140,7 @@ def replay_constant(answers: list[tuple[list[int], list[int]]], budget: int, tre
             context += committed
             position += len(committed)
             forwards, tokens = forwards + 1, tokens + len(committed)
-    return tokens / forwards, held / max(failures, 1)
+    return tokens / forwards, held / max(failures, 1), second_part / max(wide, 1)
 
 
 def main() -> None:
@@ -158,9 +165,12 @@ def main() -> None:
     per_forward, _, speed, _ = replay(answers, *VARIANTS["anpd"], step_costs(ratios), oracle=True)
     print(f"{'anpd, cut by an oracle':24s} tokens/forward {per_forward:.2f}  modelled vs ar {speed:.2f}x")
     for budget in (int(b) for b in args.tree_budgets.split(",") if b):
-        (path, held), (tree, _) = replay_constant(answers, budget, False), replay_constant(answers, budget, True)
+        (path, held, path_rest), (tree, _, tree_rest) = (replay_constant(answers, budget, False),
+                                                          replay_constant(answers, budget, True))
         print(f"budget {budget:2d}: single path {path:.3f} tokens/forward, tree {tree:.3f} ({tree / path:.3f}x); "
-              f"where a single path failed, the tables held the answer's token {held:.0%} of the time")
+              f"where a single path failed, the tables held the answer's token {held:.0%} of the time; "
+              f"rows past the first {lazy_rows.FIRST} read in {path_rest:.0%} (path) and {tree_rest:.0%} (tree) "
+              f"of the verifies of {lazy_rows.MIN_ROWS} rows or more")
 
 
 if __name__ == "__main__":

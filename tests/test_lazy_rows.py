@@ -1,4 +1,5 @@
-"""Verify rows computed only when a rule reads them (`lazy_rows.LazyRows`, `Target.forward(lazy=True)`).
+"""Verify rows computed only when a rule reads them (`lazy_rows.LazyRows`, `Target.forward(lazy=True)`,
+`Target.forward_tree(lazy=True)`).
 
 A lazy verify must give the rules the same bits as one whole forward (it is exact because the C
 layers and the int8 LM head are batch-invariant), run the tokens after the first chunk through
@@ -94,6 +95,41 @@ def test_a_lazy_forward_gives_the_whole_forwards_bits_and_runs_the_rest_only_whe
     target.numerics = "fp32"  # not batch-invariant: never lazy
     target.crop(20)
     assert isinstance(target.forward(sequence[20:32], lazy=True), torch.Tensor)
+
+
+def test_a_lazy_tree_forward_gives_the_whole_trees_bits_and_runs_the_rest_only_when_read(monkeypatch):
+    """A tree of 10 rows (the root, then branches), staged: the first 4 rows through the layers
+    at once, the others only when read, each row bit for bit what the whole tree gives it."""
+    target = int8_target("gemma3", seed=8)
+    sequence = tokens(30, seed=8)
+    ids = tokens(10, seed=9)
+    parents = [-1, 0, 0, 1, 2, 3, 1, 6, 4, 8]  # rows 4.. hang below rows of the first part
+    target.reset()
+    target.forward(sequence)
+    whole = target.forward_tree(ids, parents)  # [10, vocab]
+    assert isinstance(whole, torch.Tensor) and target.length == 30
+    rows_run: list[int] = []
+    run = target._fast.run
+    monkeypatch.setattr(target._fast, "run", lambda x, *a, **k: rows_run.append(x.shape[0]) or run(x, *a, **k))
+    lazy = target.forward_tree(ids, parents, lazy=True)
+    assert isinstance(lazy, LazyRows) and lazy.shape == whole.shape
+    assert rows_run == [lazy_rows.FIRST]
+    for i in (2, 0):
+        assert torch.equal(lazy[i], whole[i]), i
+    assert rows_run == [lazy_rows.FIRST]
+    for i in (9, 5):
+        assert torch.equal(lazy[i], whole[i]), i
+    assert rows_run == [lazy_rows.FIRST, 10 - lazy_rows.FIRST]
+    target.keep_path([0, 1, 3, 5])
+    lazy = target.forward_tree(ids, parents, lazy=True)
+    target.keep_path([0])
+    with pytest.raises(AssertionError, match="before its path is kept"):
+        lazy[7]
+    target.crop(30)
+    assert isinstance(target.forward_tree(ids[:7], parents[:7], lazy=True), torch.Tensor)  # too few rows
+    target.numerics = "fp32"  # not batch-invariant: every row at once
+    target.crop(30)
+    assert isinstance(target.forward_tree(ids, parents, lazy=True), torch.Tensor)
 
 
 def count_head_rows(target, monkeypatch) -> list[int]:

@@ -382,6 +382,22 @@ def test_greedy_anpd_with_trees_equals_ar_on_every_path(tiny_targets):
     assert counts["trees"] > 50 and counts["other branch"] > 5, counts  # not vacuous
 
 
+def test_staged_tree_verifies_keep_anpds_output_ars(monkeypatch):
+    """Trees of 9 rows on the int8 C layers are verified in two parts (`Target._staged_tree`):
+    the output stays `ar`'s, whether a walk stops in the first part or reads the second."""
+    parts = Counter()
+    rows = Tree.rows
+    monkeypatch.setattr(Tree, "rows", lambda self, begin, end: parts.update([begin > 0]) or rows(self, begin, end))
+    for arch in helpers.FAST_ARCHITECTURES:
+        target = int8_target(arch, seed=3)
+        for seed in (0, 1):
+            prompt = sum((branching_prompt(seed * 10 + s) for s in range(4)), [])
+            reference = helpers.run(target, build("ar", target), prompt, 40)[0]
+            options = MethodOptions(tree=8, controller="constant:8")
+            assert helpers.run(target, build("anpd", target, options), prompt, 40)[0] == reference, (arch, seed)
+    assert parts[False] >= 20 and parts[True] >= 2, parts  # first parts, and second parts read (39 and 4)
+
+
 class TreeScript:
     """Proposes one fixed tree at the first step after the prefill, made from the true
     continuation (`make(truth)` -> (tokens, parents)), and nothing after."""
@@ -414,6 +430,10 @@ SCRIPTS = {
     "root": lambda t: ([_wrong(t[0]), t[1], t[2], t[0], t[1], t[2]], [-1, 0, 1, -1, 3, 4]),
     "depth 1": lambda t: ([t[0], _wrong(t[1]), t[1], t[2], t[3]], [-1, 0, 0, 2, 3]),
     "depth 2": lambda t: ([t[0], t[1], _wrong(t[2]), _wrong(t[1]), t[2]], [-1, 0, 1, 0, 1]),
+    # 9 rows with the root: a staged verify on the C layers, the winning branch from row 4 on (its
+    # second part), run after the first part wrote the rows it does not see
+    "second part": lambda t: ([_wrong(t[0]), t[1], t[2], t[0], t[1], t[2], t[3], _wrong(t[4])],
+                              [-1, 0, 1, -1, 3, 4, 5, 6]),
 }
 
 
@@ -452,7 +472,7 @@ def test_after_another_branch_wins_the_next_step_is_ars(tiny_targets, path, cont
     finally:
         del target.forward
     assert ids == reference
-    accepted = {"root": 3, "depth 1": 4, "depth 2": 3}[script]
+    accepted = {"root": 3, "depth 1": 4, "depth 2": 3, "second part": 4}[script]
     assert len(steps[1]) == accepted + 1 and stats.accepted == accepted  # the other branch won
     later = expected[1 + accepted + 1 :]  # ar's logits after the tree step's tokens
     assert len(got) == 1 + len(later)  # the prefill, then one-token steps

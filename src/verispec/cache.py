@@ -197,6 +197,13 @@ class Tree:
         slot_positions[slot_tensor] = positions
         return Tree(positions, slot_tensor, visible, slot_positions)
 
+    def rows(self, begin: int, end: int) -> "Tree":
+        """Rows begin..end-1 of a placed tree, at the same slots and seeing the same slots: run
+        after rows 0..begin-1 (which wrote their keys and values), they give the bits the whole
+        tree in one call gives them (a staged tree verify, `Target.forward_tree`)."""
+        assert self.slots is not None and 0 <= begin < end <= len(self.positions), "rows of a placed tree"
+        return Tree(self.positions[begin:end], self.slots[begin:end], self.visible[begin:end], self.slot_positions)
+
     @property
     def end(self) -> int:
         """One past the largest slot written or read."""

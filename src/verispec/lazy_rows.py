@@ -6,12 +6,13 @@ when to ask for it. The lossless rules read a verify's rows in order and stop at
 rejected draft token (`acceptance.greedy_match`, `sampled_match`, `tree_match`), so the rows
 after it are never needed. `model.Target` fills `LazyRows` in one of two ways:
 
-- a staged forward (`Target.forward(lazy=True)`, linear drafts): the first FIRST tokens run
-  through the layers and the LM head at once, the rest only if a rule reads one of their rows
-  (appended to the KV cache then);
-- a lazy head (`forward_tree(lazy=True)`, or where the layers are not all in C): every token
-  runs through the layers, the LM head (the default model's is 262,144 x 640, 63% of a row's
-  multiply-adds) only on the chunks read.
+- a staged forward (`Target.forward(lazy=True)` for linear drafts, `forward_tree(lazy=True)`
+  for trees, whose rows come ancestors first): the first FIRST tokens run through the layers
+  and the LM head at once, the rest only if a rule reads one of their rows (appended to the KV
+  cache, or written to their tree slots, then);
+- a lazy head (where the layers are not all in C): every token runs through the layers, the LM
+  head (the default model's is 262,144 x 640, 63% of a row's multiply-adds) only on the chunks
+  read.
 
 Why the chunks are 4 rows and the rest, and only from 8 rows on (`MIN_ROWS`): up to about 4
 rows a forward costs little more than one row's (mostly one read of the weights), and each row

@@ -557,16 +557,45 @@ class Target:
         slots). Each row's logits are those its position would get in a contiguous forward of
         its path (bit for bit on the C layers, which are batch-invariant; to float32 rounding on
         the PyTorch layers, which are not). The cache's length is left alone: `keep_path` then
-        keeps one path. `lazy`: as in `forward`."""
+        keeps one path. `lazy`: as in `forward`; where every layer is in C, the tree is staged
+        as a linear verify is: rows 0..FIRST-1 run now, the others through the layers and the
+        head only if a rule reads one of their rows (`_staged_tree`)."""
         assert self._fast is not None, "tree verification needs the fast path (see verifies_trees)"
         assert not self._capture_layer, "tree verification does not capture exit states"
         assert len(tokens) == len(parents) > 0, "one parent per token"
         start = self.cache.length
         tree = Tree.of_parents(start, parents, self.device)
         ids = torch.tensor(list(tokens), dtype=torch.long, device=self.device)  # [m]
-        x = self._fast.run(self._fast.embed(ids), start, self.cache, tree=tree)
         self._tree_slots = (start, tree.slots.tolist())
+        if lazy and self._batch_invariant(len(tokens), layers=True):
+            return self._staged_tree(ids, tree)
+        x = self._fast.run(self._fast.embed(ids), start, self.cache, tree=tree)
         return self._logits(self._fast.norm(x), lazy)
+
+    def _staged_tree(self, ids: torch.Tensor, tree: Tree) -> LazyRows:
+        """A tree verify of `ids` [m] placed by `tree`, in two parts, as `LazyRows`: rows
+        0..FIRST-1 now, the rest when a rule first reads one of them. The rows come by decreasing
+        path probability with every ancestor before its children, so a walk that stops in the
+        first rows never pays for the others. The same bits as one call: each row is computed
+        on its own through the C layers and the int8 head, and the rest's rows see their
+        ancestors' keys and values, which the first part wrote to their slots (`Tree.rows`)."""
+        tree_slots = self._tree_slots
+
+        def part(begin: int, end: int) -> torch.Tensor:  # -> [end - begin, vocab]
+            x = self._fast.run(self._fast.embed(ids[begin:end]), tree_slots[0], self.cache, tree=tree.rows(begin, end))
+            return self._head(self._fast.norm(x))
+
+        first = part(0, lazy_rows.FIRST)
+
+        def compute(begin: int, end: int) -> torch.Tensor:
+            if begin == 0:
+                return first
+            assert self._tree_slots is tree_slots and self.cache.length == tree_slots[0], \
+                "a staged tree's rows are read before its path is kept"
+            with torch.inference_mode():  # called by the rule, after `forward_tree` returned
+                return part(begin, end)
+
+        return LazyRows(ids.shape[0], compute, (self.vocab_size,), self.device, torch.float32)
 
     def keep_path(self, rows: Sequence[int]) -> None:
         """After `forward_tree`: keep `rows` (a path down the tree, from a -1 row, in order) as the
