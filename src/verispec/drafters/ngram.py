@@ -80,10 +80,11 @@ SPAN_BUCKETS = (4, 6, 8, 12, 16, 24, 32)  # match lengths grouped into confidenc
 # matching tokens was accepted 93-99% of the time (scripts/replay_drafts.py over 16 code-edit and
 # 26 Spec-Bench greedy answers), and at 0.5 a fresh request cut its first copies to a token or two.
 SPAN_PRIOR_ACCEPTED = 2
-# A tree's alternatives (any continuation but the first option after a key) start from
-# Beta(1, 1 + 4) (mean 1/6), not Beta(1, 1): where the winner was wrong, an alternative carried the
-# target's token about a tenth of the time (offline replay of 26 Spec-Bench greedy answers), and at
-# 0.5 a fresh request's trees spent their budget on bushy, shallow branches.
+# A tree's alternatives (every option after a node but the first) start from Beta(1, 1 + 4) (mean
+# 1/6), not Beta(1, 1): in offline replays of 8-node trees (scripts/replay_drafts.py's answers),
+# alternatives below an accepted node carried the target's token 9.5% of the time on 26 Spec-Bench
+# answers and 11% on 16 code-edit ones, and at 0.5 a fresh request's trees spent their budget on
+# bushy, shallow branches. Priors of 2, 4 and 8 rejections replayed within 1% of each other.
 ALTERNATIVE_PRIOR_REJECTED = 4
 
 
@@ -356,8 +357,9 @@ class AnpdDrafter:
     Alternatives to the first option carry kinds of their own (with their rank, 1 or 2 and
     beyond, starting from a sceptical prior: ALTERNATIVE_PRIOR_REJECTED), learned like the
     winners': a child of a node on the accepted path counts as accepted when it carries the
-    target's token there. Tokens come ordered by decreasing path probability (`Draft.parents`, `Draft.confidence`),
-    so the primary branch is the linear draft whenever the winners are the likeliest children.
+    target's token there. Tokens come ordered by decreasing path probability (`Draft.parents`,
+    `Draft.confidence`), so the primary branch is the linear draft whenever the winners are the
+    likeliest children.
     """
 
     def __init__(self, config: NgramConfig = NgramConfig(), memory: NgramMemory | None = None, tree: int = 0):
