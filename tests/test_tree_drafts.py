@@ -398,6 +398,27 @@ def test_staged_tree_verifies_keep_anpds_output_ars(monkeypatch):
     assert parts[False] >= 20 and parts[True] >= 2, parts  # first parts, and second parts read (39 and 4)
 
 
+def test_staged_sampled_tree_verifies_draw_what_whole_ones_draw(monkeypatch):
+    """Under seeded sampling (`sampled_match` along the tree, through `LazyRows.map`), a staged
+    tree verify commits what one whole forward of the tree commits: the rows are the same bits,
+    so the same draws. (Whole trees follow `ar`'s distribution:
+    test_tree_verification_follows_ars_distribution.)"""
+    parts = Counter()
+    rows = Tree.rows
+    monkeypatch.setattr(Tree, "rows", lambda self, begin, end: parts.update([begin > 0]) or rows(self, begin, end))
+    sampling = SamplingConfig(temperature=0.3, top_k=5, seed=5)  # near-greedy: second parts get read
+    options = MethodOptions(tree=8, controller="constant:8")
+    for arch in helpers.FAST_ARCHITECTURES:
+        target = int8_target(arch, seed=3)
+        prompt = sum((branching_prompt(s) for s in range(4)), [])
+        outputs = []
+        for staged in (True, False):
+            monkeypatch.setattr(verify_lossless, "reads_rows_in_order", staged)
+            outputs.append(helpers.run(target, build("anpd", target, options, sampling), prompt, 40, sampling)[0])
+        assert outputs[0] == outputs[1], arch
+    assert parts[False] >= 10 and parts[True] >= 2, parts  # staged trees ran, some read their second part
+
+
 class TreeScript:
     """Proposes one fixed tree at the first step after the prefill, made from the true
     continuation (`make(truth)` -> (tokens, parents)), and nothing after."""
