@@ -66,6 +66,11 @@ def assert_clean_error(result, *fragments: str):
         (["generate", "hi", "--top-p", "1.5"], "top_p"),
         (["generate", "hi", "--top-k", "-3"], "top_k"),
         (["generate", "hi", "--draft-length", "0"], "draft length"),
+        (["serve", "--method", "nope"], "unknown method"),
+        (["serve", "--method", "pld/constant:64"], "at most 63 draft tokens a step, got 64"),
+        (["serve", "--method", "mtad/beams=17"], "at most 16 beams, got 17"),
+        (["serve", "--method", "anpd/color=red"], "unknown option 'color'"),
+        (["serve", "--method", "eesd/tree=4"], "tree is an anpd option"),
         (["train-exit", "--steps", "0"], "steps must be"),
         (["train-exit", "--corpus", "no-such-corpus.jsonl"], "corpus file not found"),
         (["train-exit", "--generate-corpus", "--corpus-samples", "0"], "--corpus-samples >= 1 (got 256, 0)"),
@@ -77,6 +82,19 @@ def test_bad_arguments_fail_before_loading(no_model_loading, args, fragment):
     lines = assert_clean_error(result, fragment)
     assert len(lines) == 1  # one line
     assert result.exit_code == 2
+
+
+def test_served_methods_take_settings_within_bounds():
+    from verispec.methods import MethodOptions
+    from verispec.server.app import MAX_DRAFT_LENGTH, served_method
+
+    assert served_method("anpd") == ("anpd", MethodOptions())
+    assert served_method("anpd/tree=8/ngram_memory=false") == ("anpd", MethodOptions(tree=8, ngram_memory=False))
+    assert served_method(f"pld/constant:{MAX_DRAFT_LENGTH}") == ("pld", MethodOptions(controller=f"constant:{MAX_DRAFT_LENGTH}"))
+    assert served_method("mtad/tau=0.1/beams=16") == ("mtad", MethodOptions(tau=0.1, beams=16))
+    # a method's own draft length counts too: none of the registered ones is above the bound
+    from verispec.methods import METHODS
+    assert all(served_method(name)[0] == name for name in METHODS)
 
 
 class ReachedModelLoading(Exception):

@@ -217,6 +217,25 @@ def test_method_field_and_lossless_methods_agree(client):
     assert len(set(texts.values())) == 1, texts
 
 
+def test_method_variants_choose_settings_per_request(client, main_server):
+    """The `method` field takes `verispec bench --methods` settings; lossless ones keep the text."""
+    texts = {}
+    for method in ("ar", "anpd/tree=8", "anpd/ngram_memory=false/span_min=0", "pld/constant:4"):
+        response = client.completions.create(model=MODEL_ID, prompt="abc abc abc", max_tokens=16,
+                                             extra_body={"method": method}, **GREEDY)
+        assert extension(response)["method"] == method.split("/")[0]
+        texts[method] = response.choices[0].text
+    assert len(set(texts.values())) == 1, texts
+    metrics = get(main_server.url + "/metrics", headers=auth()).text
+    assert 'method="anpd"' in metrics and "anpd/" not in metrics  # labelled by method, not by its settings
+
+
+def test_settings_a_method_refuses_while_sampling_are_a_400(main_server):
+    response = post(main_server.url + "/v1/completions", headers=auth(),
+                    json={"prompt": "hi", "max_tokens": 4, "temperature": 1, "method": "sps/adaptive"})
+    assert_error(response, 400)
+
+
 def test_completion_stream_reassembles(client):
     kwargs = dict(model=MODEL_ID, prompt="the cat sat", max_tokens=30, **GREEDY)
     whole = client.completions.create(**kwargs)
@@ -311,6 +330,12 @@ LONG = "a" * 300  # the served model's context is 256 tokens (one per character)
     ("/v1/completions", {"prompt": LONG, "max_tokens": 5}, 400, "prompt", "context_length_exceeded"),
     ("/v1/completions", {"prompt": "hi", "n": 2}, 400, "n", None),
     ("/v1/completions", {"prompt": "hi", "method": "nope"}, 400, "method", "unknown_method"),
+    ("/v1/completions", {"prompt": "hi", "method": "nope/constant:4"}, 400, "method", "unknown_method"),
+    ("/v1/completions", {"prompt": "hi", "method": "pld/constant:64"}, 400, "method", "invalid_value"),
+    ("/v1/completions", {"prompt": "hi", "method": "mtad/beams=17"}, 400, "method", "invalid_value"),
+    ("/v1/completions", {"prompt": "hi", "method": "anpd/tree=99"}, 400, "method", "invalid_value"),
+    ("/v1/completions", {"prompt": "hi", "method": "anpd/color=red"}, 400, "method", "invalid_value"),
+    ("/v1/completions", {"prompt": "hi", "method": "pld/fastest"}, 400, "method", "invalid_value"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": "ten"}, 400, "max_tokens", "invalid_type"),
     ("/v1/completions", {"prompt": "hi", "temperature": "hot"}, 400, "temperature", "invalid_type"),
     ("/v1/completions", {"prompt": "hi", "stream": "yes"}, 400, "stream", "invalid_type"),

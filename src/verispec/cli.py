@@ -540,7 +540,7 @@ def serve(
     numerics: str = NUMERICS_OPTION,
     device: str = DEVICE_OPTION,
     compile: bool = COMPILE_OPTION,
-    method: str = typer.Option("anpd", "--method", "-m", help="Default decoding method (a request may choose another with the `method` field)."),
+    method: str = typer.Option("anpd", "--method", "-m", help="Default decoding method, with settings as in `bench --methods` (e.g. anpd/tree=8); a request may choose another with the `method` field."),
     host: str = typer.Option("127.0.0.1", help="Address to listen on (0.0.0.0 exposes the server to the network)."),
     port: int = typer.Option(8000, help="TCP port (0 = any free port)."),
     api_key: Optional[str] = typer.Option(None, "--api-key", envvar="VERISPEC_API_KEY", show_envvar=True,
@@ -552,14 +552,14 @@ def serve(
     ngram_memory: bool = NGRAM_MEMORY_OPTION,
 ) -> None:
     """Serve the model over an OpenAI-compatible HTTP API; one worker thread generates, one request at a time."""
-    from .methods import get_method
     from .model import resolve_dtype
     from .server import ServerSettings, create_app, default_model_id
+    from .server.app import served_method
     from .text import checked_text
 
     try:
         # Everything that needs no model is checked before the model is loaded.
-        get_method(method)
+        served_method(method)
         _check_numerics(numerics)
         _check_device(device, compile)
         for option, value in (("--api-key", api_key), ("--model-id", model_id)):

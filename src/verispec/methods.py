@@ -201,6 +201,23 @@ def parse_variant(spec: str) -> tuple[str, str | None, dict]:
     return method.name, controller, overrides
 
 
+def method_request(spec: str, max_draft_length: int | None = None,
+                   max_beams: int | None = None) -> tuple[str, MethodOptions]:
+    """A method with its settings, in `parse_variant`'s syntax (e.g. 'anpd/tree=8',
+    'pld/constant:12'), as (method name, MethodOptions); a ConfigError where it is not valid or
+    asks for more than `max_draft_length` draft tokens a step or `max_beams` beams (bounds on
+    what one request may make a forward compute: the server's)."""
+    name, controller, overrides = parse_variant(spec)
+    length = get_method(name).default_length
+    if controller is not None and ":" in controller:
+        length = int(controller.partition(":")[2])
+    if max_draft_length is not None and length > max_draft_length:
+        raise ConfigError(f"in {spec!r}: at most {max_draft_length} draft tokens a step, got {length}")
+    if max_beams is not None and overrides.get("beams", 0) > max_beams:
+        raise ConfigError(f"in {spec!r}: at most {max_beams} beams, got {overrides['beams']}")
+    return name, MethodOptions(controller=controller, **overrides)
+
+
 def method_names() -> list[str]:
     return list(METHODS)
 

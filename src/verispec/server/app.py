@@ -56,7 +56,7 @@ from starlette.requests import ClientDisconnect
 
 from ..api import Request as GenerationRequest
 from ..errors import ConfigError, VerispecError
-from ..methods import MethodOptions, get_method
+from ..methods import METHODS, TREE_MAX_NODES, MethodOptions, method_request
 from ..model import Target
 from ..sampling import SamplingConfig
 from ..text import encode_messages, encode_prompt
@@ -69,6 +69,10 @@ from .worker import (DONE, QUEUED, Delta, Event, Failed, Finished, Job, QueueFul
 log = logging.getLogger("verispec.server")
 
 DEFAULT_MODEL_ID = "verispec-default"
+# What one request's method settings may ask for: a verify of the draft and the committed token
+# within one call of the C layers, and draft forwards of at most this many beams.
+MAX_DRAFT_LENGTH = TREE_MAX_NODES
+MAX_BEAMS = 16
 OPEN_PATHS = frozenset({"/health"})  # reachable without the API key
 _POLL_S = 0.1  # how often a waiting handler checks for a disconnect and its deadline
 _FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "timeout": "length", "cancelled": "length"}
@@ -101,7 +105,7 @@ class ServerSettings:
     def __post_init__(self) -> None:
         if not isinstance(self.model_id, str) or not self.model_id.strip():
             raise ConfigError("the model id must be a non-empty string")
-        get_method(self.default_method)
+        served_method(self.default_method)
         if self.api_key is not None and not self.api_key.strip():
             raise ConfigError("the API key must not be empty (omit it to serve without one)")
         if not isinstance(self.max_queue, int) or self.max_queue < 1:
@@ -160,6 +164,12 @@ class APIError(Exception):
 
 def _internal_error(exc: BaseException) -> APIError:
     return APIError(500, f"internal server error: {type(exc).__name__}", "server_error", code="internal_error")
+
+
+def served_method(spec: str) -> tuple[str, MethodOptions]:
+    """A request's (or the server's default) method with its settings, `methods.method_request`'s
+    syntax within the server's bounds (MAX_DRAFT_LENGTH, MAX_BEAMS): (name, options)."""
+    return method_request(spec, MAX_DRAFT_LENGTH, MAX_BEAMS)
 
 
 def _invalid(message: str, param: str | None = None, code: str | None = "invalid_value") -> APIError:
@@ -438,10 +448,12 @@ def create_app(target: Target, settings: ServerSettings | None = None) -> FastAP
         if problems:
             param, message = problems[0]
             raise _invalid(message, param=param, code="unsupported_parameter")
+        spec = _method_of(body)
         try:
-            get_method(_method_of(body))
+            served_method(spec)
         except ConfigError as error:
-            raise _invalid(str(error), param="method", code="unknown_method") from None
+            known = spec.split("/")[0].strip() in METHODS
+            raise _invalid(str(error), param="method", code="invalid_value" if known else "unknown_method") from None
         for stop in body.stop_strings():
             if not stop:
                 raise _invalid("stop strings must be non-empty", param="stop")
@@ -505,8 +517,8 @@ def create_app(target: Target, settings: ServerSettings | None = None) -> FastAP
             param = next((p for p in ("temperature", "top_k", "top_p", "seed") if str(error).startswith(p)), None)
             raise _invalid(str(error), param=param) from None
         try:
-            return GenerationRequest(tuple(ids), _method_of(body), max_tokens, sampling,
-                                     body.stop_strings(), MethodOptions())
+            method, options = served_method(_method_of(body))
+            return GenerationRequest(tuple(ids), method, max_tokens, sampling, body.stop_strings(), options)
         except ConfigError as error:
             raise _invalid(str(error)) from None
 
