@@ -174,7 +174,8 @@ VARIANT_OPTIONS = {"tau": float, "beams": int, "head_int8": _flag, "ngram_memory
 def parse_variant(spec: str) -> tuple[str, str | None, dict]:
     """'METHOD[/CONTROLLER][/KEY=VALUE...]' -> (method, controller or None, option overrides).
 
-    Used by the benchmark to run one method under several settings side by side, e.g.
+    Used by the benchmark to run one method under several settings side by side, and by the
+    server for a request's settings (`method_request`), e.g.
     'eesd/constant:4', 'mtad/tau=0.1', 'eesd/head_int8=false' or 'anpd/tree=8'. KEY is one of
     VARIANT_OPTIONS.
     Validated."""
