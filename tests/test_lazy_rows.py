@@ -123,7 +123,7 @@ def test_a_lazy_tree_forward_gives_the_whole_trees_bits_and_runs_the_rest_only_w
     target.keep_path([0, 1, 3, 5])
     lazy = target.forward_tree(ids, parents, lazy=True)
     target.keep_path([0])
-    with pytest.raises(AssertionError, match="before its path is kept"):
+    with pytest.raises(AssertionError, match="before the cache moves"):
         lazy[7]
     target.crop(30)
     assert isinstance(target.forward_tree(ids[:7], parents[:7], lazy=True), torch.Tensor)  # too few rows

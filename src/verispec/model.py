@@ -41,7 +41,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -515,23 +515,31 @@ class Target:
         return self._head(hidden)
 
     def _staged(self, ids: torch.Tensor) -> LazyRows:
-        """A verify forward of `ids` [1, n] in two parts, as `LazyRows`: the first
+        """A verify forward of `ids` [1, n] in two parts (`_in_two_parts`): the first
         `lazy_rows.FIRST` tokens run now (appended to the cache, their logits computed), the
         rest only when a rule reads one of their rows (appended then, after the first part). A
         rule that stops at a rejection within the first part never pays the layers or the head
         for the rest. The same bits as one forward: the C layers and the int8 head are
         batch-invariant, and the rest's positions see the first part's keys in the cache."""
         start = self.cache.length
-        first = self._head(self.hidden_states(ids[:, : lazy_rows.FIRST]))  # [FIRST, vocab]
+        return self._in_two_parts(ids.shape[1], lambda begin, end: self._head(self.hidden_states(ids[:, begin:end])),
+                                  lambda begin: self.cache.length == start + begin)
+
+    def _in_two_parts(self, n: int, part: Callable[[int, int], torch.Tensor],
+                      unmoved: Callable[[int], bool]) -> LazyRows:
+        """`LazyRows` of n rows whose chunks are `part(begin, end)` -> [end - begin, vocab]: the
+        first computed now, the rest when a rule first reads one of its rows, which it must do
+        before the cache moves (`unmoved(begin)`: the cache is as the first part left it)."""
+        first = part(0, lazy_rows.FIRST)  # [FIRST, vocab]
 
         def compute(begin: int, end: int) -> torch.Tensor:
             if begin == 0:
                 return first
-            assert self.cache.length == start + begin, "a staged verify's rows are read before the cache moves"
-            with torch.inference_mode():  # called by the rule, after `forward` returned
-                return self._head(self.hidden_states(ids[:, begin:end]))
+            assert unmoved(begin), "a staged verify's rows are read before the cache moves"
+            with torch.inference_mode():  # called by the rule, after the forward returned
+                return part(begin, end)
 
-        return LazyRows(ids.shape[1], compute, (self.vocab_size,), self.device, torch.float32)
+        return LazyRows(n, compute, (self.vocab_size,), self.device, torch.float32)
 
     def _ready(self, logits: torch.Tensor) -> torch.Tensor:
         """`logits`, computed: on CUDA this waits for the forward, so that its time counts as the
@@ -573,29 +581,22 @@ class Target:
         return self._logits(self._fast.norm(x), lazy)
 
     def _staged_tree(self, ids: torch.Tensor, tree: Tree) -> LazyRows:
-        """A tree verify of `ids` [m] placed by `tree`, in two parts, as `LazyRows`: rows
+        """A tree verify of `ids` [m] placed by `tree`, in two parts (`_in_two_parts`): rows
         0..FIRST-1 now, the rest when a rule first reads one of them. The rows come by decreasing
         path probability with every ancestor before its children, so a walk that stops in the
         first rows never pays for the others. The same bits as one call: each row is computed
         on its own through the C layers and the int8 head, and the rest's rows see their
         ancestors' keys and values, which the first part wrote to their slots (`Tree.rows`)."""
         tree_slots = self._tree_slots
+        start = tree_slots[0]
 
         def part(begin: int, end: int) -> torch.Tensor:  # -> [end - begin, vocab]
-            x = self._fast.run(self._fast.embed(ids[begin:end]), tree_slots[0], self.cache, tree=tree.rows(begin, end))
+            x = self._fast.run(self._fast.embed(ids[begin:end]), start, self.cache, tree=tree.rows(begin, end))
             return self._head(self._fast.norm(x))
 
-        first = part(0, lazy_rows.FIRST)
-
-        def compute(begin: int, end: int) -> torch.Tensor:
-            if begin == 0:
-                return first
-            assert self._tree_slots is tree_slots and self.cache.length == tree_slots[0], \
-                "a staged tree's rows are read before its path is kept"
-            with torch.inference_mode():  # called by the rule, after `forward_tree` returned
-                return part(begin, end)
-
-        return LazyRows(ids.shape[0], compute, (self.vocab_size,), self.device, torch.float32)
+        # unmoved: no other tree ran and no path was kept since (`keep_path` grows the cache)
+        return self._in_two_parts(ids.shape[0], part,
+                                  lambda begin: self._tree_slots is tree_slots and self.cache.length == start)
 
     def keep_path(self, rows: Sequence[int]) -> None:
         """After `forward_tree`: keep `rows` (a path down the tree, from a -1 row, in order) as the
