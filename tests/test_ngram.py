@@ -8,8 +8,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from verispec.drafters.ngram import (ALTERNATIVE_PRIOR_REJECTED, AnpdDrafter, NgramConfig, NgramTables,
-                                    PromptLookupDrafter, prompt_lookup, tree_options)
+from verispec.drafters.ngram import (AnpdDrafter, NgramConfig, NgramTables, PromptLookupDrafter, prompt_lookup,
+                                    tree_options)
 from verispec.errors import ConfigError
 
 # derandomize: the same examples on every run (CI must be deterministic); no example database.
@@ -362,8 +362,13 @@ def test_a_trees_first_option_is_the_linear_drafts_token(own_stream, memory_stre
 
 
 def test_a_fresh_trees_alternatives_start_less_trusted_than_its_winners():
+    """Alternatives held the target's token about a tenth of the time in replays: a fresh one
+    starts well below a fresh winner (no evidence: even odds), and outcomes still move it."""
     drafter = AnpdDrafter(NgramConfig())
     drafter.begin([1, 2])
     winner, alternative = (3, 1, False), (3, 1, False, 1)
     assert drafter._confidence(winner) == 0.5
-    assert drafter._confidence(alternative) == pytest.approx(1 / (2 + ALTERNATIVE_PRIOR_REJECTED))
+    assert drafter._confidence(alternative) < 0.25
+    for _ in range(20):
+        drafter._learn(alternative, True)
+    assert drafter._confidence(alternative) > 0.75

@@ -17,5 +17,9 @@ class ConfigError(VerispecError, ValueError):
     """An option has a value outside its allowed range."""
 
 
+class UnknownMethodError(ConfigError):
+    """A method name that is not registered (`methods.METHODS`)."""
+
+
 class ModelLoadError(VerispecError):
     """A model could not be found or used (missing path, not a causal LM, bad dtype...)."""

@@ -21,7 +21,7 @@ from .drafters.model import AuxLM, BeamDrafter, DraftLM, SampledDrafter
 from .drafters.ngram import AnpdDrafter, NgramConfig, PromptLookupDrafter
 from .drafters.suffix import SuffixDrafter
 from .engine import Recipe, Rule
-from .errors import ConfigError, ModelLoadError
+from .errors import ConfigError, ModelLoadError, UnknownMethodError
 from .model import DEFAULT_MODEL_NAME, Target, load
 from .runtime.fastpath import BLOCK_KERNEL_MAX_ROWS
 from .sampling import SamplingConfig
@@ -227,7 +227,7 @@ def get_method(name: str) -> Method:
     try:
         return METHODS[name]
     except KeyError:
-        raise ConfigError(f"unknown method {name!r}; choose one of {', '.join(METHODS)}") from None
+        raise UnknownMethodError(f"unknown method {name!r}; choose one of {', '.join(METHODS)}") from None
 
 
 CONTROLLER_MEMORIES = 64  # per target; a server's requests may each bring other settings

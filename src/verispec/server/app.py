@@ -55,8 +55,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from ..api import Request as GenerationRequest
-from ..errors import ConfigError, VerispecError
-from ..methods import METHODS, TREE_MAX_NODES, MethodOptions, method_request
+from ..errors import ConfigError, UnknownMethodError, VerispecError
+from ..methods import TREE_MAX_NODES, MethodOptions, method_request
 from ..model import Target
 from ..sampling import SamplingConfig
 from ..text import encode_messages, encode_prompt
@@ -422,25 +422,24 @@ def create_app(target: Target, settings: ServerSettings | None = None) -> FastAP
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        _check_common(body)
+        method = _check_common(body)
         ids = await _encode(lambda: _completion_ids(body), "prompt")
-        generation = _generation_request(body, ids, body.max_tokens, "max_tokens", "prompt")
+        generation = _generation_request(body, method, ids, body.max_tokens, "max_tokens", "prompt")
         return await _respond(request, body, generation, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
-        _check_common(body)
+        method = _check_common(body)
         if not body.messages:
             raise _invalid("messages must not be empty", param="messages", code="empty_array")
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         ids = await _encode(lambda: encode_messages(target.tokenizer, messages), "messages")
-        generation = _generation_request(body, ids, body.token_budget(), body.token_budget_param(), "messages")
+        generation = _generation_request(body, method, ids, body.token_budget(), body.token_budget_param(),
+                                         "messages")
         return await _respond(request, body, generation, chat=True)
 
-    def _method_of(body) -> str:
-        return settings.default_method if body.method is None else body.method  # "" is no method
-
-    def _check_common(body) -> None:
+    def _check_common(body) -> tuple[str, MethodOptions]:
+        """Checks every request makes before its prompt is encoded; returns its method and settings."""
         _check_model(body.model)
         if body.n is not None and body.n != 1:
             raise _invalid(f"n must be 1 (one choice per request), got {body.n}", param="n")
@@ -448,15 +447,16 @@ def create_app(target: Target, settings: ServerSettings | None = None) -> FastAP
         if problems:
             param, message = problems[0]
             raise _invalid(message, param=param, code="unsupported_parameter")
-        spec = _method_of(body)
-        try:
-            served_method(spec)
+        try:  # "" is no method
+            method = served_method(settings.default_method if body.method is None else body.method)
+        except UnknownMethodError as error:
+            raise _invalid(str(error), param="method", code="unknown_method") from None
         except ConfigError as error:
-            known = spec.split("/")[0].strip() in METHODS
-            raise _invalid(str(error), param="method", code="invalid_value" if known else "unknown_method") from None
+            raise _invalid(str(error), param="method") from None
         for stop in body.stop_strings():
             if not stop:
                 raise _invalid("stop strings must be non-empty", param="stop")
+        return method
 
     def _completion_ids(body: CompletionRequest) -> list[int]:
         prompt = body.prompt
@@ -493,8 +493,8 @@ def create_app(target: Target, settings: ServerSettings | None = None) -> FastAP
                            f"which leaves no room to generate", param=param, code="context_length_exceeded")
         return ids
 
-    def _generation_request(body, ids: list[int], max_tokens: int | None, budget_param: str,
-                            prompt_param: str) -> GenerationRequest:
+    def _generation_request(body, method: tuple[str, MethodOptions], ids: list[int], max_tokens: int | None,
+                            budget_param: str, prompt_param: str) -> GenerationRequest:
         """The library request; max_tokens (>= 1 by the schema) is checked against the server's
         limit and the room the prompt leaves in the context."""
         room = target.max_length - len(ids)
@@ -516,9 +516,9 @@ def create_app(target: Target, settings: ServerSettings | None = None) -> FastAP
         except ConfigError as error:
             param = next((p for p in ("temperature", "top_k", "top_p", "seed") if str(error).startswith(p)), None)
             raise _invalid(str(error), param=param) from None
+        name, options = method
         try:
-            method, options = served_method(_method_of(body))
-            return GenerationRequest(tuple(ids), method, max_tokens, sampling, body.stop_strings(), options)
+            return GenerationRequest(tuple(ids), name, max_tokens, sampling, body.stop_strings(), options)
         except ConfigError as error:
             raise _invalid(str(error)) from None
 
