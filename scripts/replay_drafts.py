@@ -52,47 +52,33 @@ def step_costs(ratios: dict[int, float]) -> CostModel:
     return cost
 
 
-def replay(answers: list[tuple[list[int], list[int]]], config: NgramConfig, memory: bool, cost: CostModel,
-           k: int = 16, oracle: bool = False) -> tuple[float, float, float, str]:
-    """(tokens per forward, acceptance, modelled speed vs ar, what the memory learned of long-match
-    copies) of one pass over (prompt, answer). oracle: cut each draft where the answer departs from
-    it instead of by the controller's rule (no controller can do better with this drafter)."""
-    attachments: dict = {}
-    forwards = tokens = drafted = 0
-    seconds = 0.0  # in one-token steps
+def replay_pass(answers: list[tuple[list[int], list[int]]], make_drafter, k: int, judge) -> tuple[int, int]:
+    """One pass over (prompt, answer) pairs, in order: each prompt gets `make_drafter()`, which
+    proposes up to k tokens a step (never past the answer's last token); `judge(drafter, draft,
+    context, rest)` -> (how many of its tokens the answer `rest` accepts, how many were verified);
+    the accepted ones and the answer's next token are committed. Returns (target forwards, tokens)."""
+    forwards = tokens = 0
     for prompt, answer in answers:
-        drafter = AnpdDrafter(config, shared_memory(attachments, config) if memory else None)
+        drafter = make_drafter()
         drafter.begin(prompt)
         context, position = list(prompt), 0
         while position < len(answer):
             draft = drafter.propose(context, min(k, len(answer) - position - 1))
-            proposal = draft.tokens.tolist()
-            if not oracle:
-                proposal = proposal[: best_draft_length(draft.confidence or (), cost.relative)]
-            accepted = 0
-            while accepted < len(proposal) and proposal[accepted] == answer[position + accepted]:
-                accepted += 1
-            if oracle:
-                proposal = proposal[:accepted]
+            accepted, verified = judge(drafter, draft, context, answer[position:])
             committed = answer[position : position + accepted + 1]
-            drafter.commit(committed, len(proposal))
+            drafter.commit(committed, verified)
             context += committed
             position += len(committed)
-            forwards, tokens, drafted = forwards + 1, tokens + len(committed), drafted + len(proposal)
-            seconds += cost.relative(len(proposal))
-    copies = [outcome for kind, outcome in shared_memory(attachments, config).outcomes.items() if kind[0] == "span"]
-    accepted, rejected = sum(o[0] for o in copies), sum(o[1] for o in copies)
-    learned = f"  long-match copies accepted {accepted / (accepted + rejected):.0%} of {accepted + rejected}" if (
-        memory and copies) else ""
-    return tokens / forwards, (tokens - forwards) / max(drafted, 1), tokens / seconds, learned
+            forwards, tokens = forwards + 1, tokens + len(committed)
+    return forwards, tokens
 
 
-def walk(tokens: list[int], parents: list[int], answer: list[int]) -> tuple[int, int]:
+def walk(tokens: list[int], parents: list[int] | None, answer: list[int]) -> tuple[int, int]:
     """(how many drafted tokens a greedy walk from the root accepts, the last verify row it reads):
-    at each node, the child that carries the answer's next token (a linear draft is the chain
-    parents[i] = i - 1). Row 0 is the root's, row i + 1 drafted token i's."""
+    at each node, the child that carries the answer's next token (parents None: a linear draft).
+    Row 0 is the root's, row i + 1 drafted token i's."""
     children: dict[int, list[int]] = {}
-    for i, parent in enumerate(parents):
+    for i, parent in enumerate(parents if parents is not None else range(-1, len(tokens) - 1)):
         children.setdefault(parent, []).append(i)
     node, accepted, last_row = -1, 0, 0
     while accepted < len(answer):
@@ -101,6 +87,34 @@ def walk(tokens: list[int], parents: list[int], answer: list[int]) -> tuple[int,
             break
         accepted, last_row = accepted + 1, max(last_row, node + 1)
     return accepted, last_row
+
+
+def replay(answers: list[tuple[list[int], list[int]]], config: NgramConfig, memory: bool, cost: CostModel,
+           k: int = 16, oracle: bool = False) -> tuple[float, float, float, str]:
+    """(tokens per forward, acceptance, modelled speed vs ar, what the memory learned of long-match
+    copies) of one pass over (prompt, answer). oracle: cut each draft where the answer departs from
+    it instead of by the controller's rule (no controller can do better with this drafter)."""
+    attachments: dict = {}
+    drafted, seconds = 0, 0.0  # seconds: in one-token steps
+
+    def judge(drafter, draft, context, rest):
+        nonlocal drafted, seconds
+        proposal = draft.tokens.tolist()
+        if not oracle:
+            proposal = proposal[: best_draft_length(draft.confidence or (), cost.relative)]
+        accepted, _ = walk(proposal, None, rest)
+        if oracle:
+            proposal = proposal[:accepted]
+        drafted, seconds = drafted + len(proposal), seconds + cost.relative(len(proposal))
+        return accepted, len(proposal)
+
+    forwards, tokens = replay_pass(
+        answers, lambda: AnpdDrafter(config, shared_memory(attachments, config) if memory else None), k, judge)
+    copies = [outcome for kind, outcome in shared_memory(attachments, config).outcomes.items() if kind[0] == "span"]
+    accepted, rejected = sum(o[0] for o in copies), sum(o[1] for o in copies)
+    learned = f"  long-match copies accepted {accepted / (accepted + rejected):.0%} of {accepted + rejected}" if (
+        memory and copies) else ""
+    return tokens / forwards, (tokens - forwards) / max(drafted, 1), tokens / seconds, learned
 
 
 def held_anywhere(drafter: AnpdDrafter, tail: list[int], token: int) -> bool:
@@ -118,28 +132,23 @@ def replay_constant(answers: list[tuple[list[int], list[int]]], budget: int,
     single path, every drafted token verified. A failure: a step that commits fewer tokens than
     it drafted plus one, or drafted none."""
     attachments: dict = {}
-    forwards = tokens = failures = held = wide = second_part = 0
     config = NgramConfig()
-    for prompt, answer in answers:
-        drafter = AnpdDrafter(config, shared_memory(attachments, config), tree=budget if tree else 0)
-        drafter.begin(prompt)
-        context, position = list(prompt), 0
-        while position < len(answer):
-            draft = drafter.propose(context, min(budget, len(answer) - position - 1))
-            ids = draft.tokens.tolist()
-            parents = draft.parents.tolist() if draft.parents is not None else list(range(-1, len(ids) - 1))
-            accepted, last_row = walk(ids, parents, answer[position : len(answer) - 1])
-            if len(ids) + 1 >= lazy_rows.MIN_ROWS:
-                wide, second_part = wide + 1, second_part + (last_row >= lazy_rows.FIRST)
-            if accepted < len(ids) or not ids:
-                failures += 1
-                tail = (context + answer[position : position + accepted])[-(config.max_n - 1) :]
-                held += held_anywhere(drafter, tail, answer[position + accepted])
-            committed = answer[position : position + accepted + 1]
-            drafter.commit(committed, len(ids))
-            context += committed
-            position += len(committed)
-            forwards, tokens = forwards + 1, tokens + len(committed)
+    failures = held = wide = second_part = 0
+
+    def judge(drafter, draft, context, rest):
+        nonlocal failures, held, wide, second_part
+        ids = draft.tokens.tolist()
+        accepted, last_row = walk(ids, None if draft.parents is None else draft.parents.tolist(), rest[:-1])
+        if len(ids) + 1 >= lazy_rows.MIN_ROWS:
+            wide, second_part = wide + 1, second_part + (last_row >= lazy_rows.FIRST)
+        if accepted < len(ids) or not ids:
+            failures += 1
+            held += held_anywhere(drafter, (context + rest[:accepted])[-(config.max_n - 1) :], rest[accepted])
+        return accepted, len(ids)
+
+    forwards, tokens = replay_pass(
+        answers, lambda: AnpdDrafter(config, shared_memory(attachments, config), tree=budget if tree else 0), budget,
+        judge)
     return tokens / forwards, held / max(failures, 1), second_part / max(wide, 1)
 
 
