@@ -18,8 +18,9 @@ estimates) is highest. By default (`SuffixConfig.tree = False`, as vLLM calls it
 itself already builds a single path by following the most frequent child at each node, which
 spends the whole token budget on that path; `best_path` then returns it unchanged. With
 `tree = True` the budget is spread over the tree and `best_path` picks the best branch. Its
-trees are not verified as trees (ANPD's are): with these defaults they seldom branch, so a path
-loses little.
+trees are not verified as trees (ANPD's are): with these defaults a whole tree of 8 tokens
+committed 0.6% more tokens per forward than its single path in an offline replay of 26
+Spec-Bench greedy answers (2.349 against 2.336), too little for the wider verify.
 
 Outputs are exactly `ar`'s: drafts are deterministic (q = None) and go through the engine's
 lossless rules (greedy match, or sampled match under sampling).
