@@ -66,12 +66,19 @@ def assert_clean_error(result, *fragments: str):
         (["generate", "hi", "--top-p", "1.5"], "top_p"),
         (["generate", "hi", "--top-k", "-3"], "top_k"),
         (["generate", "hi", "--draft-length", "0"], "draft length"),
+        (["generate", "hi", "-m", "anpd/tree=8", "--tree", "4"], "tree is given twice, as 4 and as 8 in the method 'anpd/tree=8'"),
+        (["generate", "hi", "-m", "pld/constant:4", "-k", "3"], "the draft length is given twice"),
+        (["generate", "hi", "-m", "anpd/constant:8", "--controller", "adaptive"], "controller is given twice"),
+        (["generate", "hi", "-m", "anpd/ngram_memory=true", "--no-ngram-memory"], "ngram_memory is given twice"),
+        (["generate", "hi", "-m", "pld/tree=2"], "tree is an anpd option"),
+        (["generate", "hi", "-m", "anpd/colour=red"], "unknown option 'colour'"),
         (["serve", "--method", "nope"], "unknown method"),
         (["serve", "--method", "pld/constant:64"], "at most 63 draft tokens a step, got 64"),
         (["serve", "--method", "mtad/beams=17"], "at most 16 beams, got 17"),
         (["serve", "--method", "anpd/color=red"], "unknown option 'color'"),
         (["serve", "--method", "eesd/tree=4"], "tree is an anpd option"),
         (["train-exit", "--steps", "0"], "steps must be"),
+        (["train-exit", "--init-layer", "-1"], "init-layer must be an integer >= 0, got -1"),
         (["train-exit", "--corpus", "no-such-corpus.jsonl"], "corpus file not found"),
         (["train-exit", "--generate-corpus", "--corpus-samples", "0"], "--corpus-samples >= 1 (got 256, 0)"),
         (["train-exit", "--generate-corpus", "--corpus-tokens", "1"], "--corpus-tokens must be >= 2 and --corpus-samples >= 1 (got 1, 1)"),
@@ -82,6 +89,45 @@ def test_bad_arguments_fail_before_loading(no_model_loading, args, fragment):
     lines = assert_clean_error(result, fragment)
     assert len(lines) == 1  # one line
     assert result.exit_code == 2
+
+
+@pytest.mark.parametrize(
+    "args,fragment",
+    [
+        (["generate"], "error: Missing argument 'prompt'; see 'verispec generate --help'"),
+        (["generate", "hi", "--max-new-tokens", "many"], "Invalid value for '--max-new-tokens'"),
+        (["generate", "hi", "--no-such-option"], "No such option: --no-such-option"),
+        (["no-such-command"], "error: No such command 'no-such-command'; see 'verispec --help'"),
+    ],
+)
+def test_usage_mistakes_are_one_error_line_too(no_model_loading, args, fragment):
+    """What the argument parser itself refuses reads like every other mistake: one `error:` line."""
+    result = runner.invoke(app, args, prog_name="verispec")
+    lines = assert_clean_error(result, fragment)
+    assert len(lines) == 1 and result.exit_code == 2, result.stderr
+
+
+def test_the_command_alone_prints_the_help(no_model_loading):
+    result = runner.invoke(app, [])
+    assert "generate" in result.stdout and "Traceback" not in result.output
+
+
+def test_generate_takes_a_method_with_settings(monkeypatch):
+    """`generate -m anpd/constant:8/tree=8` runs anpd with those settings (and the flags' own)."""
+    import verispec.api
+    from verispec.methods import MethodOptions
+
+    requested = {}
+
+    def make_request(target, prompt, method, **kwargs):
+        requested.update(method=method, options=kwargs["options"])
+        raise ReachedModelLoading
+
+    monkeypatch.setattr(cli, "_load", lambda *args, **kwargs: object())
+    monkeypatch.setattr(verispec.api, "make_request", make_request)
+    result = runner.invoke(app, ["generate", "hi", "-m", "anpd/constant:8/tree=8", "--span-min", "0"])
+    assert isinstance(result.exception, ReachedModelLoading), result.output
+    assert requested == {"method": "anpd", "options": MethodOptions(controller="constant:8", tree=8, span_min=0)}
 
 
 def test_served_methods_take_settings_within_bounds():
@@ -146,6 +192,21 @@ def test_arguments_that_are_not_utf8_fail_cleanly(no_model_loading, args, messag
     result = runner.invoke(app, args)
     lines = assert_clean_error(result, message)
     assert len(lines) == 1 and result.exit_code == 2
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--exit-layer", "3"], "exit layer must be in 1..2, got 3"),
+    (["--exit-layer", "1", "--init-layer", "2"], "init layer must be in 0..1, got 2"),
+])
+def test_train_exit_checks_layers_against_the_model_before_any_long_work(tiny_model_dir, tmp_path, flags, message):
+    """Layers the model does not have are refused right after loading it: before a corpus is
+    generated or labelled, not after."""
+    out = tmp_path / "head"
+    result = runner.invoke(app, ["train-exit", "--model", str(tiny_model_dir), "--generate-corpus",
+                                 "--corpus-tokens", "8", "--out", str(out), *flags])
+    lines = assert_clean_error(result, message)
+    assert len(lines) == 1 and result.exit_code == 2
+    assert not (out / "corpus.jsonl").exists()
 
 
 def test_corpus_that_is_not_utf8_fails_before_loading(no_model_loading, tmp_path):

@@ -90,6 +90,16 @@ def test_method_options_reach_the_method(models, arch):
         ours(model, ids, "anpd", max_new_tokens=4, draft_length=0)
 
 
+def test_a_method_takes_settings_as_in_the_benchmark(models):
+    model, ids = models["llama"], prompt_ids(0)
+    expected = reference(model, ids, max_new_tokens=NEW_TOKENS)
+    stats = verispec.GenerationStats()
+    assert torch.equal(ours(model, ids, "anpd/constant:2", max_new_tokens=NEW_TOKENS, stats=stats), expected)
+    assert stats.method == "anpd" and len(stats.accepted_per_position) == 2  # drafted 2 tokens at most
+    with pytest.raises(ConfigError, match="the draft length is given twice"):
+        ours(model, ids, "anpd/constant:2", max_new_tokens=4, draft_length=3)
+
+
 def test_the_signature_offers_every_method_option():
     """transformers routes a generate() keyword to custom_generate only if its signature names it."""
     parameters = inspect.signature(GENERATE).parameters

@@ -551,6 +551,21 @@ def test_tree_options_are_checked(tiny_targets):
     build("ar", tiny_targets["llama"], MethodOptions(tree=4))  # ar drafts nothing, whatever the options
 
 
+def test_the_library_takes_a_method_with_settings(tiny_targets):
+    """`generate(target, prompt, "anpd/constant:8/tree=8")` is anpd with those options (the
+    request `generate` and `stream` make; tiny targets have no tokenizer for the text)."""
+    from verispec.api import make_request
+
+    target, prompt = tiny_targets["llama"], branching_prompt(0)
+    request = make_request(target, prompt, "anpd/constant:8/tree=8", max_new_tokens=24)
+    assert request.method == "anpd" and request.options == MethodOptions(controller="constant:8", tree=8)
+    reference = helpers.run(target, build("ar", target), prompt, 24)[0]
+    ids, stats, _ = helpers.run(target, build(request.method, target, request.options), prompt, 24)
+    assert ids == reference and len(stats.accepted_per_position) == 8  # trees of up to 8 tokens
+    with pytest.raises(ConfigError, match="tree is given twice, as 4 and as 8"):
+        make_request(target, prompt, "anpd/tree=8", options=MethodOptions(tree=4))
+
+
 @pytest.mark.parametrize("args,message", [
     (["generate", "hi", "-m", "pld", "--tree", "4"], "--tree is used only by anpd, not by pld"),
     (["generate", "hi", "--tree", "-1"], "tree must be an integer from 0 (off) to 63"),

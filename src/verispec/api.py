@@ -11,7 +11,7 @@ from typing import Iterator, Sequence
 
 from .engine import DecodeConfig, decode
 from .errors import ConfigError
-from .methods import MethodOptions, build, get_method
+from .methods import MethodOptions, build, get_method, parse_variant, with_settings
 from .model import Target
 from .sampling import SamplingConfig
 from .stats import GenerationStats
@@ -82,8 +82,10 @@ class TextStream:
 
 def sampling_for(method: str, temperature: float | None = None, top_k: int | None = None,
                  top_p: float | None = None, seed: int | None = None) -> SamplingConfig:
-    """The sampling configuration of a request: given values, else the method's defaults."""
-    defaults = {"temperature": 0.0, "top_k": 0, "top_p": 1.0, **(get_method(method).default_sampling or {})}
+    """The sampling configuration of a request: given values, else the defaults of the method
+    (a name, or a name with settings: `methods.with_settings`)."""
+    defaults = {"temperature": 0.0, "top_k": 0, "top_p": 1.0,
+                **(get_method(parse_variant(method)[0]).default_sampling or {})}
     given = {"temperature": temperature, "top_k": top_k, "top_p": top_p}
     chosen = {key: defaults[key] if value is None else value for key, value in given.items()}
     return SamplingConfig(seed=seed, **chosen)
@@ -105,8 +107,12 @@ def make_request(
 ) -> Request:
     """Validate the arguments of `generate`/`stream` and encode the prompt.
 
+    method: a name, or a name with settings as in `verispec bench --methods` ('anpd/tree=8',
+    'pld/constant:12'), applied to `options` (a setting given both ways with two values is a
+    ConfigError: `methods.with_settings`).
     temperature / top_k / top_p left as None take the method's defaults (greedy for every
     method but mtad, which samples at temperature 1 with top-k 10 and top-p 0.9)."""
+    method, options = with_settings(method, options)
     sampling = sampling_for(method, temperature, top_k, top_p, seed)
     if isinstance(prompt, str):
         ids = encode_prompt(target.tokenizer, prompt, prompt_format)
@@ -114,7 +120,7 @@ def make_request(
         ids = [int(i) for i in prompt]
     if isinstance(stop, str):
         stop = (stop,)
-    return Request(tuple(ids), method, max_new_tokens, sampling, tuple(stop), options or MethodOptions())
+    return Request(tuple(ids), method, max_new_tokens, sampling, tuple(stop), options)
 
 
 def stream(target: Target, prompt: str | Sequence[int], method: str = "anpd", **kwargs) -> TextStream:

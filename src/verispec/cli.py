@@ -13,12 +13,44 @@ import sys
 from typing import List, Optional, Sequence
 
 import typer
+import typer.core
 from rich.console import Console
 from rich.table import Table
 
 from .errors import VerispecError
 
+# typer (pinned) carries its own copy of click; its usage errors are these classes, not click's.
+from typer._click import exceptions as usage
+
+
+class _OneLineErrors(typer.core.TyperGroup):
+    """The command group, with a usage mistake (a missing argument, an unknown option, a value of
+    the wrong type) reported as every other mistake is: one `error:` line on stderr naming where
+    help is, and exit status 2 (typer's own report is a framed box after the usage line)."""
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        if not standalone_mode:
+            return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        try:
+            code = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except usage.NoArgsIsHelpError as error:  # `verispec` alone: the help
+            typer.echo(error.ctx.get_help())
+            sys.exit(2)
+        except usage.UsageError as error:
+            where = error.ctx.command_path if error.ctx is not None else "verispec"
+            _error_line(f"{error.format_message().rstrip('.')}; see '{where} --help'")
+            sys.exit(error.exit_code)
+        except usage.ClickException as error:
+            _error_line(error.format_message())
+            sys.exit(error.exit_code)
+        except typer.Abort:  # end of input where an answer was expected
+            _error_line("aborted")
+            sys.exit(1)
+        sys.exit(code if isinstance(code, int) else 0)
+
+
 app = typer.Typer(
+    cls=_OneLineErrors,
     add_completion=False,
     no_args_is_help=True,
     pretty_exceptions_enable=False,
@@ -75,11 +107,16 @@ def _quiet_transformers() -> None:
     transformers.logging.disable_progress_bar()
 
 
-def _fail(message: str, code: int = 2) -> None:
-    """One `error:` line on stderr (never wrapped; the message is not read as markup), then exit."""
+def _error_line(message: str) -> None:
+    """One `error:` line on stderr (never wrapped; the message is not read as markup)."""
     from rich.markup import escape
 
     err.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
+
+
+def _fail(message: str, code: int = 2) -> None:
+    """One `error:` line on stderr, then exit."""
+    _error_line(message)
     raise typer.Exit(code)
 
 
@@ -188,7 +225,7 @@ def _first_difference(a: list[int], b: list[int]) -> int | None:
 @app.command()
 def generate(
     prompt: str = typer.Argument(..., help="The prompt text, or '-' to read it from stdin."),
-    method: str = typer.Option("anpd", "--method", "-m", help="Decoding method (see `verispec info`)."),
+    method: str = typer.Option("anpd", "--method", "-m", help="Decoding method (see `verispec info`), with settings as in `bench --methods` (e.g. anpd/tree=8, pld/constant:12)."),
     max_new_tokens: int = typer.Option(128, "--max-new-tokens", "-n", help="Most tokens to generate."),
     temperature: Optional[float] = typer.Option(None, help="0 = greedy; > 0 samples (default: 0; mtad: 1)."),
     top_k: Optional[int] = typer.Option(None, "--top-k", help="Sample from the k most likely tokens (0 = off; default: 0; mtad: 10)."),
@@ -220,7 +257,7 @@ def generate(
     """Generate text with one method, optionally compared side by side with `ar`."""
     from .api import make_request, sampling_for, stream as stream_text
     from .engine import DecodeConfig
-    from .methods import MethodOptions, get_method
+    from .methods import MethodOptions, with_settings
     from .text import checked_text
 
     try:
@@ -230,17 +267,16 @@ def generate(
             _fail("the prompt is empty")
         for text in stop:
             checked_text(text, "--stop")
-        get_method(method)
         _check_numerics(numerics)
         _check_device(device, compile)
         sampling = sampling_for(method, temperature, top_k, top_p, seed)  # --compare's ar samples alike
         DecodeConfig(max_new_tokens, sampling)
         mtad_knobs = {name: value for name, value in (("beams", beams), ("tau", tau)) if value is not None}
-        options = MethodOptions(draft_length=draft_length, controller=controller, exit_head=exit_head,
-                                draft_model=draft_model, ngram_memory=ngram_memory, **mtad_knobs,
-                                **({"tree": tree} if tree is not None else {}),
-                                **({"span_min": span_min} if span_min is not None else {}))
-        _refuse_unused_options([method], draft_length=draft_length, controller=controller, exit_head=exit_head,
+        name, options = with_settings(method, MethodOptions(
+            draft_length=draft_length, controller=controller, exit_head=exit_head, draft_model=draft_model,
+            ngram_memory=ngram_memory, **mtad_knobs, **({"tree": tree} if tree is not None else {}),
+            **({"span_min": span_min} if span_min is not None else {})))
+        _refuse_unused_options([name], draft_length=draft_length, controller=controller, exit_head=exit_head,
                                draft_model=draft_model, beams=beams, tau=tau, ngram_memory=ngram_memory, tree=tree,
                                span_min=span_min)
         target = _load(model, dtype, fast, block_kernel, numerics, device, compile)
@@ -248,14 +284,14 @@ def generate(
             max_new_tokens=max_new_tokens, temperature=sampling.temperature, top_k=sampling.top_k,
             top_p=sampling.top_p, seed=seed, stop=tuple(stop), prompt_format=prompt_format, options=options,
         )
-        make_request(target, prompt, method, **request_args)  # validate everything before any run
+        make_request(target, prompt, name, **request_args)  # validate everything before any run
         results = {}
-        if compare and method != "ar":
+        if compare and name != "ar":
             baseline = stream_text(target, prompt, "ar", **request_args)
             for _ in baseline:
                 pass
             results["ar"] = baseline.result
-        text_stream = stream_text(target, prompt, method, **request_args)
+        text_stream = stream_text(target, prompt, name, **request_args)
         for delta in text_stream:
             if stream and not as_json:
                 out.print(delta, end="", highlight=False, markup=False, soft_wrap=True)
@@ -686,7 +722,7 @@ def train_exit(
     from tqdm import tqdm
 
     from .train.corpus import CORPUS_PATH, PROMPTS_PATH, check_generation, generate_corpus as make_corpus, read_prompts
-    from .train.exit_head import TrainConfig, train_exit_head
+    from .train.exit_head import TrainConfig, check_fits, train_exit_head
     from .text import decode_utf8
 
     try:
@@ -708,6 +744,7 @@ def train_exit(
             check_generation(corpus_tokens, corpus_samples)
         _check_device(device)
         target = _load(model, "float32", device=device)
+        check_fits(target, config)
         if generate_corpus:
             prompts = read_prompts(PROMPTS_PATH)
             corpus_path = directory / "corpus.jsonl"

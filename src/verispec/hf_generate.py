@@ -26,7 +26,8 @@ generation_config > transformers' defaults, so `do_sample=True` alone samples at
 with top-k 50, as `generate()` would). Randomness: `seed=` (an int), else a seed drawn from
 torch's global generator, so `torch.manual_seed(...)` makes a sampled call reproducible.
 
-verispec's own keywords: `method=` (default "anpd"; `verispec.method_names()`), `seed=`,
+verispec's own keywords: `method=` (default "anpd"; `verispec.method_names()`, or a name with
+settings as in `verispec bench --methods`, e.g. "anpd/tree=8"), `seed=`,
 `stats=` (a `verispec.GenerationStats`, overwritten with this call's counts: drafted, accepted,
 target forwards, timings), and every `verispec.MethodOptions` field: `draft_length`,
 `controller`, `ngram_max_n`, `span_min`, `pld_max_ngram`, `exit_head`, `draft_model`, `beams`, `tau`,
@@ -63,7 +64,7 @@ import torch
 
 from .engine import DecodeConfig, decode
 from .errors import ConfigError
-from .methods import MethodOptions, build, get_method
+from .methods import MethodOptions, build, get_method, with_settings
 from .model import Target
 from .sampling import MAX_SEED, SamplingConfig
 from .stats import GenerationStats
@@ -139,7 +140,10 @@ def transformers_generate(
         raise ConfigError("streamer is not supported by verispec's custom_generate")
     if getattr(model.config, "is_encoder_decoder", False):
         raise ConfigError("verispec's custom_generate needs a decoder-only (causal) language model")
-    if get_method(method).default_sampling and not generation_config.do_sample:  # an unknown name raises here
+    given = {field.name: arguments[field.name] for field in fields(MethodOptions)}
+    method, options = with_settings(method, MethodOptions(**{key: value for key, value in given.items()
+                                                             if value is not None}))
+    if get_method(method).default_sampling and not generation_config.do_sample:
         raise ConfigError(f"{method} samples (it has no greedy form): pass do_sample=True")
     if stats is not None and not isinstance(stats, GenerationStats):
         raise ConfigError(f"stats must be a verispec.GenerationStats, got {type(stats).__name__}")
@@ -147,8 +151,6 @@ def transformers_generate(
     _check_single_row(input_ids, model_kwargs)
     max_length, stop_ids = _stops(stopping_criteria or [], generation_config)
     sampling = _sampling(generation_config, logits_processor or [], seed)
-    given = {field.name: arguments[field.name] for field in fields(MethodOptions)}
-    options = MethodOptions(**{key: value for key, value in given.items() if value is not None})
     prompt = input_ids[0].tolist()
     config = DecodeConfig(max_length - len(prompt), sampling, stop_ids)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import sys
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
@@ -168,14 +168,16 @@ def _flag(value: str) -> bool:
         raise ValueError(value) from None
 
 
+_DEFAULT_OPTIONS = MethodOptions()
+
 VARIANT_OPTIONS = {"tau": float, "beams": int, "head_int8": _flag, "ngram_memory": _flag, "tree": int, "span_min": int}
 
 
 def parse_variant(spec: str) -> tuple[str, str | None, dict]:
     """'METHOD[/CONTROLLER][/KEY=VALUE...]' -> (method, controller or None, option overrides).
 
-    Used by the benchmark to run one method under several settings side by side, and by the
-    server for a request's settings (`method_request`), e.g.
+    Used by the benchmark to run one method under several settings side by side, and by
+    `with_settings` for every other shell's `method`, e.g.
     'eesd/constant:4', 'mtad/tau=0.1', 'eesd/head_int8=false' or 'anpd/tree=8'. KEY is one of
     VARIANT_OPTIONS.
     Validated."""
@@ -202,21 +204,41 @@ def parse_variant(spec: str) -> tuple[str, str | None, dict]:
     return method.name, controller, overrides
 
 
+def with_settings(spec: str, options: MethodOptions | None = None) -> tuple[str, MethodOptions]:
+    """A method with its settings, in `parse_variant`'s syntax (e.g. 'anpd/tree=8',
+    'pld/constant:12', or a plain name), as (method name, `options` with the spec's settings
+    applied): the one syntax of `--method` in every command, of the library's `method=` and of
+    the server's `method` field. A setting that `options` already gives another value (not its
+    default), or a draft length given both as `options.draft_length` and in the spec's
+    controller, is a ConfigError naming both: one of them would be silently ignored."""
+    name, controller, overrides = parse_variant(spec)
+    base = options if options is not None else MethodOptions()
+    settings = {**({"controller": controller} if controller is not None else {}), **overrides}
+    for key, value in settings.items():
+        given = getattr(base, key)
+        if given != getattr(_DEFAULT_OPTIONS, key) and given != value:
+            raise ConfigError(f"{key} is given twice, as {given!r} and as {value!r} in the method {spec!r}; "
+                              f"give only one")
+    if controller is not None and ":" in controller and base.draft_length is not None:
+        raise ConfigError(f"the draft length is given twice, as {base.draft_length} and in the method {spec!r}; "
+                          f"give only one")
+    return name, replace(base, **settings) if settings else base
+
+
 def method_request(spec: str, max_draft_length: int | None = None,
                    max_beams: int | None = None) -> tuple[str, MethodOptions]:
-    """A method with its settings, in `parse_variant`'s syntax (e.g. 'anpd/tree=8',
-    'pld/constant:12'), as (method name, MethodOptions); a ConfigError where it is not valid or
-    asks for more than `max_draft_length` draft tokens a step or `max_beams` beams (bounds on
-    what one request may make a forward compute: the server's)."""
-    name, controller, overrides = parse_variant(spec)
+    """`with_settings(spec)`, refused (a ConfigError) where it asks for more than
+    `max_draft_length` draft tokens a step or `max_beams` beams (bounds on what one request may
+    make a forward compute: the server's)."""
+    name, options = with_settings(spec)
     length = get_method(name).default_length
-    if controller is not None and ":" in controller:
-        length = int(controller.partition(":")[2])
+    if options.controller is not None and ":" in options.controller:
+        length = int(options.controller.partition(":")[2])
     if max_draft_length is not None and length > max_draft_length:
         raise ConfigError(f"in {spec!r}: at most {max_draft_length} draft tokens a step, got {length}")
-    if max_beams is not None and overrides.get("beams", 0) > max_beams:
-        raise ConfigError(f"in {spec!r}: at most {max_beams} beams, got {overrides['beams']}")
-    return name, MethodOptions(controller=controller, **overrides)
+    if max_beams is not None and options.beams > max_beams:
+        raise ConfigError(f"in {spec!r}: at most {max_beams} beams, got {options.beams}")
+    return name, options
 
 
 def method_names() -> list[str]:

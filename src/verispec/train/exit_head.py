@@ -65,6 +65,8 @@ class TrainConfig:
         for name in ("exit_layer", "draft_vocab", "sequence_length", "batch", "steps", "checkpoint_every"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ConfigError(f"{name.replace('_', '-')} must be an integer >= 1, got {getattr(self, name)!r}")
+        if self.init_layer is not None and (not isinstance(self.init_layer, int) or self.init_layer < 0):
+            raise ConfigError(f"init-layer must be an integer >= 0, got {self.init_layer!r}")
         if not 0 < self.held_out < 1:
             raise ConfigError(f"held-out fraction must be in (0, 1), got {self.held_out}")
         if self.learning_rate <= 0 or self.max_minutes <= 0:
@@ -223,11 +225,22 @@ def _fingerprint_corpus(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
 
 
+def check_fits(target, config: TrainConfig) -> None:
+    """A ConfigError where `config` asks for layers the target does not have: checked before
+    anything long runs (generating a corpus, labelling it)."""
+    layers = target.model.config.num_hidden_layers
+    if not 1 <= config.exit_layer <= layers:
+        raise ConfigError(f"exit layer must be in 1..{layers}, got {config.exit_layer}")
+    if config.init_layer is not None and config.init_layer >= layers:
+        raise ConfigError(f"init layer must be in 0..{layers - 1}, got {config.init_layer}")
+
+
 def train_exit_head(target, corpus_path: Path, out_dir: Path, config: TrainConfig, *, resume: bool = False,
                     progress_factory=None, log: Callable[[str], None] = print) -> dict:
     """Label, train and evaluate; writes the head (and checkpoints) into `out_dir`.
     Returns the training summary that is also stored in the head's JSON."""
     started = time.perf_counter()
+    check_fits(target, config)
     out_dir.mkdir(parents=True, exist_ok=True)
     checkpoint_path = out_dir / CHECKPOINT
     if checkpoint_path.exists() and not resume:
