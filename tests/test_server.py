@@ -232,10 +232,10 @@ def test_method_variants_choose_settings_per_request(client, main_server):
 
 def test_settings_a_method_refuses_while_sampling_are_a_400(main_server):
     """Valid settings that the method refuses only with the request's sampling (a controller that
-    would bias sampled drafts), found when the worker builds it: a 400 naming why, not a 500."""
+    would bias sampled drafts): a 400 naming why and the field, before the request is queued."""
     body = {"prompt": "hi", "max_tokens": 4, "method": "sps/adaptive", "temperature": 1}
     error = assert_error(post(main_server.url + "/v1/completions", headers=auth(), json=body), 400)
-    assert "adaptive controller" in error["message"], error
+    assert "adaptive controller" in error["message"] and error["param"] == "method", error
 
 
 def test_completion_stream_reassembles(client):

@@ -564,6 +564,11 @@ def test_the_library_takes_a_method_with_settings(tiny_targets):
     assert ids == reference and len(stats.accepted_per_position) == 8  # trees of up to 8 tokens
     with pytest.raises(ConfigError, match="tree is given twice, as 4 and as 8"):
         make_request(target, prompt, "anpd/tree=8", options=MethodOptions(tree=4))
+    # settings that do not go together are refused with the request, before anything runs
+    with pytest.raises(ConfigError, match="an anpd option"):
+        make_request(target, prompt, "pld", options=MethodOptions(tree=4))
+    with pytest.raises(ConfigError, match="adaptive controller .* would bias sps's sampled drafts"):
+        make_request(target, prompt, "sps/adaptive", temperature=1.0)
 
 
 @pytest.mark.parametrize("args,message", [

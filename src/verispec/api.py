@@ -11,7 +11,7 @@ from typing import Iterator, Sequence
 
 from .engine import DecodeConfig, decode
 from .errors import ConfigError
-from .methods import MethodOptions, build, get_method, parse_variant, with_settings
+from .methods import MethodOptions, build, check_settings, get_method, parse_variant, with_settings
 from .model import Target
 from .sampling import SamplingConfig
 from .stats import GenerationStats
@@ -45,6 +45,7 @@ class Request:
         if not self.prompt_ids:
             raise ConfigError("the prompt is empty")
         DecodeConfig(self.max_new_tokens, self.sampling)  # validates the budget
+        check_settings(self.method, self.options, self.sampling)
 
 
 class TextStream:

@@ -278,23 +278,33 @@ def _tree_budget(target: Target, tree: int) -> int:
     return tree
 
 
-def build(name: str, target: Target, options: MethodOptions = MethodOptions(),
-          sampling: SamplingConfig = SamplingConfig()) -> Recipe:
-    """A fresh recipe (drafter with its own state, controller, rule) for one request."""
+def check_settings(name: str, options: MethodOptions, sampling: SamplingConfig) -> None:
+    """A ConfigError where a method's settings do not go together, for any target: tree drafts for
+    a method other than anpd, or, under sampling, a controller that cuts a drawn draft after
+    seeing it (which would bias what is accepted). `build` checks it; shells call it first, to
+    refuse a request before it runs."""
     method = get_method(name)
     if options.tree and method.name not in ("anpd", "ar"):  # ar drafts nothing, whatever the options say
         raise ConfigError(f"tree drafts (tree={options.tree}) are an anpd option, not one of {method.name}")
+    spec = options.controller or method.default_controller
+    if method.name != "ar" and method.draws and not sampling.greedy and controller_name(spec) in CUTS_AFTER_DRAFTING:
+        raise ConfigError(
+            f"the {controller_name(spec)} controller chooses how much of a draft to verify after "
+            f"seeing all of it, which would bias {method.name}'s sampled drafts; use constant, "
+            f"heuristic, beta-ts or calibrated-ts (they stop before drawing the next token)"
+        )
+
+
+def build(name: str, target: Target, options: MethodOptions = MethodOptions(),
+          sampling: SamplingConfig = SamplingConfig()) -> Recipe:
+    """A fresh recipe (drafter with its own state, controller, rule) for one request."""
+    check_settings(name, options, sampling)
+    method = get_method(name)
     length = options.draft_length if options.draft_length is not None else method.default_length
     if method.name == "ar":  # nothing to draft, whatever the options say
         controller = parse_controller("constant", 0)
     else:
         spec = options.controller or method.default_controller
-        if method.draws and not sampling.greedy and controller_name(spec) in CUTS_AFTER_DRAFTING:
-            raise ConfigError(
-                f"the {controller_name(spec)} controller chooses how much of a draft to verify after "
-                f"seeing all of it, which would bias {method.name}'s sampled drafts; use constant, "
-                f"heuristic, beta-ts or calibrated-ts (they stop before drawing the next token)"
-            )
         # What the controller learns carries over to the next request with the same drafter,
         # settings and controller (see ControllerMemory); the seed is not part of the key.
         key = (method.name, spec, length, options, sampling.temperature, sampling.top_k, sampling.top_p)

@@ -56,7 +56,7 @@ from starlette.requests import ClientDisconnect
 
 from ..api import Request as GenerationRequest
 from ..errors import ConfigError, UnknownMethodError, VerispecError
-from ..methods import TREE_MAX_NODES, MethodOptions, method_request
+from ..methods import TREE_MAX_NODES, MethodOptions, check_settings, method_request
 from ..model import Target
 from ..sampling import SamplingConfig
 from ..text import encode_messages, encode_prompt
@@ -517,6 +517,10 @@ def create_app(target: Target, settings: ServerSettings | None = None) -> FastAP
             param = next((p for p in ("temperature", "top_k", "top_p", "seed") if str(error).startswith(p)), None)
             raise _invalid(str(error), param=param) from None
         name, options = method
+        try:
+            check_settings(name, options, sampling)
+        except ConfigError as error:  # settings that do not go with this request's sampling
+            raise _invalid(str(error), param="method") from None
         try:
             return GenerationRequest(tuple(ids), name, max_tokens, sampling, body.stop_strings(), options)
         except ConfigError as error:
