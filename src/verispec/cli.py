@@ -19,8 +19,10 @@ from rich.table import Table
 
 from .errors import VerispecError
 
-# typer (pinned) carries its own copy of click; its usage errors are these classes, not click's.
-from typer._click import exceptions as usage
+try:  # typer 0.29 (pinned) carries its own copy of click: its usage errors are these classes
+    from typer._click import exceptions as usage
+except ImportError:  # typer releases that use click itself
+    from click import exceptions as usage
 
 
 class _OneLineErrors(typer.core.TyperGroup):
