@@ -218,14 +218,18 @@ def test_method_field_and_lossless_methods_agree(client):
 
 
 def test_method_variants_choose_settings_per_request(client, main_server):
-    """The `method` field takes `verispec bench --methods` settings; lossless ones keep the text."""
-    texts = {}
-    for method in ("ar", "anpd/tree=8", "anpd/ngram_memory=false/span_min=0", "pld/constant:4"):
+    """The `method` field takes `verispec bench --methods` settings, which reach the drafter
+    (`pld/constant:2` drafts 2 tokens at most, where `pld` drafts up to 10); lossless ones keep
+    the text."""
+    texts, longest = {}, {}
+    for method in ("ar", "anpd/tree=8", "anpd/ngram_memory=false/span_min=0", "pld", "pld/constant:2"):
         response = client.completions.create(model=MODEL_ID, prompt="abc abc abc", max_tokens=16,
                                              extra_body={"method": method}, **GREEDY)
         assert extension(response)["method"] == method.split("/")[0]
         texts[method] = response.choices[0].text
+        longest[method] = len(extension(response)["accepted_per_position"])  # the longest draft verified
     assert len(set(texts.values())) == 1, texts
+    assert longest["pld/constant:2"] == 2 < longest["pld"], longest
     metrics = get(main_server.url + "/metrics", headers=auth()).text
     assert 'method="anpd"' in metrics and "anpd/" not in metrics  # labelled by method, not by its settings
 

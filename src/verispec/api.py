@@ -11,7 +11,7 @@ from typing import Iterator, Sequence
 
 from .engine import DecodeConfig, decode
 from .errors import ConfigError
-from .methods import MethodOptions, build, check_settings, get_method, parse_variant, with_settings
+from .methods import MethodOptions, build, check_settings, get_method, with_settings
 from .model import Target
 from .sampling import SamplingConfig
 from .stats import GenerationStats
@@ -83,10 +83,8 @@ class TextStream:
 
 def sampling_for(method: str, temperature: float | None = None, top_k: int | None = None,
                  top_p: float | None = None, seed: int | None = None) -> SamplingConfig:
-    """The sampling configuration of a request: given values, else the defaults of the method
-    (a name, or a name with settings: `methods.with_settings`)."""
-    defaults = {"temperature": 0.0, "top_k": 0, "top_p": 1.0,
-                **(get_method(parse_variant(method)[0]).default_sampling or {})}
+    """The sampling configuration of a request: given values, else the method's defaults."""
+    defaults = {"temperature": 0.0, "top_k": 0, "top_p": 1.0, **(get_method(method).default_sampling or {})}
     given = {"temperature": temperature, "top_k": top_k, "top_p": top_p}
     chosen = {key: defaults[key] if value is None else value for key, value in given.items()}
     return SamplingConfig(seed=seed, **chosen)

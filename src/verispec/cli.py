@@ -271,13 +271,13 @@ def generate(
             checked_text(text, "--stop")
         _check_numerics(numerics)
         _check_device(device, compile)
-        sampling = sampling_for(method, temperature, top_k, top_p, seed)  # --compare's ar samples alike
-        DecodeConfig(max_new_tokens, sampling)
         mtad_knobs = {name: value for name, value in (("beams", beams), ("tau", tau)) if value is not None}
         name, options = with_settings(method, MethodOptions(
             draft_length=draft_length, controller=controller, exit_head=exit_head, draft_model=draft_model,
             ngram_memory=ngram_memory, **mtad_knobs, **({"tree": tree} if tree is not None else {}),
             **({"span_min": span_min} if span_min is not None else {})))
+        sampling = sampling_for(name, temperature, top_k, top_p, seed)  # --compare's ar samples alike
+        DecodeConfig(max_new_tokens, sampling)
         _refuse_unused_options([name], draft_length=draft_length, controller=controller, exit_head=exit_head,
                                draft_model=draft_model, beams=beams, tau=tau, ngram_memory=ngram_memory, tree=tree,
                                span_min=span_min)
