@@ -576,19 +576,18 @@ class Target:
         ids = torch.tensor(list(tokens), dtype=torch.long, device=self.device)  # [m]
         self._tree_slots = (start, tree.slots.tolist())
         if lazy and self._batch_invariant(len(tokens), layers=True):
-            return self._staged_tree(ids, tree)
+            return self._staged_tree(ids, tree, start)
         x = self._fast.run(self._fast.embed(ids), start, self.cache, tree=tree)
         return self._logits(self._fast.norm(x), lazy)
 
-    def _staged_tree(self, ids: torch.Tensor, tree: Tree) -> LazyRows:
+    def _staged_tree(self, ids: torch.Tensor, tree: Tree, start: int) -> LazyRows:
         """A tree verify of `ids` [m] placed by `tree`, in two parts (`_in_two_parts`): rows
         0..FIRST-1 now, the rest when a rule first reads one of them. The rows come by decreasing
         path probability with every ancestor before its children, so a walk that stops in the
         first rows never pays for the others. The same bits as one call: each row is computed
         on its own through the C layers and the int8 head, and the rest's rows see their
         ancestors' keys and values, which the first part wrote to their slots (`Tree.rows`)."""
-        tree_slots = self._tree_slots
-        start = tree_slots[0]
+        tree_slots = self._tree_slots  # this tree's, set by forward_tree
 
         def part(begin: int, end: int) -> torch.Tensor:  # -> [end - begin, vocab]
             x = self._fast.run(self._fast.embed(ids[begin:end]), start, self.cache, tree=tree.rows(begin, end))
