@@ -17,8 +17,8 @@ from verispec.bench import runner
 from verispec.bench.datasets import Question
 from verispec.drafters import ngram
 from verispec.errors import ConfigError
-from verispec.drafters.ngram import (MEMORY_ATTACHMENT, AnpdDrafter, NgramConfig, NgramMemory, shared_memory,
-                                     switch_off_memory)
+from verispec.drafters.base import memory_switched_off, switch_off_memory
+from verispec.drafters.ngram import MEMORY_ATTACHMENT, AnpdDrafter, NgramConfig, NgramMemory, shared_memory
 from verispec.methods import MethodOptions, build, parse_variant
 from verispec.model import Target
 from verispec.sampling import SamplingConfig
@@ -218,7 +218,7 @@ def test_switched_off_target_ignores_the_option():
     switch_off_memory(target.attachments)
     for prompt in prompts()[:3]:
         assert steps_of(target, MethodOptions(), prompt) == old_steps(reference, prompt)
-    assert target.attachments[MEMORY_ATTACHMENT] is None
+    assert not target.attachments.get(MEMORY_ATTACHMENT)  # no store was made
 
 
 def test_a_first_request_drafts_as_without_memory():
@@ -282,15 +282,16 @@ def test_bench_switched_off_target_stays_off(tmp_path):
     questions = [Question(i, "c", "the cat sat on the mat " * 2) for i in range(2)]
     records = _bench(target, tmp_path, ["anpd/constant:8"], questions)
     assert records[0]["accepted"] == records[1]["accepted"]
-    assert target.attachments[MEMORY_ATTACHMENT] is None
+    assert memory_switched_off(target.attachments) and MEMORY_ATTACHMENT not in target.attachments
 
 
 # -- the command line ------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("args,message", [
-    (["generate", "hi", "-m", "pld", "--no-ngram-memory"], "--no-ngram-memory is used only by anpd, not by pld"),
-    (["bench", "--methods", "ar,pld", "--peers", "", "--no-ngram-memory"], "--no-ngram-memory is used only by anpd, not by ar, pld"),
+    (["generate", "hi", "-m", "pld", "--no-ngram-memory"], "--no-ngram-memory is used only by anpd, suffix, not by pld"),
+    (["bench", "--methods", "ar,pld", "--peers", "", "--no-ngram-memory"],
+     "--no-ngram-memory is used only by anpd, suffix, not by ar, pld"),
     (["bench", "--methods", "anpd/ngram_memory=maybe", "--peers", ""], "ngram_memory must be true or false"),
 ])
 def test_cli_refuses_the_switch_where_nothing_uses_it(monkeypatch, tmp_path, args, message):
@@ -328,6 +329,8 @@ def test_cli_switch_reaches_the_options_and_the_server_target(monkeypatch, tmp_p
     assert [o.ngram_memory for o in seen["options"]] == [False]
     result = CliRunner().invoke(cli.app, ["generate", "the cat", "-n", "4"])
     assert [o.ngram_memory for o in seen["options"]] == [False, True]
+    result = CliRunner().invoke(cli.app, ["generate", "the cat", "-n", "4", "-m", "suffix", "--no-ngram-memory"])
+    assert [o.ngram_memory for o in seen["options"]][2:] == [False], result.output  # suffix's switch too
 
     import uvicorn
 
@@ -335,4 +338,4 @@ def test_cli_switch_reaches_the_options_and_the_server_target(monkeypatch, tmp_p
     monkeypatch.setattr(uvicorn.Server, "run", lambda self, sockets=None: None)
     result = CliRunner().invoke(cli.app, ["serve", "--no-ngram-memory"])
     assert result.exit_code == 0, result.output
-    assert target.attachments[MEMORY_ATTACHMENT] is None
+    assert memory_switched_off(target.attachments)

@@ -23,7 +23,8 @@ from verispec.drafters import suffix
 from verispec.drafters.suffix import SuffixConfig, SuffixDrafter, best_path, conditional_probs, shared_store
 from verispec.engine import Recipe
 from verispec.errors import ConfigError
-from verispec.methods import MethodOptions, build, method_names, parse_variant
+from verispec.drafters.base import switch_off_memory
+from verispec.methods import MethodOptions, build, method_names, parse_variant, with_settings
 from verispec.model import Target
 from verispec.sampling import SamplingConfig
 
@@ -87,8 +88,18 @@ def test_bad_knobs_are_refused(knobs):
 
 @pytest.mark.parametrize("make", [lambda: MethodOptions(draft_length=0), lambda: MethodOptions(controller="adaptive:0"),
                                   lambda: MethodOptions(controller="nonsense"),
-                                  lambda: parse_variant("suffix/max_tree_depth=3"),
-                                  lambda: parse_variant("suffix/constant:x")])
+                                  lambda: parse_variant("suffix/constant:x"),
+                                  lambda: parse_variant("suffix/max_tree_depth=0"),
+                                  lambda: parse_variant(f"suffix/max_tree_depth={suffix.MAX_TREE_DEPTH + 1}"),
+                                  lambda: parse_variant("suffix/max_tree_depth=x"),
+                                  lambda: parse_variant("suffix/max_spec_factor=0"),
+                                  lambda: parse_variant("suffix/min_token_prob=1.5"),
+                                  lambda: parse_variant("suffix/max_cached_requests=-2"),
+                                  lambda: parse_variant("anpd/max_spec_factor=2"),  # a suffix option
+                                  lambda: parse_variant("pld/max_cached_requests=0"),
+                                  # memory off and a size for it: one would be ignored
+                                  lambda: parse_variant("suffix/ngram_memory=false/max_cached_requests=5"),
+                                  lambda: with_settings("suffix/max_spec_factor=2", MethodOptions(max_spec_factor=3.0))])
 def test_bad_method_options_are_refused(make):
     with pytest.raises(ConfigError):
         make()
@@ -143,6 +154,53 @@ def test_the_global_cache_drafts_from_earlier_outputs():
     runs = [helpers.run(fresh, Recipe(drafter(), ConstantLength(24), verify_lossless), p, 60)[1]
             for p in prompts + prompts]
     assert [s.accepted for s in runs[:2]] == [s.accepted for s in runs[2:]]
+
+
+def test_method_settings_reach_the_cache():
+    """suffix/KEY=VALUE sets the cache's knobs; a smaller spec factor drafts less on the same
+    requests (the knob reaches `speculate`), with the same outputs."""
+    needs_arctic()
+    name, options = with_settings("suffix/max_tree_depth=8/max_spec_factor=0.5/min_token_prob=0.3/max_cached_requests=2")
+    target = helpers.make_target("llama")
+    store = build(name, target, options).drafter.store
+    assert store.config == SuffixConfig(max_tree_depth=8, max_cached_requests=2, max_spec_factor=0.5,
+                                        min_token_prob=0.3)
+    assert (store.cache.max_tree_depth, store.cache.max_cached_requests) == (8, 2)
+    prompts = [helpers.repetitive_prompt(128, seed) for seed in range(2)]
+    drafted = {}
+    for spec in ("suffix/constant:24", "suffix/constant:24/max_spec_factor=0.25"):
+        name, options = with_settings(spec)
+        drafted[spec] = sum(s.drafted for s in run_requests(helpers.make_target("llama"), prompts, options))
+    assert 0 < drafted["suffix/constant:24/max_spec_factor=0.25"] < drafted["suffix/constant:24"], drafted
+
+
+@pytest.mark.parametrize("switch", ["option", "target"])
+def test_without_memory_there_is_no_global_tree(switch):
+    """ngram_memory=false, or a target whose memory is switched off (the server's
+    --no-ngram-memory, whatever the request asks), keeps no earlier output: the same requests
+    again draft exactly as the first time."""
+    needs_arctic()
+    target = helpers.make_target("llama")
+    prompts = [torch.randint(0, 128, (12,), generator=torch.Generator().manual_seed(s)).tolist() for s in (7, 8)]
+    options = MethodOptions(controller="constant:24")
+    if switch == "option":
+        options = MethodOptions(controller="constant:24", ngram_memory=False)
+    else:
+        switch_off_memory(target.attachments)
+    first = run_requests(target, prompts, options, max_new=60)
+    again = run_requests(target, prompts, options, max_new=60)
+    assert [s.accepted for s in again] == [s.accepted for s in first]
+    assert [store.config.max_cached_requests for store in stores(target)] == [0]
+    assert not stores(target)[0].cache.cached_requests
+
+
+def test_stores_are_bounded():
+    needs_arctic()
+    attachments: dict = {}
+    for depth in range(1, suffix.MAX_STORES + 3):
+        last = shared_store(attachments, SuffixConfig(max_tree_depth=depth))
+    assert len(attachments[suffix.ATTACHMENT]) == suffix.MAX_STORES
+    assert shared_store(attachments, SuffixConfig(max_tree_depth=suffix.MAX_STORES + 2)) is last
 
 
 def test_requests_are_stopped():

@@ -97,7 +97,7 @@ DRAFT_LENGTH_OPTION = typer.Option(None, "--draft-length", "-k", help="Most toke
 CONTROLLER_OPTION = typer.Option(None, help="Draft-length controller: constant[:K], heuristic[:K], adaptive[:K], beta-ts[:K], calibrated-ts[:K].")
 NGRAM_MEMORY_OPTION = typer.Option(
     True, "--ngram-memory/--no-ngram-memory",
-    help="anpd: also draft from the n-grams of earlier requests on the same model (outputs never change; in a server one user's text can change another's speed).",
+    help="Memory across requests: anpd also drafts from the n-grams of earlier requests on the same model, suffix from its tree of earlier outputs (outputs never change; in a server one user's text can change another's speed).",
 )
 
 
@@ -178,7 +178,7 @@ def _refuse_unused_options(methods: Sequence[str], *, draft_length: Optional[int
     for option, value, users, note in (
         ("--beams", beams, ["mtad"], ""),
         ("--tau", tau, ["mtad"], ""),
-        ("--no-ngram-memory", None if ngram_memory in (None, True) else False, ["anpd"], ""),
+        ("--no-ngram-memory", None if ngram_memory in (None, True) else False, ["anpd", "suffix"], ""),
         ("--tree", tree, ["anpd"], ""),
         ("--span-min", span_min, ["anpd"], ""),
         ("--draft-model", draft_model, ["sps", "mtad", *draft_model_peers], ""),
@@ -617,7 +617,7 @@ def serve(
         sock = _listen(host, port)
         target = _load(model, dtype, fast, block_kernel, numerics, device, compile)
         if not ngram_memory:  # for every request, whatever method it asks for
-            from .drafters.ngram import switch_off_memory
+            from .drafters.base import switch_off_memory
 
             switch_off_memory(target.attachments)
     except VerispecError as error:

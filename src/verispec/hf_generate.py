@@ -31,7 +31,8 @@ settings as in `verispec bench --methods`, e.g. "anpd/tree=8"), `seed=`,
 `stats=` (a `verispec.GenerationStats`, overwritten with this call's counts: drafted, accepted,
 target forwards, timings), and every `verispec.MethodOptions` field: `draft_length`,
 `controller`, `ngram_max_n`, `span_min`, `pld_max_ngram`, `exit_head`, `draft_model`, `beams`, `tau`,
-`head_int8`, `ngram_memory`, `tree` (left unset: the method's default).
+`head_int8`, `ngram_memory`, `tree`, and suffix's `max_tree_depth`, `max_spec_factor`, `min_token_prob`,
+`max_cached_requests` (left unset: the method's default).
 
 Refused with a `ConfigError` (a ValueError) naming the option: a batch of more than one
 sequence, `num_return_sequences` > 1, an attention mask with padding, beam search and the other
@@ -127,6 +128,10 @@ def transformers_generate(
     ngram_memory: bool | None = None,
     tree: int | None = None,
     span_min: int | None = None,
+    max_tree_depth: int | None = None,
+    max_spec_factor: float | None = None,
+    min_token_prob: float | None = None,
+    max_cached_requests: int | None = None,
     stats: GenerationStats | None = None,
     **model_kwargs,
 ):

@@ -19,7 +19,7 @@ from .drafters.base import Drafter, NullDrafter
 from .drafters.early_exit import EarlyExitDrafter, ExitHeadLM, PreparedHead, load_head
 from .drafters.model import AuxLM, BeamDrafter, DraftLM, SampledDrafter
 from .drafters.ngram import AnpdDrafter, NgramConfig, PromptLookupDrafter
-from .drafters.suffix import SuffixDrafter
+from .drafters.suffix import SuffixConfig, SuffixDrafter
 from .engine import Recipe, Rule
 from .errors import ConfigError, ModelLoadError, UnknownMethodError
 from .model import DEFAULT_MODEL_NAME, Target, load
@@ -50,6 +50,11 @@ class MethodOptions:
     ngram_memory: bool = True  # ANPD: also draft from earlier requests on the target (drafters.ngram)
     tree: int = 0  # ANPD: node budget of tree drafts, verified in one forward (0: single-path drafts)
     span_min: int = NgramConfig.span_min  # ANPD: shortest long match copied from (0: none; drafters.spans)
+    # suffix (drafters.suffix.SuffixConfig, vLLM's defaults); ngram_memory=False means no global tree
+    max_tree_depth: int = SuffixConfig.max_tree_depth  # depth of its suffix trees
+    max_spec_factor: float = SuffixConfig.max_spec_factor  # a draft is at most this x the match length
+    min_token_prob: float = SuffixConfig.min_token_prob  # a draft stops where its estimate falls below
+    max_cached_requests: int = SuffixConfig.max_cached_requests  # earlier outputs in its global tree
 
     def __post_init__(self) -> None:
         if isinstance(self.tree, bool) or not isinstance(self.tree, int) or not 0 <= self.tree <= TREE_MAX_NODES:
@@ -57,6 +62,10 @@ class MethodOptions:
         NgramConfig(max_n=self.ngram_max_n, span_min=self.span_min)  # validates the ANPD knobs
         if not isinstance(self.ngram_memory, bool):
             raise ConfigError(f"ngram_memory must be true or false, got {self.ngram_memory!r}")
+        self.suffix_config()  # validates the suffix knobs
+        if not self.ngram_memory and self.max_cached_requests not in (0, SuffixConfig.max_cached_requests):
+            raise ConfigError(f"max_cached_requests={self.max_cached_requests} sizes suffix's memory across requests, "
+                              f"which ngram_memory=false turns off; give only one")
         if not isinstance(self.beams, int) or self.beams < 1:
             raise ConfigError(f"beams must be an integer >= 1, got {self.beams!r}")
         if not isinstance(self.tau, (int, float)) or not self.tau > 0:
@@ -67,6 +76,12 @@ class MethodOptions:
             parse_controller(self.controller, self.draft_length or 1)  # validates the spec
         if self.exit_head is not None and not Path(self.exit_head).expanduser().is_dir():
             raise ConfigError(f"exit head directory not found: {self.exit_head}")
+
+    def suffix_config(self) -> SuffixConfig:
+        """suffix's knobs; no global tree (max_cached_requests 0) without memory across requests."""
+        return SuffixConfig(max_tree_depth=self.max_tree_depth, max_spec_factor=self.max_spec_factor,
+                            min_token_prob=self.min_token_prob,
+                            max_cached_requests=self.max_cached_requests if self.ngram_memory else 0)
 
 
 MakeDrafter = Callable[[Target, MethodOptions, SamplingConfig], Drafter]
@@ -153,7 +168,7 @@ METHODS: dict[str, Method] = {
                False, 4, lambda target, options, sampling: BeamDrafter(draft_lm(target, options), options.beams, sampling),
                make_rule=lambda options: verify_joint(options.tau), default_sampling=MTAD_SAMPLING, draws=True),
         Method("suffix", "SuffixDecoding: suffix trees over the prompt and earlier outputs (make suffix)", True, 24,
-               lambda target, options, sampling: SuffixDrafter.for_target(target.attachments)),
+               lambda target, options, sampling: SuffixDrafter.for_target(target.attachments, options.suffix_config())),
     )
 }
 
@@ -170,7 +185,9 @@ def _flag(value: str) -> bool:
 
 _DEFAULT_OPTIONS = MethodOptions()
 
-VARIANT_OPTIONS = {"tau": float, "beams": int, "head_int8": _flag, "ngram_memory": _flag, "tree": int, "span_min": int}
+SUFFIX_OPTIONS = {"max_tree_depth": int, "max_spec_factor": float, "min_token_prob": float, "max_cached_requests": int}
+VARIANT_OPTIONS = {"tau": float, "beams": int, "head_int8": _flag, "ngram_memory": _flag, "tree": int, "span_min": int,
+                   **SUFFIX_OPTIONS}
 
 
 def parse_variant(spec: str) -> tuple[str, str | None, dict]:
@@ -178,8 +195,8 @@ def parse_variant(spec: str) -> tuple[str, str | None, dict]:
 
     Used by the benchmark to run one method under several settings side by side, and by
     `with_settings` for every other shell's `method`, e.g.
-    'eesd/constant:4', 'mtad/tau=0.1', 'eesd/head_int8=false' or 'anpd/tree=8'. KEY is one of
-    VARIANT_OPTIONS.
+    'eesd/constant:4', 'mtad/tau=0.1', 'eesd/head_int8=false', 'anpd/tree=8' or
+    'suffix/max_spec_factor=2'. KEY is one of VARIANT_OPTIONS.
     Validated."""
     name, *parts = spec.split("/")
     method = get_method(name.strip())
@@ -201,6 +218,9 @@ def parse_variant(spec: str) -> tuple[str, str | None, dict]:
     for key in ("tree", "span_min"):
         if overrides.get(key) and method.name != "anpd":
             raise ConfigError(f"in {spec!r}: {key} is an anpd option")
+    for key in SUFFIX_OPTIONS:
+        if key in overrides and method.name != "suffix":
+            raise ConfigError(f"in {spec!r}: {key} is a suffix option")
     return method.name, controller, overrides
 
 
@@ -225,12 +245,16 @@ def with_settings(spec: str, options: MethodOptions | None = None) -> tuple[str,
     return name, replace(base, **settings) if settings else base
 
 
-def method_request(spec: str, max_draft_length: int | None = None,
-                   max_beams: int | None = None) -> tuple[str, MethodOptions]:
+def method_request(spec: str, max_draft_length: int | None = None, max_beams: int | None = None,
+                   max_cached_requests: int | None = None) -> tuple[str, MethodOptions]:
     """`with_settings(spec)`, refused (a ConfigError) where it asks for more than
     `max_draft_length` draft tokens a step or `max_beams` beams (bounds on what one request may
-    make a forward compute: the server's)."""
+    make a forward compute: the server's), or for a suffix cache of more than
+    `max_cached_requests` earlier outputs (-1, unbounded, included)."""
     name, options = with_settings(spec)
+    cached = options.max_cached_requests
+    if max_cached_requests is not None and not 0 <= cached <= max_cached_requests:
+        raise ConfigError(f"in {spec!r}: max_cached_requests must be from 0 to {max_cached_requests}, got {cached}")
     length = get_method(name).default_length
     if options.controller is not None and ":" in options.controller:
         length = int(options.controller.partition(":")[2])

@@ -87,7 +87,7 @@ class BenchSettings:
     fast: bool = True  # the fast forward path
     block_kernel: bool = True  # exact int8 block weights on the fast path (GGUF models)
     top_k: int = 0
-    ngram_memory: bool = True  # anpd drafts also from earlier requests (a variant may override)
+    ngram_memory: bool = True  # anpd and suffix draft also from earlier requests (a variant may override)
     numerics: str = "int8"  # how the block kernel multiplies (model.load)
     device: str = "cpu"  # as resolved: "cpu", "cuda:N" or "auto-map" (model.load)
     compile: bool = False  # the compiled CUDA decode step (model.load)
@@ -426,7 +426,8 @@ def _earlier_answers(question: Question, by_key: dict, answers: dict, name: str,
 class _Memories:
     """Puts one memory across requests per scope into the target's attachments (ANPD's n-gram
     store and SuffixDecoding's caches; see the module docstring), and restores what was there. A
-    target whose n-gram memory is switched off keeps it off."""
+    target whose memory is switched off (`drafters.base.switch_off_memory`) keeps it off: the
+    drafters read that switch, not these stores."""
 
     KEYS = (MEMORY_ATTACHMENT, SUFFIX_ATTACHMENT)
 
@@ -437,9 +438,6 @@ class _Memories:
 
     def use(self, scope: tuple) -> None:
         for key in self.KEYS:
-            had, saved = self.saved[key]
-            if key == MEMORY_ATTACHMENT and had and saved is None:
-                continue  # switched off on this target
             self.attachments[key] = self.scopes.setdefault((key, scope), {})
 
     def restore(self) -> None:

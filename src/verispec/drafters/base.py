@@ -3,6 +3,10 @@
 A drafter proposes tokens that the target then verifies. It owns its own per-request state
 (n-gram tables, its KV cache, an exit head's cache) and nothing else; the engine calls, per
 request, `begin` once, then per step `propose` and `commit`.
+
+Also owns the one switch for what drafters keep across requests on a target
+(`switch_off_memory`): ANPD's n-gram memory and SuffixDecoding's tree of earlier outputs both
+read it, so a server can promise that no request's drafts depend on another's text.
 """
 
 from __future__ import annotations
@@ -18,6 +22,19 @@ import torch
 # verify, what was accepted) and feeds them back as Python ints, so ids made on a GPU would cost
 # a transfer each way. Probabilities (q, q_tokens) live where the logits they came from are.
 HOST = torch.device("cpu")
+
+MEMORY_OFF = "memory-across-requests-off"  # Target.attachments key: True once switched off
+
+
+def switch_off_memory(attachments: dict) -> None:
+    """No memory across requests on this target (its `attachments`), whatever a request's options
+    say: ANPD drafts from the request's own tables only (`ngram.shared_memory` gives None) and
+    SuffixDecoding keeps no global tree (`suffix.shared_store`: max_cached_requests 0)."""
+    attachments[MEMORY_OFF] = True
+
+
+def memory_switched_off(attachments: dict) -> bool:
+    return bool(attachments.get(MEMORY_OFF))
 
 
 @dataclass(frozen=True)

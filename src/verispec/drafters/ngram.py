@@ -39,7 +39,7 @@ the own tables do not match at the largest n, and one more update per level for 
 indexed: still O(max_n) per token. Bounds: MEMORY_MAX_KEYS keys per level, with the tables' LRU
 over writes and per-key candidate cap; MEMORY_MAX_TOKENS tokens of streams (oldest request out);
 at most MEMORY_STORES configs per target (least recently used out).
-`switch_off_memory` turns it off for a whole target (the server's --no-ngram-memory).
+`base.switch_off_memory` turns it off for a whole target (the server's --no-ngram-memory).
 
 Tree drafts (`AnpdDrafter(tree=N)`, the method option `tree`): the draft branches where the
 tables offer several next tokens (a key's other continuations, shorter keys' and the memory's
@@ -70,7 +70,7 @@ import numpy as np
 import torch
 
 from ..errors import ConfigError
-from .base import HOST, Draft, Keep, keep_all, kept_prefix
+from .base import HOST, Draft, Keep, keep_all, kept_prefix, memory_switched_off
 from .spans import Span, SpanIndex
 
 SPAN_KEY = 4  # tokens of the n-grams a long match is looked up by (`SpanIndex.key`)
@@ -269,7 +269,7 @@ MEMORY_MAX_KEYS = 1 << 15
 # most recently written 4-grams: ~21 MiB at both bounds (tracemalloc, random 600-token requests).
 MEMORY_MAX_TOKENS = 1 << 18
 MEMORY_STORES = 4  # configs (e.g. ngram_max_n values) with a store on one target; LRU beyond
-MEMORY_ATTACHMENT = "ngram-memory"  # Target.attachments key: {NgramConfig: NgramMemory} or None (off)
+MEMORY_ATTACHMENT = "ngram-memory"  # Target.attachments key: {NgramConfig: NgramMemory}
 
 
 class NgramMemory:
@@ -312,10 +312,10 @@ def span_kind(length: int, other: bool) -> tuple:
 def shared_memory(attachments: dict, config: NgramConfig) -> NgramMemory | None:
     """The memory for `config` kept in a target's `attachments` (created empty on first use;
     at most MEMORY_STORES configs, least recently used out), or None when the target's memory
-    is switched off (`switch_off_memory`). Only the thread that owns the target may call it."""
-    stores = attachments.setdefault(MEMORY_ATTACHMENT, {})
-    if stores is None:
+    is switched off (`base.switch_off_memory`). Only the thread that owns the target may call it."""
+    if memory_switched_off(attachments):
         return None
+    stores = attachments.setdefault(MEMORY_ATTACHMENT, {})
     memory = stores.pop(config, None)
     if memory is None:
         memory = NgramMemory(config)
@@ -323,11 +323,6 @@ def shared_memory(attachments: dict, config: NgramConfig) -> NgramMemory | None:
     while len(stores) > MEMORY_STORES:
         del stores[next(iter(stores))]
     return memory
-
-
-def switch_off_memory(attachments: dict) -> None:
-    """No memory across requests on this target, whatever the requests' options say."""
-    attachments[MEMORY_ATTACHMENT] = None
 
 
 class AnpdDrafter:

@@ -9,7 +9,13 @@ context it can in either tree and proposes the continuation seen most often afte
 with an estimated probability (its count over its parent's along the path). A draft is at most
 `max_spec_factor * match length` tokens long and stops where the estimate falls under
 `min_token_prob`; the trees are `max_tree_depth` deep. The defaults are vLLM's
-(`suffix_decoding_*`: depth 24, 10000 cached requests, factor 1.0, min probability 0.1).
+(`suffix_decoding_*`: depth 24, 10000 cached requests, factor 1.0, min probability 0.1); each
+is a method setting (`suffix/max_spec_factor=2/min_token_prob=0.2`, `SuffixConfig`).
+
+Memory across requests: the global tree. `suffix/ngram_memory=false` (the switch ANPD's memory
+has) means no global tree (max_cached_requests 0: each request drafts from its own prompt and
+output only), and so does a target whose memory is switched off (`base.switch_off_memory`, the
+server's --no-ngram-memory), whatever the request asks.
 
 Tree to path: the library can return a tree of candidates (`use_tree_spec`), but our engine
 verifies one path per step, so a draft is reduced to one path (`best_path`): the path whose
@@ -57,7 +63,7 @@ nothing more). Output tokens past a stop token may reach the cache in the last s
 commits whole steps before cutting them); they are the target's own tokens, and harmless.
 
 Privacy, in a server: as with ANPD's memory, other users' outputs shape the drafts, hence the
-latency (never the output) of a request.
+latency (never the output) of a request, unless the memory is switched off.
 """
 
 from __future__ import annotations
@@ -65,18 +71,22 @@ from __future__ import annotations
 import itertools
 import weakref
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 import torch
 
 from ..errors import ConfigError
 from ..sampling import is_integer, is_number
-from .base import EMPTY_DRAFT, HOST, Draft, Keep, keep_all, kept_prefix
+from .base import EMPTY_DRAFT, HOST, Draft, Keep, keep_all, kept_prefix, memory_switched_off
 
 MISSING = "the suffix method needs arctic-inference: run `make suffix`"
 ATTACHMENT = "suffix-cache"  # Target.attachments key: {SuffixConfig: SuffixStore}
 MAX_ACTIVE = 256  # active requests per store before the oldest are stopped
+MAX_STORES = 4  # configs with a store on one target (a server's requests may each bring others); LRU beyond
+# Deepest tree allowed: a suffix tree holds up to depth nodes per token it indexes, so the depth
+# bounds what one request's settings can make the cache hold (vLLM's default is 24).
+MAX_TREE_DEPTH = 256
 PROBABILITY_BINS = 5
 MATCH_BOUNDS = (1, 2, 4, 8)  # match-length groups: 1, 2, 3-4, 5-8, 9+
 PRIOR_WEIGHT = 2.0
@@ -102,8 +112,8 @@ class SuffixConfig:
     tree: bool = False  # ask the library for a tree and keep its best path (see the docstring)
 
     def __post_init__(self) -> None:
-        if not is_integer(self.max_tree_depth) or self.max_tree_depth < 1:
-            raise ConfigError(f"max_tree_depth must be an integer >= 1, got {self.max_tree_depth!r}")
+        if not is_integer(self.max_tree_depth) or not 1 <= self.max_tree_depth <= MAX_TREE_DEPTH:
+            raise ConfigError(f"max_tree_depth must be an integer from 1 to {MAX_TREE_DEPTH}, got {self.max_tree_depth!r}")
         if not is_integer(self.max_cached_requests) or not -1 <= self.max_cached_requests <= 0x7FFFFFFF:
             raise ConfigError(f"max_cached_requests must be an integer in -1..2^31-1, got {self.max_cached_requests!r}")
         if not is_number(self.max_spec_factor) or not self.max_spec_factor > 0:
@@ -205,11 +215,17 @@ class SuffixStore:
 
 
 def shared_store(attachments: dict, config: SuffixConfig = SuffixConfig()) -> SuffixStore:
-    """The store for `config` in a target's `attachments` (created on first use)."""
+    """The store for `config` in a target's `attachments` (created on first use; at most
+    MAX_STORES configs, least recently used out), without a global tree (max_cached_requests 0)
+    where the target's memory across requests is switched off."""
+    if memory_switched_off(attachments):
+        config = replace(config, max_cached_requests=0)
     stores = attachments.setdefault(ATTACHMENT, {})
-    if config not in stores:
-        stores[config] = SuffixStore(config)
-    return stores[config]
+    store = stores.pop(config, None) or SuffixStore(config)
+    stores[config] = store  # insertion order = LRU order
+    while len(stores) > MAX_STORES:
+        del stores[next(iter(stores))]
+    return store
 
 
 class SuffixDrafter:

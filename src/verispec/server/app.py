@@ -55,6 +55,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from ..api import Request as GenerationRequest
+from ..drafters.suffix import SuffixConfig
 from ..errors import ConfigError, UnknownMethodError, VerispecError
 from ..methods import TREE_MAX_NODES, MethodOptions, check_settings, method_request
 from ..model import Target
@@ -70,9 +71,11 @@ log = logging.getLogger("verispec.server")
 
 DEFAULT_MODEL_ID = "verispec-default"
 # What one request's method settings may ask for: a verify of the draft and the committed token
-# within one call of the C layers, and draft forwards of at most this many beams.
+# within one call of the C layers, draft forwards of at most this many beams, and a suffix cache
+# no larger than the default one.
 MAX_DRAFT_LENGTH = TREE_MAX_NODES
 MAX_BEAMS = 16
+MAX_CACHED_REQUESTS = SuffixConfig.max_cached_requests  # suffix's earlier outputs kept, per store
 OPEN_PATHS = frozenset({"/health"})  # reachable without the API key
 _POLL_S = 0.1  # how often a waiting handler checks for a disconnect and its deadline
 _FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "timeout": "length", "cancelled": "length"}
@@ -168,8 +171,8 @@ def _internal_error(exc: BaseException) -> APIError:
 
 def served_method(spec: str) -> tuple[str, MethodOptions]:
     """A request's (or the server's default) method with its settings, `methods.method_request`'s
-    syntax within the server's bounds (MAX_DRAFT_LENGTH, MAX_BEAMS): (name, options)."""
-    return method_request(spec, MAX_DRAFT_LENGTH, MAX_BEAMS)
+    syntax within the server's bounds (MAX_DRAFT_LENGTH, MAX_BEAMS, MAX_CACHED_REQUESTS): (name, options)."""
+    return method_request(spec, MAX_DRAFT_LENGTH, MAX_BEAMS, MAX_CACHED_REQUESTS)
 
 
 def _invalid(message: str, param: str | None = None, code: str | None = "invalid_value") -> APIError:
