@@ -84,6 +84,21 @@ def test_anpd_equals_ar_and_accepts_drafts(real_target):
     assert default.token_ids == ar.token_ids
 
 
+def test_drafts_from_earlier_requests_keep_the_output(real_target):
+    """suffix (with its tree of earlier outputs) and anpd (with its n-gram memory) on the real
+    model, memory on as by default: a request, then one that re-sends it with its answer (as a
+    chat client does), each equal to `ar`'s, with drafts accepted."""
+    pytest.importorskip("arctic_inference.suffix_decoding", reason="arctic-inference not built (make suffix)")
+    first = verispec.generate(real_target, PROMPT, method="ar", max_new_tokens=32)
+    resent = PROMPT + first.text + "\nOnce more: apple, banana,"
+    second = verispec.generate(real_target, resent, method="ar", max_new_tokens=32)
+    for method in ("suffix", "anpd/constant:8"):
+        for prompt, ar in ((PROMPT, first), (resent, second)):
+            result = verispec.generate(real_target, prompt, method=method, max_new_tokens=32)
+            assert result.token_ids == ar.token_ids, (method, prompt)
+            assert result.stats.accepted > 0, (method, result.stats)
+
+
 @contextmanager
 def fp32_numerics(target):
     """The target's block kernel on float32 activations for the duration (int8 again after)."""
