@@ -293,6 +293,9 @@ def test_bench_switched_off_target_stays_off(tmp_path):
     (["bench", "--methods", "ar,pld", "--peers", "", "--no-ngram-memory"],
      "--no-ngram-memory is used only by anpd, suffix, not by ar, pld"),
     (["bench", "--methods", "anpd/ngram_memory=maybe", "--peers", ""], "ngram_memory must be true or false"),
+    # a variant's setting against the run's switch: refused before a run directory or a model
+    (["bench", "--methods", "ar,suffix/max_cached_requests=5", "--peers", "", "--no-ngram-memory"],
+     "max_cached_requests=5 sizes suffix's memory across requests, which ngram_memory=false turns off"),
 ])
 def test_cli_refuses_the_switch_where_nothing_uses_it(monkeypatch, tmp_path, args, message):
     from typer.testing import CliRunner
@@ -303,6 +306,7 @@ def test_cli_refuses_the_switch_where_nothing_uses_it(monkeypatch, tmp_path, arg
     monkeypatch.chdir(tmp_path)
     result = CliRunner().invoke(cli.app, args)
     assert result.exit_code == 2 and message in " ".join(result.stderr.split()), result.stderr
+    assert not (tmp_path / "bench-out").exists()
 
 
 def test_cli_switch_reaches_the_options_and_the_server_target(monkeypatch, tmp_path):

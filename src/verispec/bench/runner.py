@@ -104,6 +104,8 @@ class BenchSettings:
         clash = set(self.methods) & set(self.peers)
         if clash:
             raise ConfigError(f"name used as both a method and a peer: {', '.join(sorted(clash))}")
+        for name in self.methods:  # each variant's settings go with the run's (before any model loads)
+            self.method_options(name)
 
     @property
     def names(self) -> list[str]:
@@ -124,6 +126,13 @@ class BenchSettings:
         return MethodOptions(draft_length=self.draft_length, controller=controller or self.controller,
                              exit_head=self.exit_head, draft_model=self.draft_model,
                              ngram_memory=self.ngram_memory)
+
+    def method_options(self, name: str) -> tuple[str, MethodOptions]:
+        """(method, options) of a method of the run: a name or a variant (METHOD/CONTROLLER/KEY=VALUE,
+        `methods.parse_variant`), its settings over the run's (`options`); a ConfigError where
+        they do not go together (e.g. suffix/max_cached_requests=5 in a --no-ngram-memory run)."""
+        method, controller, overrides = parse_variant(name)
+        return method, replace(self.options(controller), **overrides)
 
     def peer_settings(self) -> PeerSettings:
         layer = self.early_exit_layer if self.early_exit_layer is not None else PeerSettings.early_exit_layer
@@ -244,8 +253,7 @@ Generate = Callable[[Sequence[int], int], Outcome]  # (prompt ids, max_new_token
 def method_runner(target: Target, name: str, settings: BenchSettings) -> Generate:
     """One of our methods, built through `verispec.api.stream` (any name in `METHODS`, or a
     METHOD/CONTROLLER variant)."""
-    method, controller, overrides = parse_variant(name)
-    options = replace(settings.options(controller), **overrides)
+    method, options = settings.method_options(name)
 
     def run(prompt_ids: Sequence[int], max_new_tokens: int) -> Outcome:
         text_stream = stream(
