@@ -37,6 +37,18 @@ def memory_switched_off(attachments: dict) -> bool:
     return bool(attachments.get(MEMORY_OFF))
 
 
+def recently_used(stores: dict, key, make: Callable[[], object], limit: int):
+    """`stores[key]`, made by `make()` if absent, now the most recently used of at most `limit`
+    (the dict's insertion order is the use order; the least recently used go first)."""
+    store = stores.pop(key, None)
+    if store is None:
+        store = make()
+    stores[key] = store
+    while len(stores) > limit:
+        del stores[next(iter(stores))]
+    return store
+
+
 @dataclass(frozen=True)
 class Draft:
     """Tokens proposed for one verification step.

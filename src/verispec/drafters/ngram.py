@@ -70,7 +70,7 @@ import numpy as np
 import torch
 
 from ..errors import ConfigError
-from .base import HOST, Draft, Keep, keep_all, kept_prefix, memory_switched_off
+from .base import HOST, Draft, Keep, keep_all, kept_prefix, memory_switched_off, recently_used
 from .spans import Span, SpanIndex
 
 SPAN_KEY = 4  # tokens of the n-grams a long match is looked up by (`SpanIndex.key`)
@@ -315,14 +315,8 @@ def shared_memory(attachments: dict, config: NgramConfig) -> NgramMemory | None:
     is switched off (`base.switch_off_memory`). Only the thread that owns the target may call it."""
     if memory_switched_off(attachments):
         return None
-    stores = attachments.setdefault(MEMORY_ATTACHMENT, {})
-    memory = stores.pop(config, None)
-    if memory is None:
-        memory = NgramMemory(config)
-    stores[config] = memory  # insertion order = LRU order
-    while len(stores) > MEMORY_STORES:
-        del stores[next(iter(stores))]
-    return memory
+    return recently_used(attachments.setdefault(MEMORY_ATTACHMENT, {}), config, lambda: NgramMemory(config),
+                         MEMORY_STORES)
 
 
 class AnpdDrafter:

@@ -78,7 +78,7 @@ import torch
 
 from ..errors import ConfigError
 from ..sampling import is_integer, is_number
-from .base import EMPTY_DRAFT, HOST, Draft, Keep, keep_all, kept_prefix, memory_switched_off
+from .base import EMPTY_DRAFT, HOST, Draft, Keep, keep_all, kept_prefix, memory_switched_off, recently_used
 
 MISSING = "the suffix method needs arctic-inference: run `make suffix`"
 ATTACHMENT = "suffix-cache"  # Target.attachments key: {SuffixConfig: SuffixStore}
@@ -220,12 +220,7 @@ def shared_store(attachments: dict, config: SuffixConfig = SuffixConfig()) -> Su
     where the target's memory across requests is switched off."""
     if memory_switched_off(attachments):
         config = replace(config, max_cached_requests=0)
-    stores = attachments.setdefault(ATTACHMENT, {})
-    store = stores.pop(config, None) or SuffixStore(config)
-    stores[config] = store  # insertion order = LRU order
-    while len(stores) > MAX_STORES:
-        del stores[next(iter(stores))]
-    return store
+    return recently_used(attachments.setdefault(ATTACHMENT, {}), config, lambda: SuffixStore(config), MAX_STORES)
 
 
 class SuffixDrafter:

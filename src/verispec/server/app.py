@@ -55,7 +55,6 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from ..api import Request as GenerationRequest
-from ..drafters.suffix import SuffixConfig
 from ..errors import ConfigError, UnknownMethodError, VerispecError
 from ..methods import TREE_MAX_NODES, MethodOptions, check_settings, method_request
 from ..model import Target
@@ -75,7 +74,7 @@ DEFAULT_MODEL_ID = "verispec-default"
 # no larger than the default one.
 MAX_DRAFT_LENGTH = TREE_MAX_NODES
 MAX_BEAMS = 16
-MAX_CACHED_REQUESTS = SuffixConfig.max_cached_requests  # suffix's earlier outputs kept, per store
+MAX_CACHED_REQUESTS = MethodOptions.max_cached_requests  # suffix's earlier outputs kept (its default), per store
 OPEN_PATHS = frozenset({"/health"})  # reachable without the API key
 _POLL_S = 0.1  # how often a waiting handler checks for a disconnect and its deadline
 _FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "timeout": "length", "cancelled": "length"}
