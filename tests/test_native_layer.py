@@ -12,6 +12,7 @@ from helpers import FAST_ARCHITECTURES, SLIDING_WINDOW, make_target_for_path
 from verispec.runtime import blockmm, fastpath
 from verispec.runtime.fastpath import BLOCK_KERNEL_MAX_ROWS, FastDecoder, Linear, Tree
 from verispec.runtime.native_layer import NativeLayer, recognise_activation, why_not
+from verispec.runtime.rows import Rows
 
 KEY_CHUNK = 64  # keys per attention task in kernels/decoder_layer.c
 
@@ -83,7 +84,7 @@ def test_layers_without_block_forms_keep_the_pytorch_path():
     relu = type(layer)(**{**layer.__dict__, "act": torch.nn.ReLU(), "native": None})
     assert NativeLayer.of(relu, blocks.heads, blocks.kv_heads, blocks.head_dim, kernel) is None
     assert "activation" in why_not(relu, kernel, *shape)
-    assert "decoder_layer" in why_not(layer, object(), *shape)  # a kernel library without the C layer
+    assert "decoder_layers" in why_not(layer, object(), *shape)  # a kernel library without the C layer
     assert "shapes" in why_not(layer, kernel, blocks.heads * 2, blocks.kv_heads, blocks.head_dim)
 
 
@@ -158,17 +159,27 @@ def test_native_layer_on_a_tree_of_drafts_matches(arch, threads):
 
 
 def test_bad_arguments_are_refused_not_computed():
+    """Rows the C layer cannot read are refused with nothing written: positions past the pool, a
+    tree path that does not end at the row's own slot, a path of the wrong length, a block
+    table entry outside the pool."""
     target = make_target_for_path("llama-blocks")
     fast: FastDecoder = target._fast
     layer = fast.layers[0].native
-    cache = fast.new_cache(4)
+    cache = fast.new_cache(4)  # one block of 64 positions
     x = torch.zeros(2, target.config.hidden_size)
     cos = sin = torch.zeros(2, fast.head_dim)
-    with pytest.raises(RuntimeError, match="refused"):
-        layer(x, 3, cos, sin, cache.keys[0], cache.values[0])  # positions 3, 4 past a capacity of 4
-    with pytest.raises(RuntimeError, match="refused"):  # a slot past the capacity
-        layer(x, 0, cos, sin, cache.keys[0], cache.values[0], torch.tensor([0, 4]), torch.ones(2, 2, dtype=torch.bool),
-              torch.arange(2))
+    before = cache.keys[0].clone()
+    bad = [
+        Rows.contiguous(63, 2, cache.block_table, cache.pool_blocks),  # position 64 past the only block
+        Rows.placed([5, 6], [70, 6], 5, [[70], [71, 6]], cache.block_table, cache.pool_blocks),  # slot 70
+        Rows.placed([5, 6], [8, 9], 5, [[8], [8, 9, 10]], cache.block_table, cache.pool_blocks),  # path too long
+        Rows.placed([5, 6], [8, 9], 5, [[8], [9, 8]], cache.block_table, cache.pool_blocks),  # ends elsewhere
+        Rows.contiguous(0, 2, [1], cache.pool_blocks),  # a table naming a block the pool lacks
+    ]
+    for rows in bad:
+        with pytest.raises(RuntimeError, match="refused"):
+            layer(x, rows, cos, sin, cache.keys[0], cache.values[0])
+    assert torch.equal(cache.keys[0], before)
 
 
 def _assert_native_matches_on(target, chunks: list[list[int]], threads: int) -> None:
@@ -215,11 +226,10 @@ def test_wide_heads_and_large_groups_match(threads):
     _assert_native_matches_on(target, chunks, threads)
 
 
-def _one_call_per_layer(layers, x, start, rope, keys, values, slots=None, visible=None, slot_positions=None):
+def _one_call_per_layer(layers, x, rows, rope, keys, values):
     """What `run_layers` replaces: each C layer called from Python in turn."""
     for i, layer in enumerate(layers):
-        x = layer(x, start, *rope[i], keys[i], values[i], slots, None if visible is None else visible[i],
-                  slot_positions)
+        x = layer(x, rows, *rope[i], keys[i], values[i])
     return x
 
 
@@ -255,5 +265,6 @@ def test_run_layers_refuses_bad_arguments():
     layers = [layer.native for layer in fast.layers]
     rope = [(torch.zeros(2, fast.head_dim), torch.zeros(2, fast.head_dim))] * len(layers)
     x = torch.zeros(2, target.config.hidden_size)
-    with pytest.raises(RuntimeError, match="refused"):  # positions 3, 4 past a capacity of 4
-        fastpath.run_layers(layers, x, 3, rope, cache.keys, cache.values)
+    with pytest.raises(RuntimeError, match="refused"):  # positions 63, 64 past a capacity of 64
+        fastpath.run_layers(layers, x, Rows.contiguous(63, 2, cache.block_table, cache.pool_blocks), rope,
+                            cache.keys, cache.values)

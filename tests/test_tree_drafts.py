@@ -113,9 +113,9 @@ def test_placement_of_a_tree():
 def test_keeping_a_path_moves_scratch_entries_to_their_positions():
     from verispec.cache import StaticKV
 
-    cache = StaticKV(2, 1, 2, torch.float32, capacity=16)
+    cache = StaticKV(2, 1, 2, torch.float32, capacity=16)  # rounded up to a whole block
     for layer in range(2):
-        slots = torch.arange(16, dtype=torch.float32)
+        slots = torch.arange(cache.capacity, dtype=torch.float32)
         cache.keys[layer][0] = torch.stack([slots, slots + 100 * layer], 1)
         cache.values[layer][0] = -cache.keys[layer][0]
     before = [k.clone() for k in cache.keys]
@@ -223,9 +223,9 @@ def test_tree_rows_match_linear_verification_on_the_pytorch_layers(path):
         assert argmax(tree[row]) == argmax(reference), row
 
 
-def test_a_tree_whose_rows_do_not_see_their_whole_path_is_refused_by_the_c_layers():
-    """The C attention takes a row's visible slots, in slot order, as consecutive positions
-    ending at its own; a mask that hides an ancestor breaks that and is refused, not computed."""
+def test_a_tree_whose_rows_do_not_see_their_whole_path_is_refused():
+    """The C attention reads a row's keys as consecutive positions ending at its own (its path);
+    a mask that hides an ancestor cannot be read so and is refused, not computed."""
     target = int8_target("llama", seed=1)
     fast = target._fast
     cache = fast.new_cache(64)
@@ -233,9 +233,11 @@ def test_a_tree_whose_rows_do_not_see_their_whole_path_is_refused_by_the_c_layer
     tree = Tree.of_parents(10, [-1, 0, 0, 2])
     broken = tree.visible.clone()
     broken[3, int(tree.slots[2])] = False  # row 3 no longer sees its parent
-    with pytest.raises(RuntimeError, match="refused"):
+    before = [k.clone() for k in cache.keys]
+    with pytest.raises(ValueError, match="consecutive positions"):
         fast.run(fast.embed(torch.tensor(tokens(4, 2))), 10, cache,
                  tree=Tree(tree.positions, tree.slots, broken, tree.slot_positions))
+    assert all(torch.equal(k, b) for k, b in zip(cache.keys, before))
 
 
 # -- the rule ------------------------------------------------------------------------------------

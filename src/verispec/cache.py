@@ -18,8 +18,11 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Sequence
 
+import numpy as np
 import torch
 from transformers import DynamicCache, PreTrainedModel
+
+from .runtime.rows import BLOCK, Rows
 
 
 def new_cache(model: PreTrainedModel) -> DynamicCache:
@@ -72,13 +75,16 @@ class StaticKV:
     keys[i] / values[i]: [kv_heads, capacity, head_dim] for layer i. Positions >= `length` hold
     stale entries that the next write overwrites; readers only see [low, high) ranges they ask
     for. Sliding-window layers keep every position (attention restricts itself to the window),
-    so a rollback never needs what fell out of a window. The capacity doubles when a write would
-    exceed it (a copy, amortised O(1) per token). It lives on `device` (the fast path's: the CPU).
+    so a rollback never needs what fell out of a window. The capacity, a multiple of
+    `rows.BLOCK`, doubles when a write would exceed it (a copy, amortised O(1) per token). It
+    lives on `device` (the fast path's: the CPU). To the C layers it is a pool of capacity /
+    BLOCK blocks holding one sequence whose block table is 0, 1, 2, ... (`block_table`).
     """
 
     def __init__(self, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, capacity: int = 256,
                  device: torch.device | str = "cpu"):
         self.length = 0
+        capacity = -(-capacity // BLOCK) * BLOCK
         self.keys = [torch.zeros(kv_heads, capacity, head_dim, dtype=dtype, device=device) for _ in range(layers)]
         self.values = [torch.zeros(kv_heads, capacity, head_dim, dtype=dtype, device=device) for _ in range(layers)]
 
@@ -86,11 +92,21 @@ class StaticKV:
     def capacity(self) -> int:
         return self.keys[0].shape[1]
 
+    @property
+    def pool_blocks(self) -> int:
+        """The cache as a pool of blocks for the C layers: capacity / BLOCK of them."""
+        return self.capacity // BLOCK
+
+    @property
+    def block_table(self) -> np.ndarray:
+        """Its one sequence's block table: logical block b is block b. [pool_blocks] int64."""
+        return np.arange(self.pool_blocks, dtype=np.int64)
+
     def reserve(self, positions: int) -> None:
         """Make room for `positions` positions (doubling, keeping the contents)."""
         if positions <= self.capacity:
             return
-        capacity = max(positions, 2 * self.capacity)
+        capacity = -(-max(positions, 2 * self.capacity) // BLOCK) * BLOCK
         for store in (self.keys, self.values):
             for i, old in enumerate(store):
                 new = torch.zeros(old.shape[0], capacity, old.shape[2], dtype=old.dtype, device=old.device)
@@ -149,6 +165,11 @@ class Tree:
     slots: torch.Tensor | None = None  # [n] long; None: slots == positions (contiguous)
     visible: torch.Tensor | None = None  # [n, S] bool over slots 0..S-1
     slot_positions: torch.Tensor | None = None  # [S] long
+    # The same placement as the C layers read it (`rows.Rows.placed`): rows see positions below
+    # `base` at their own slots and positions base.. at the slots of their path (ancestors, then
+    # itself). None: derived from `visible` when first needed.
+    base: int | None = None
+    paths: tuple[tuple[int, ...], ...] | None = None
 
     @staticmethod
     def contiguous(start: int, n: int, device: torch.device | str = "cpu") -> "Tree":
@@ -195,14 +216,46 @@ class Tree:
         visible[:, slot_tensor] = torch.tensor(sees, dtype=torch.bool, device=device)
         slot_positions = torch.arange(scratch, device=device)  # [S]; slots nobody sees keep their index
         slot_positions[slot_tensor] = positions
-        return Tree(positions, slot_tensor, visible, slot_positions)
+        paths: list[tuple[int, ...]] = []  # the slots of each row's ancestors, then its own
+        for i, parent in enumerate(parents):
+            paths.append((paths[parent] if parent >= 0 else ()) + (slots[i],))
+        return Tree(positions, slot_tensor, visible, slot_positions, length, tuple(paths))
 
     def rows(self, begin: int, end: int) -> "Tree":
         """Rows begin..end-1 of a placed tree, at the same slots and seeing the same slots: run
         after rows 0..begin-1 (which wrote their keys and values), they give the bits the whole
         tree in one call gives them (a staged tree verify, `Target.forward_tree`)."""
         assert self.slots is not None and 0 <= begin < end <= len(self.positions), "rows of a placed tree"
-        return Tree(self.positions[begin:end], self.slots[begin:end], self.visible[begin:end], self.slot_positions)
+        base, paths = self.placement
+        return Tree(self.positions[begin:end], self.slots[begin:end], self.visible[begin:end], self.slot_positions,
+                    base, paths[begin:end])
+
+    @cached_property
+    def placement(self) -> tuple[int, tuple[tuple[int, ...], ...]]:
+        """(base, paths) of a placed tree (see the fields), derived from `visible` and
+        `slot_positions` where not given: each row must see, in increasing slot order, the
+        consecutive positions 0..its own (its context, its ancestors, itself); a ValueError
+        otherwise (a placement the C layers could not read)."""
+        if self.paths is not None:
+            return self.base, self.paths
+        visible, slot_positions = self.visible.cpu().numpy(), self.slot_positions.cpu().numpy()
+        rows: list[tuple[int, list[int]]] = []  # per row: positions at their own slots, then its path
+        for r, position in enumerate(self.positions.tolist()):
+            seen = np.nonzero(visible[r])[0]
+            if not np.array_equal(slot_positions[seen], np.arange(position + 1)):
+                raise ValueError(f"tree row {r} does not see the consecutive positions 0..{position}")
+            own = int(np.argmin(seen == np.arange(len(seen)))) if not np.array_equal(seen, np.arange(len(seen))) else len(seen)
+            rows.append((own, seen[own:].tolist()))
+        base = min(own for own, _ in rows)
+        paths = tuple(tuple(range(base, own)) + tuple(path) for own, path in rows)
+        return base, paths
+
+    def c_rows(self, table: np.ndarray, pool_blocks: int) -> Rows:
+        """This placement as the C layers read it, in a sequence with block table `table`."""
+        if self.slots is None:
+            return Rows.contiguous(self.start, len(self.positions), table, pool_blocks)
+        base, paths = self.placement
+        return Rows.placed(self.positions.cpu().numpy(), self.slots.cpu().numpy(), base, paths, table, pool_blocks)
 
     @property
     def end(self) -> int:

@@ -502,7 +502,7 @@ class Target:
         (both batch-invariant: a row's result does not depend on the rows sharing its call)."""
         head = self._head
         if not (rows >= lazy_rows.MIN_ROWS and isinstance(head, BlockLinear) and head.numerics == "int8"
-                and rows <= head.max_rows):  # max_rows: also the widest chunk the C layers take
+                ):
             return False
         fast = self._fast
         return not layers or (fast.use_native and fast.native_layers == len(fast.layers))

@@ -41,11 +41,18 @@ from ..cache import StaticKV, Tree
 from .gguf_blocks import BlockWeights, quantize_blocks
 from .linear import BlockLinear, FusedNorm, Linear, _check_numerics, _mkldnn_packing_available  # noqa: F401 - re-exported
 from .native_layer import NativeLayer, run_layers
+from .rows import Rows
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "gemma3_text")
-# Widest input sent to the block kernel: it beat prepacked float32 on whole steps of 1, 2, 4, 8,
-# 16, 24 and 32 tokens here (e.g. 32 tokens: 304 vs 319 ms); wider chunks (prompts) use float32.
+# Widest input sent to the block kernel in float32 activations ("fp32" numerics): it beat
+# prepacked float32 on whole steps of 1, 2, 4, 8, 16, 24 and 32 tokens here (e.g. 32 tokens: 304
+# vs 319 ms); wider chunks (prompts) use float32 there. With int8 activations every width runs on
+# the kernel and the C layers (batch-invariant: one numerics for every row, however it is grouped).
 BLOCK_KERNEL_MAX_ROWS = 64
+# Most rows in one call of the C layers: wider inputs (a long prompt, a large batch) run as
+# consecutive calls of this many rows, each after the previous one wrote its keys (the same bits:
+# the C layers are batch-invariant); bounds the call's scratch memory.
+CALL_ROWS = 256
 
 
 @dataclass
@@ -248,28 +255,60 @@ class FastDecoder:
         through `layers` (default: all), writing their keys/values into `cache` (its length is
         left alone: the caller decides what is committed). Returns the residual stream after the
         last layer. `rope`: a dict shared by calls over the same positions (a forward split in
-        two), which fills it with the rotary tables per layer type so they are computed once."""
+        two), which fills it with the rotary tables per layer type so they are computed once.
+        `cache` is a `StaticKV` or a paged sequence (`kv_pool.PagedKV`, C layers only)."""
         placement = tree or Tree.contiguous(start, x.shape[0])
         layers = layers if layers is not None else range(len(self.layers))
         cache.reserve(placement.end)
-        positions = placement.positions.unsqueeze(0)  # [1, n]
-        rope = {} if rope is None else rope
+        if self.runs_in_c(layers, x.shape[0]):
+            return self.run_rows(x, placement.c_rows(cache.block_table, cache.pool_blocks), cache, layers, rope)
+        assert isinstance(cache, StaticKV), "a paged cache needs every layer in C"
+        rope = self._rope(x, placement.positions.unsqueeze(0), layers, {} if rope is None else rope)
+        for index in layers:
+            layer = self.layers[index]
+            x = self._layer(layer, index, x, placement, cache, rope[layer.rope_layer_type])
+        return x
+
+    def runs_in_c(self, layers: range, n: int) -> bool:
+        """Whether `layers` run as one C call for n rows: all of them have a C form, and the
+        numerics is int8 (every width: batch-invariant) or n is at most BLOCK_KERNEL_MAX_ROWS."""
+        return (self.use_native and (n <= BLOCK_KERNEL_MAX_ROWS or self._numerics == "int8")
+                and all(self.layers[index].native is not None for index in layers))
+
+    def _rope(self, x: torch.Tensor, positions: torch.Tensor, layers: range, rope: dict) -> dict:
+        """`rope` filled with the rotary tables (cos, sin) [1, n, head_dim] of `positions` [1, n]
+        for every layer type among `layers`."""
         for index in layers:
             kind = self.layers[index].rope_layer_type
             if kind not in rope:
                 args = (kind,) if kind is not None else ()
-                rope[kind] = self.rotary(x, positions, *args)  # cos, sin [1, n, head_dim]
-        chosen = [self.layers[index] for index in layers]
-        if self.use_native and x.shape[0] <= BLOCK_KERNEL_MAX_ROWS and all(layer.native for layer in chosen):
-            return run_layers(  # one C call for all of them
-                [layer.native for layer in chosen], x, placement.start if placement.slots is None else 0,
-                [rope[layer.rope_layer_type] for layer in chosen], [cache.keys[i] for i in layers],
-                [cache.values[i] for i in layers], placement.slots,
-                None if placement.slots is None else [placement.slot_mask(layer.window) for layer in chosen],
-                placement.slot_positions)
-        for index, layer in zip(layers, chosen):
-            x = self._layer(layer, index, x, placement, cache, rope[layer.rope_layer_type])
-        return x
+                rope[kind] = self.rotary(x, positions, *args)
+        return rope
+
+    @torch.inference_mode()
+    def run_rows(self, x: torch.Tensor, rows: Rows, pools, layers: range | None = None,
+                 rope: dict | None = None) -> torch.Tensor:
+        """x [n, hidden] through `layers` (default: all; every one in C) for the rows `rows`
+        describes (one sequence's or several sequences', `rows.Rows`), their keys and values in
+        `pools` (`.keys[i]`, `.values[i]`: layer i's [kv, blocks * BLOCK, d]). More than
+        CALL_ROWS rows run as consecutive calls, in order (a row's ancestors and earlier
+        positions come before it). Returns the residual stream after the last layer [n, hidden]."""
+        layers = layers if layers is not None else range(len(self.layers))
+        chosen = [self.layers[index].native for index in layers]
+        assert all(chosen), "run_rows runs C layers only"
+        positions = torch.from_numpy(rows.positions).unsqueeze(0)  # [1, n]
+        rope = self._rope(x, positions, layers, {} if rope is None else rope)
+        kinds = [self.layers[index].rope_layer_type for index in layers]
+        keys, values = [pools.keys[i] for i in layers], [pools.values[i] for i in layers]
+        n = x.shape[0]
+        if n <= CALL_ROWS:
+            return run_layers(chosen, x, rows, [rope[kind] for kind in kinds], keys, values)
+        parts = []
+        for begin in range(0, n, CALL_ROWS):
+            end = min(n, begin + CALL_ROWS)
+            part_rope = [(rope[kind][0][:, begin:end], rope[kind][1][:, begin:end]) for kind in kinds]
+            parts.append(run_layers(chosen, x[begin:end], rows.select(begin, end), part_rope, keys, values))
+        return torch.cat(parts)
 
     def _attend_one(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
         """Attention of one query token q [1, heads, 1, d] over keys/values [kv, L, d] as three
@@ -285,12 +324,10 @@ class FastDecoder:
 
     def _layer(self, layer: _Layer, index: int, x: torch.Tensor, placement: "Tree", cache: StaticKV, rope) -> torch.Tensor:
         n = x.shape[0]
-        if layer.native is not None and self.use_native and n <= BLOCK_KERNEL_MAX_ROWS:
+        if layer.native is not None and self.use_native and (n <= BLOCK_KERNEL_MAX_ROWS or self._numerics == "int8"):
             cos, sin = rope
-            if placement.slots is None:
-                return layer.native(x, placement.start, cos, sin, cache.keys[index], cache.values[index])
-            return layer.native(x, 0, cos, sin, cache.keys[index], cache.values[index], placement.slots,
-                                placement.slot_mask(layer.window), placement.slot_positions)
+            rows = placement.c_rows(cache.block_table, cache.pool_blocks)
+            return layer.native(x, rows, cos, sin, cache.keys[index], cache.values[index])
         h = layer.input_norm(x)
         q, k, v = layer.qkv(h).split(
             [self.heads * self.head_dim, self.kv_heads * self.head_dim, self.kv_heads * self.head_dim], dim=-1

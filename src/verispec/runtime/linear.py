@@ -92,11 +92,12 @@ def _check_numerics(value: str) -> None:
 
 
 class BlockLinear:
-    """A `Linear` whose weight also has an exact int8 block form (`gguf_blocks.BlockWeights`):
-    inputs of at most `max_rows` rows are multiplied by the block kernel (`blockmm`), which
-    reads a quarter of the bytes, in `numerics` ("int8": activations quantized per block,
-    batch-invariant; "fp32": float32 activations); wider inputs (prompt processing), where both
-    are compute-bound, by the float32 `Linear` and its tuned oneDNN matmul."""
+    """A `Linear` whose weight also has an exact int8 block form (`gguf_blocks.BlockWeights`),
+    multiplied by the block kernel (`blockmm`), which reads a quarter of the bytes, in `numerics`:
+    "int8" (activations quantized per block, batch-invariant) at every width, so that a row's
+    result never depends on how many rows share the call; "fp32" (float32 activations) for inputs
+    of at most `max_rows` rows, wider ones (prompt processing), where both are compute-bound, by
+    the float32 `Linear` and its tuned oneDNN matmul."""
 
     def __init__(self, blocks, dense: Linear, kernel, max_rows: int, numerics: str = "fp32"):
         self.blocks, self.dense, self.kernel, self.max_rows = blocks, dense, kernel, max_rows
@@ -105,7 +106,7 @@ class BlockLinear:
             blocks.packed  # noqa: B018 - laid out for the int8 kernel now, at load, not in the first request
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] > self.max_rows:
+        if x.shape[0] > self.max_rows and self.numerics != "int8":
             return self.dense(x)
         b = self.blocks
         y = self.kernel.matmul(x, b, self.numerics)  # [n, out], ours

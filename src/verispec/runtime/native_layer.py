@@ -1,16 +1,17 @@
 """A whole decoder layer in one C call (`kernels/decoder_layer.c`) for layers on the block kernel.
 
-Owns one thing: deciding whether a fast-path layer (`fastpath._Layer`) can run as the C function
-`decoder_layer`, describing it to C once (a ctypes struct of pointers to its block-form weights
-and norm weights), and calling it for a chunk of tokens. A one-token step otherwise
+Owns one thing: deciding whether a fast-path layer (`fastpath._Layer`) can run in C
+(`decoder_layers`), describing it to C once (a ctypes struct of pointers to its block-form
+weights and norm weights), and calling it for the rows of a forward: one sequence's or several
+sequences' (`rows.Rows`: positions, KV slots, block tables of paged memory). A one-token step otherwise
 runs about 35 small PyTorch operators per layer, which cost about a third of the step
 (scripts/profile_step.py); the C layer computes the same math as `FastDecoder._layer`, with the model's
 own rotary tables, its norm weights as `FusedNorm` verified them, and its activation recognised
 by value (gelu-tanh or SiLU, checked on a probe against PyTorch's). Contiguous chunks and trees
-of drafts (slots, a visibility mask and each slot's position) both run in C, a tree row with the
-bits the same position gets in a contiguous chunk. Anything else -- a linear without an
-exact block form, a norm that is not a plain RMSNorm, another activation, more than
-`BLOCK_KERNEL_MAX_ROWS` tokens -- keeps the PyTorch path (`of` returns None; `why_not` says why).
+of drafts both run in C, a tree row with the bits the same position gets in a contiguous chunk,
+and a row of one sequence with the bits it gets beside other sequences' rows. Anything else -- a
+linear without an exact block form, a norm that is not a plain RMSNorm, another activation --
+keeps the PyTorch path (`of` returns None; `why_not` says why).
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ import ctypes
 
 import torch
 import torch.nn.functional as F
+
+from .rows import BLOCK, Rows
 
 ACTIVATIONS = {"gelu_tanh": 0, "silu": 1}  # the C enum
 NUMERICS = {"int8": 0, "fp32": 1}  # the C enum: blockmm_int8.c or blockmm.c for the layer's linears
@@ -73,26 +76,21 @@ _NORM_FIELDS = ("input", "q", "k", "post_attention", "pre_mlp", "post_mlp")
 
 
 def _bind(library):
-    """The C functions `decoder_layer` and `decoder_layers` with their argument types."""
+    """The C function `decoder_layers` with its argument types."""
     pointer, size = ctypes.c_void_p, ctypes.c_int64
-    one, many = library.decoder_layer, library.decoder_layers
-    one.restype = many.restype = ctypes.c_int
-    # layer*, x, n, start, slots, visible, slot_count, slot_positions, cos, sin, keys, values, capacity, threads
-    one.argtypes = [pointer, pointer, size, size, pointer, pointer, size, pointer, pointer, pointer, pointer, pointer,
-                    size, ctypes.c_int]
-    # layers**, count, x, n, start, slots, visible**, slot_count, slot_positions, cos**, sin**, keys**, values**,
-    # capacity, threads
-    many.argtypes = [pointer, size, pointer, size, size, pointer, pointer, size, pointer, pointer, pointer, pointer,
-                     pointer, size, ctypes.c_int]
-    return one, many
+    many = library.decoder_layers
+    many.restype = ctypes.c_int
+    # layers**, count, x, n, rows*, sequence count, cos**, sin**, keys**, values**, threads
+    many.argtypes = [pointer, size, pointer, size, pointer, size, pointer, pointer, pointer, pointer, ctypes.c_int]
+    return many
 
 
 def why_not(layer, kernel, heads: int, kv_heads: int, head_dim: int) -> str | None:
     """None if fast-path `layer` (`fastpath._Layer`) can run as the C layer, else the reason."""
     from .linear import BlockLinear, FusedNorm
 
-    if getattr(getattr(kernel, "library", None), "decoder_layer", None) is None:
-        return "the kernel library has no decoder_layer"
+    if getattr(getattr(kernel, "library", None), "decoder_layers", None) is None:
+        return "the kernel library has no decoder_layers"
     linears = _linears(layer)
     if not all(isinstance(linear, BlockLinear) for linear in linears):
         return "a linear without an exact block form"
@@ -124,9 +122,9 @@ def _pointer(tensor: torch.Tensor | None, keep: list) -> int | None:
 class NativeLayer:
     """One fast-path layer as a C call. Build with `of`; call with the residual stream."""
 
-    def __init__(self, struct: _CLayer, keep: list, functions, linears: list):
+    def __init__(self, struct: _CLayer, keep: list, function, linears: list):
         self._struct, self._keep = struct, keep
-        self._function, self._run_many = functions  # decoder_layer, decoder_layers
+        self._run_many = function  # decoder_layers
         self._linears = linears
         self._described: dict = {}  # numerics -> the 4 _CLinear structs of that weight layout
 
@@ -177,44 +175,13 @@ class NativeLayer:
             self._struct.linear[i] = linear
         self._struct.numerics = NUMERICS[value]
 
-    def __call__(self, x: torch.Tensor, start: int, cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor,
-                 values: torch.Tensor, slots: torch.Tensor | None = None, visible: torch.Tensor | None = None,
-                 slot_positions: torch.Tensor | None = None) -> torch.Tensor:
-        """The layer's output for x [n, hidden] float32 at positions start..start+n-1 (attending
-        causally, within the window) or, for a tree of drafts, written to `slots` [n] and
-        attending where `visible` [n, S] (window included) says, slot s holding the position
-        `slot_positions[s]` ([S]; the slots a row sees must hold consecutive positions ending at
-        its own, in increasing slot order: the C layer refuses anything else); cos/sin
-        [.., n, head_dim]; writes the chunk's keys/values into keys/values [kv, capacity, d] (one
-        layer of a `StaticKV`). A tree row's output is the bits a contiguous chunk gives the same
-        position over the same keys. x itself is left unchanged."""
-        n = x.shape[0]
-        out = x.to(torch.float32, copy=True).contiguous()  # [n, hidden], updated in place by C
-        cos = cos.reshape(n, -1).to(torch.float32).contiguous()  # [n, head_dim]
-        sin = sin.reshape(n, -1).to(torch.float32).contiguous()
-        assert keys.is_contiguous() and values.is_contiguous() and keys.dtype == torch.float32
-        slot_pointer = mask_pointer = position_pointer = None
-        slot_count = 0
-        if slots is not None:
-            slots, visible, slot_positions = _tree_arguments(slots, [visible], slot_positions)
-            visible = visible[0]
-            slot_pointer, mask_pointer, slot_count = slots.data_ptr(), visible.data_ptr(), visible.shape[1]
-            position_pointer = slot_positions.data_ptr()
-        status = self._function(ctypes.addressof(self._struct), out.data_ptr(), n, start, slot_pointer, mask_pointer,
-                                slot_count, position_pointer, cos.data_ptr(), sin.data_ptr(), keys.data_ptr(),
-                                values.data_ptr(), keys.shape[1], torch.get_num_threads())
-        if status != 0:
-            raise RuntimeError(f"decoder_layer refused its arguments (n={n}, start={start}, capacity={keys.shape[1]})")
-        return out
-
-
-def _tree_arguments(slots: torch.Tensor, visible: list, slot_positions: torch.Tensor | None):
-    """A tree's slots [n], masks [n, S] and slot positions [S] as the C layer reads them."""
-    assert slots.dtype == torch.int64 and all(mask.dtype == torch.bool for mask in visible)
-    assert slot_positions is not None and slot_positions.shape == (visible[0].shape[1],), \
-        "a tree needs the position of each of its S slots"
-    # [n] int64, [n, S] bool (one byte, 0 or 1), [S] int64
-    return slots.contiguous(), [mask.contiguous() for mask in visible], slot_positions.to(torch.int64).contiguous()
+    def __call__(self, x: torch.Tensor, rows: Rows, cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor,
+                 values: torch.Tensor) -> torch.Tensor:
+        """The layer's output for x [n, hidden] float32 at the rows `rows` describes (positions,
+        KV slots, block tables: `rows.Rows`); cos/sin [.., n, head_dim]; writes the rows' keys
+        and values into the pools keys/values [kv, blocks * BLOCK, d] (one layer of a
+        `StaticKV` or a `kv_pool.BlockPool`). x itself is left unchanged."""
+        return run_layers([self], x, rows, [(cos, sin)], [keys], [values])
 
 
 def _pointers(tensors: list) -> ctypes.Array:
@@ -222,18 +189,18 @@ def _pointers(tensors: list) -> ctypes.Array:
     return (ctypes.c_void_p * len(tensors))(*[None if t is None else t.data_ptr() for t in tensors])
 
 
-def run_layers(layers: list[NativeLayer], x: torch.Tensor, start: int, rope: list, keys: list, values: list,
-               slots: torch.Tensor | None = None, visible: list | None = None,
-               slot_positions: torch.Tensor | None = None) -> torch.Tensor:
-    """Several C layers in turn over x [n, hidden] float32 in one call (`decoder_layers`): what
-    calling each `NativeLayer` in order computes, bit for bit, without a trip through Python per
-    layer (about 40 us each, a few percent of a one-token step). Per layer i: rope[i] its (cos,
-    sin) [.., n, head_dim] tables, keys[i]/values[i] its [kv, capacity, d] cache, and for a tree
-    of drafts (`slots` [n], `slot_positions` [S]) visible[i] its [n, S] mask. x itself is left
-    unchanged."""
+def run_layers(layers: list[NativeLayer], x: torch.Tensor, rows: Rows, rope: list, keys: list,
+               values: list) -> torch.Tensor:
+    """Several C layers in turn over x [n, hidden] float32 in one call (`decoder_layers`),
+    without a trip through Python per layer (about 40 us each, a few percent of a one-token
+    step). Per layer i: rope[i] its (cos, sin) [.., n, head_dim] tables, keys[i]/values[i] its
+    [kv, blocks * BLOCK, d] pool; `rows` says where each row sits and where its keys are (one
+    sequence or several). x itself is left unchanged. A RuntimeError if C refuses the rows (a
+    slot outside its sequence's blocks, a path of the wrong length)."""
     if not layers:
         return x
     n = x.shape[0]
+    assert len(rows) == n, f"{len(rows)} row descriptions for {n} rows"
     out = x.to(torch.float32, copy=True).contiguous()  # [n, hidden], updated in place by C
     tables: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layers of one kind share their tables
     for cos, sin in rope:
@@ -242,17 +209,13 @@ def run_layers(layers: list[NativeLayer], x: torch.Tensor, start: int, rope: lis
                                sin.reshape(n, -1).to(torch.float32).contiguous())
     cos_sin = [tables[id(cos)] for cos, _ in rope]
     assert all(k.is_contiguous() and k.dtype == torch.float32 for k in keys + values)
-    assert len({k.shape[1] for k in keys + values}) == 1, "layers' caches of different capacities"
-    slot_pointer, masks, slot_count, position_pointer = None, None, 0, None
-    if slots is not None:
-        slots, visible, slot_positions = _tree_arguments(slots, visible, slot_positions)
-        slot_pointer, masks, slot_count = slots.data_ptr(), _pointers(visible), visible[0].shape[1]
-        position_pointer = slot_positions.data_ptr()
+    assert all(k.shape[1] == rows.pool_blocks * BLOCK for k in keys + values), "pools of the rows' size"
+    described, sequences = rows.c_struct()
     structs = (ctypes.c_void_p * len(layers))(*[ctypes.addressof(layer._struct) for layer in layers])
-    status = layers[0]._run_many(structs, len(layers), out.data_ptr(), n, start, slot_pointer, masks, slot_count,
-                                 position_pointer, _pointers([c for c, _ in cos_sin]),
-                                 _pointers([s for _, s in cos_sin]), _pointers(keys), _pointers(values),
-                                 keys[0].shape[1], torch.get_num_threads())
+    status = layers[0]._run_many(structs, len(layers), out.data_ptr(), n, ctypes.addressof(described), sequences,
+                                 _pointers([c for c, _ in cos_sin]), _pointers([s for _, s in cos_sin]),
+                                 _pointers(keys), _pointers(values), torch.get_num_threads())
     if status != 0:
-        raise RuntimeError(f"decoder_layers refused its arguments (n={n}, start={start}, capacity={keys[0].shape[1]})")
+        raise RuntimeError(f"decoder_layers refused its arguments (n={n}, positions {rows.positions.min()}.."
+                           f"{rows.positions.max()}, {rows.pool_blocks} blocks)")
     return out

@@ -323,116 +323,139 @@ static double exp_shifted(float *row, int64_t size, float best) {
     return total;
 }
 
-/* Which keys each query row sees, as a run of consecutive positions low..high (its own position),
- * and where they are. Contiguous chunk (visible NULL): row r is at position start + r, sees
- * low..position (causal, within the window), and position p is in slot p (order stays NULL).
- * Tree (visible not NULL): row r is at position slot_positions[slots[r]] and sees the slots
- * visible[r] marks; taken in increasing slot order these must hold consecutive positions ending at
- * the row's own (its context, then its ancestors and itself): (*order)[r * slot_count + i] is the
- * slot of position low[r] + i. A tree row's run is cut to the window as a contiguous row's is, so
- * a row sees exactly the keys of the same position in a contiguous chunk. Returns -1 (and frees
- * *order) if a tree row's visible slots are not such a run. */
-static int key_ranges(const Layer *L, int64_t n, int64_t start, const int64_t *slots, const uint8_t *visible,
-                      int64_t slot_count, const int64_t *slot_positions, int64_t *lows, int64_t *highs,
-                      int64_t **order) {
-    *order = NULL;
-    if (visible) {
-        *order = malloc(sizeof(int64_t) * n * slot_count);
-        if (!*order) return -1;
-    }
+/* Where each row of a call sits, and where its keys are: rows of one sequence or of several
+ * (a batch), each a continuation (contiguous positions) or a node of a tree of drafts.
+ *
+ * KV memory is paged: each layer's keys (and values) are one pool [kv_heads, pool_blocks * BLOCK,
+ * head_dim] of blocks of BLOCK positions, and a sequence's block table maps its logical blocks to
+ * the pool's (a contiguous cache is the table 0, 1, 2, ...). Logical slot l of a sequence is
+ * physical slot table[l / BLOCK] * BLOCK + l % BLOCK of the pool.
+ *
+ * Row r is at position positions[r] and writes its key and value to logical slot slots[r] of its
+ * sequence (sequences[r]: its table is tables + sequences[r] * table_width). It sees the positions
+ * of its run, window_low..positions[r] (causal, cut to the layer's window): a position p below
+ * bases[r] is at logical slot p; positions bases[r]..positions[r] are at paths[path_starts[r] ..
+ * path_starts[r + 1]) (a tree row's ancestors, then itself, in scratch slots), the last of which
+ * is slots[r]. A contiguous row has no path (bases[r] > positions[r], slots[r] = positions[r]). So
+ * a row sees exactly the keys of the same position in a contiguous chunk, wherever they are. */
+#define BLOCK 64 /* positions per block of KV memory: also the attention's fixed chunk of keys */
+typedef struct {
+    const int64_t *positions, *slots, *bases, *path_starts, *paths, *sequences;
+    const int64_t *tables;
+    int64_t table_width, pool_blocks;
+} Rows;
+
+/* The physical slot (in the pool) of row r's logical slot `logical`. */
+static inline int64_t physical_slot(const Rows *rows, int64_t r, int64_t logical) {
+    const int64_t *table = rows->tables + rows->sequences[r] * rows->table_width;
+    return table[logical / BLOCK] * BLOCK + logical % BLOCK;
+}
+
+/* The logical slot holding position p for row r (p within its run). */
+static inline int64_t logical_slot(const Rows *rows, int64_t r, int64_t p) {
+    return p < rows->bases[r] ? p : rows->paths[rows->path_starts[r] + p - rows->bases[r]];
+}
+
+/* 0 if every row's description is usable (paths of the right length ending at the row's own slot,
+ * logical slots inside the sequence's table, table entries inside the pool), else -1. */
+static int check_rows(const Rows *rows, int64_t n, int64_t sequence_count) {
+    if (rows->table_width < 1 || rows->pool_blocks < 1 || sequence_count < 1) return -1;
     for (int64_t r = 0; r < n; r++) {
-        const int64_t position = visible ? slot_positions[slots[r]] : start + r;
-        const int64_t window_low = L->window > 0 && position - L->window + 1 > 0 ? position - L->window + 1 : 0;
-        lows[r] = window_low, highs[r] = position;
-        if (!visible) continue;
-        const uint8_t *seen = visible + r * slot_count;
-        int64_t *row = *order + r * slot_count, count = 0;
-        for (int64_t s = 0; s < slot_count; s++)
-            if (seen[s]) row[count++] = s;
-        const int64_t low = position - count + 1;
-        int fine = count > 0 && low >= 0;
-        for (int64_t i = 0; fine && i < count; i++) fine = slot_positions[row[i]] == low + i;
-        if (!fine || low > window_low) { /* a gap in the run, or a key of the window hidden */
-            free(*order);
-            *order = NULL;
-            return -1;
+        const int64_t position = rows->positions[r], base = rows->bases[r];
+        const int64_t length = rows->path_starts[r + 1] - rows->path_starts[r];
+        if (position < 0 || base < 0 || rows->sequences[r] < 0 || rows->sequences[r] >= sequence_count) return -1;
+        if (length != (base <= position ? position - base + 1 : 0)) return -1;
+        if (length ? rows->paths[rows->path_starts[r + 1] - 1] != rows->slots[r] : rows->slots[r] != position) return -1;
+        const int64_t *table = rows->tables + rows->sequences[r] * rows->table_width;
+        const int64_t last = base <= position ? base - 1 : position; /* highest position at its own slot */
+        for (int64_t b = 0; b <= last / BLOCK && last >= 0; b++)
+            if (b >= rows->table_width || table[b] < 0 || table[b] >= rows->pool_blocks) return -1;
+        for (int64_t i = 0; i < length; i++) {
+            const int64_t slot = rows->paths[rows->path_starts[r] + i];
+            if (slot < 0 || slot / BLOCK >= rows->table_width || table[slot / BLOCK] < 0 ||
+                table[slot / BLOCK] >= rows->pool_blocks) return -1;
         }
-        if (window_low > low) memmove(row, row + (window_low - low), sizeof(int64_t) * (count - (window_low - low)));
     }
     return 0;
 }
 
-/* Attention of the chunk's n queries over the cache, into attended [n, heads * d]. Each query's
- * keys are cut at fixed absolute boundaries, multiples of KEY_CHUNK key positions, into chunks;
- * a task (query row, key/value head, chunk) scores its keys for the `group` query heads that
- * share the key/value head and keeps, per head, the maximum score, the sum of exponentials and
- * the unnormalised sum of values; the chunks are then merged in their order (the split
+/* The first position row r attends to in layer L (its window's start). */
+static inline int64_t window_low(const Layer *L, const Rows *rows, int64_t r) {
+    const int64_t position = rows->positions[r];
+    return L->window > 0 && position - L->window + 1 > 0 ? position - L->window + 1 : 0;
+}
+
+/* Attention of the call's n queries over their sequences' keys, into attended [n, heads * d].
+ * Each query's keys are cut at fixed absolute boundaries, multiples of BLOCK positions, into
+ * chunks; a task (query row, key/value head, chunk) scores its keys for the `group` query heads
+ * that share the key/value head and keeps, per head, the maximum score, the sum of exponentials
+ * and the unnormalised sum of values; the chunks are then merged in their order (the split
  * flash-decoding uses). Threads only distribute the tasks: what a query computes depends on its
- * position (and window) and the keys of those positions alone, not on n, the thread count or
- * where the keys are stored, so a position's output is the same bits however many positions
- * share the call, contiguous or placed in a tree (a tree row's keys that are not in consecutive
- * slots -- ancestors in scratch slots -- are first copied, in position order, into a buffer of
- * one chunk). A one-token step still runs on every thread once the context has more than one
- * chunk of keys. */
-#define KEY_CHUNK 64
-static int attention(const Layer *L, const float *qkv, int64_t qkv_width, int64_t n, int64_t start,
-                     const int64_t *slots, const uint8_t *visible, int64_t slot_count,
-                     const int64_t *slot_positions, const float *kcache, const float *vcache, int64_t capacity,
-                     float *attended, int threads) {
+ * position (and window) and the keys of those positions alone, not on n, the other rows, their
+ * sequences, the thread count or where the keys are stored, so a position's output is the same
+ * bits however many positions (of however many sequences) share the call, contiguous or placed in
+ * a tree (a chunk whose keys are not in consecutive physical slots -- a tree row's ancestors in
+ * scratch slots -- is first copied, in position order, into a buffer of one chunk). A one-token
+ * step still runs on every thread once the context has more than one chunk of keys. */
+static int attention(const Layer *L, const float *qkv, int64_t qkv_width, int64_t n, const Rows *rows,
+                     const float *kcache, const float *vcache, float *attended, int threads) {
     const int64_t d = L->head_dim, heads = L->heads, kvh = L->kv_heads, group = heads / kvh;
-    int64_t *lows = malloc(sizeof(int64_t) * 2 * n), *order = NULL;
-    if (!lows) return -1;
-    int64_t *highs = lows + n;
-    if (key_ranges(L, n, start, slots, visible, slot_count, slot_positions, lows, highs, &order) != 0) {
-        free(lows);
-        return -1;
-    }
-    int64_t parts = 1; /* the most chunks a query sees */
+    const int64_t capacity = rows->pool_blocks * BLOCK;
+    int64_t *task_starts = malloc(sizeof(int64_t) * (n + 1)); /* row r's tasks: task_starts[r] .. [r + 1] */
+    if (!task_starts) return -1;
+    task_starts[0] = 0;
     for (int64_t r = 0; r < n; r++)
-        if (highs[r] / KEY_CHUNK - lows[r] / KEY_CHUNK + 1 > parts) parts = highs[r] / KEY_CHUNK - lows[r] / KEY_CHUNK + 1;
-    const int64_t tasks = n * kvh * parts, per_head = 2 + d;
+        task_starts[r + 1] = task_starts[r] + kvh * (rows->positions[r] / BLOCK - window_low(L, rows, r) / BLOCK + 1);
+    const int64_t tasks = task_starts[n], per_head = 2 + d;
     float *work = malloc(sizeof(float) * tasks * group * per_head); /* per task and head: max, sum, out[d] */
     if (!work) {
-        free(lows);
-        free(order);
+        free(task_starts);
         return -1;
     }
     int failed = 0;
 #pragma omp parallel num_threads(threads) if (tasks > 1)
     {
-        /* head g's scores: scores + g * KEY_CHUNK; then one chunk of gathered keys and values */
-        float *scores = malloc(sizeof(float) * (group + 2 * d) * KEY_CHUNK);
+        /* head g's scores: scores + g * BLOCK; then one chunk of gathered keys and values */
+        float *scores = malloc(sizeof(float) * (group + 2 * d) * BLOCK);
         if (!scores) {
 #pragma omp atomic write
             failed = 1;
         }
+        int64_t r = 0; /* the row of the task: tasks come in order, so it only moves forward */
 #pragma omp for schedule(static)
         for (int64_t task = 0; task < tasks; task++) {
-            const int64_t part = task % parts, r = task / parts / kvh, kv = task / parts % kvh;
-            const int64_t low = lows[r], high = highs[r];
-            const int64_t chunk = low / KEY_CHUNK + part;
-            const int64_t first = chunk * KEY_CHUNK > low ? chunk * KEY_CHUNK : low;
-            const int64_t last = (chunk + 1) * KEY_CHUNK - 1 < high ? (chunk + 1) * KEY_CHUNK - 1 : high;
+            while (task_starts[r + 1] <= task) r++;
+            while (task_starts[r] > task) r--; /* (a thread's first task may lie before the last one's row) */
+            const int64_t parts = (task_starts[r + 1] - task_starts[r]) / kvh;
+            const int64_t local = task - task_starts[r], kv = local / parts, part = local % parts;
+            const int64_t low = window_low(L, rows, r), high = rows->positions[r];
+            const int64_t chunk = low / BLOCK + part;
+            const int64_t first = chunk * BLOCK > low ? chunk * BLOCK : low;
+            const int64_t last = (chunk + 1) * BLOCK - 1 < high ? (chunk + 1) * BLOCK - 1 : high;
             const int64_t size = last - first + 1;
             float *states = work + task * group * per_head; /* head g: states + g * per_head */
             for (int64_t g = 0; g < group; g++) states[g * per_head] = -INFINITY, states[g * per_head + 1] = 0.0f;
             if (size <= 0 || !scores) continue;
-            const float *keys = kcache + (kv * capacity + first) * d, *values = vcache + (kv * capacity + first) * d;
-            if (order) { /* a tree row: the slots of positions first..last */
-                const int64_t *slot = order + r * slot_count + (first - low);
-                keys = kcache + (kv * capacity + slot[0]) * d, values = vcache + (kv * capacity + slot[0]) * d;
-                if (slot[size - 1] - slot[0] != size - 1) { /* not consecutive slots: gather them */
-                    float *kbuffer = scores + group * KEY_CHUNK, *vbuffer = kbuffer + KEY_CHUNK * d;
-                    for (int64_t j = 0; j < size; j++) {
-                        memcpy(kbuffer + j * d, kcache + (kv * capacity + slot[j]) * d, sizeof(float) * d);
-                        memcpy(vbuffer + j * d, vcache + (kv * capacity + slot[j]) * d, sizeof(float) * d);
-                    }
-                    keys = kbuffer, values = vbuffer;
-                }
+            const int64_t start = physical_slot(rows, r, logical_slot(rows, r, first));
+            int consecutive = last < rows->bases[r]; /* one logical block: one physical block, in order */
+            if (!consecutive) {
+                consecutive = 1;
+                for (int64_t p = first + 1; consecutive && p <= last; p++)
+                    consecutive = physical_slot(rows, r, logical_slot(rows, r, p)) == start + (p - first);
             }
-            scores_of(qkv + r * qkv_width + kv * group * d, group, keys, size, d, scores, KEY_CHUNK);
+            const float *keys = kcache + (kv * capacity + start) * d, *values = vcache + (kv * capacity + start) * d;
+            if (!consecutive) { /* gather the chunk's keys and values in position order */
+                float *kbuffer = scores + group * BLOCK, *vbuffer = kbuffer + BLOCK * d;
+                for (int64_t j = 0; j < size; j++) {
+                    const int64_t slot = physical_slot(rows, r, logical_slot(rows, r, first + j));
+                    memcpy(kbuffer + j * d, kcache + (kv * capacity + slot) * d, sizeof(float) * d);
+                    memcpy(vbuffer + j * d, vcache + (kv * capacity + slot) * d, sizeof(float) * d);
+                }
+                keys = kbuffer, values = vbuffer;
+            }
+            scores_of(qkv + r * qkv_width + kv * group * d, group, keys, size, d, scores, BLOCK);
             for (int64_t g = 0; g < group; g++) {
-                float *state = states + g * per_head, *row = scores + g * KEY_CHUNK;
+                float *state = states + g * per_head, *row = scores + g * BLOCK;
                 float best = -INFINITY;
                 for (int64_t j = 0; j < size; j++) {
                     row[j] *= L->scaling;
@@ -445,20 +468,21 @@ static int attention(const Layer *L, const float *qkv, int64_t qkv_width, int64_
                 state[0] = best;
                 state[1] = (float)exp_shifted(row, size, best);
             }
-            weighted_sum(scores, KEY_CHUNK, group, values, size, d, states + 2, per_head);
+            weighted_sum(scores, BLOCK, group, values, size, d, states + 2, per_head);
         }
         free(scores);
     }
-    free(lows);
-    free(order);
     if (failed) {
         free(work);
+        free(task_starts);
         return -1;
     }
 #pragma omp parallel for num_threads(threads) schedule(static) if (n * heads > 1)
     for (int64_t row_head = 0; row_head < n * heads; row_head++) {
         const int64_t r = row_head / heads, head = row_head % heads, kv = head / group, g = head % group;
-        const float *states = work + (r * kvh + kv) * parts * group * per_head + g * per_head; /* chunk p: + p * group * per_head */
+        const int64_t parts = (task_starts[r + 1] - task_starts[r]) / kvh;
+        /* chunk p of this row and key/value head: task task_starts[r] + kv * parts + p */
+        const float *states = work + (task_starts[r] + kv * parts) * group * per_head + g * per_head;
         const int64_t step = group * per_head;
         float best = -INFINITY;
         for (int64_t part = 0; part < parts; part++)
@@ -479,25 +503,19 @@ static int attention(const Layer *L, const float *qkv, int64_t qkv_width, int64_
         for (int64_t i = 0; i < d; i++) dst[i] = dst[i] / denominator;
     }
     free(work);
+    free(task_starts);
     return 0;
 }
 
-/* x [n, hidden] in place: the layer's output. Keys/values of the n tokens are written to
- * kcache/vcache [kv_heads, capacity, head_dim] at positions start..start+n-1, attending causally
- * (within the window), or, for a tree of drafts (slots not NULL), at slots[0..n-1], token r
- * attending to the slots s < slot_count with visible[r * slot_count + s], slot s holding position
- * slot_positions[s] (see key_ranges for what a row must see); cos/sin are [n, head_dim]. Returns
- * 0, or -1 if an argument is unusable (nothing useful was computed). */
-int decoder_layer(const Layer *L, float *x, int64_t n, int64_t start, const int64_t *slots, const uint8_t *visible,
-                  int64_t slot_count, const int64_t *slot_positions, const float *cos_table, const float *sin_table,
-                  float *kcache, float *vcache, int64_t capacity, int threads) {
+/* x [n, hidden] in place: the layer's output for the n rows `rows` describes (see Rows), whose
+ * keys/values are written to, and read from, the pools kcache/vcache [kv_heads, pool_blocks *
+ * BLOCK, head_dim]; cos/sin are [n, head_dim] (each row's position's). The caller has checked
+ * `rows` (check_rows). Returns 0, or -1 if an argument is unusable or memory ran out. */
+static int layer_forward(const Layer *L, float *x, int64_t n, const Rows *rows, const float *cos_table,
+                         const float *sin_table, float *kcache, float *vcache, int threads) {
     const int64_t H = L->hidden, d = L->head_dim, heads = L->heads, kvh = L->kv_heads;
-    const int64_t qkv_width = (heads + 2 * kvh) * d, I = L->intermediate;
+    const int64_t qkv_width = (heads + 2 * kvh) * d, I = L->intermediate, capacity = rows->pool_blocks * BLOCK;
     if (n < 1 || heads % kvh != 0 || d % 2 != 0 || threads < 1) return -1;
-    if (slots ? (!visible || !slot_positions || slot_count < 1 || slot_count > capacity) : start + n > capacity)
-        return -1;
-    for (int64_t r = 0; slots && r < n; r++) /* a row sees its own slot, so it lies below slot_count */
-        if (slots[r] < 0 || slots[r] >= slot_count) return -1;
     const int64_t scratch_floats = n * H + n * qkv_width + n * heads * d + n * H + n * 2 * I;
     float *scratch = malloc(sizeof(float) * scratch_floats);
     if (!scratch) return -1;
@@ -513,15 +531,14 @@ int decoder_layer(const Layer *L, float *x, int64_t n, int64_t start, const int6
         if (L->q.weight) rms_norm(&L->q, q, q, heads, d, d);
         if (L->k.weight) rms_norm(&L->k, k, k, kvh, d, d);
         for (int64_t head = 0; head < heads; head++) rotate(q + head * d, cos_table + r * d, sin_table + r * d, d);
+        const int64_t slot = physical_slot(rows, r, rows->slots[r]);
         for (int64_t head = 0; head < kvh; head++) {
             rotate(k + head * d, cos_table + r * d, sin_table + r * d, d);
-            const int64_t slot = slots ? slots[r] : start + r;
             memcpy(kcache + (head * capacity + slot) * d, k + head * d, sizeof(float) * d);
             memcpy(vcache + (head * capacity + slot) * d, v + head * d, sizeof(float) * d);
         }
     }
-    status |= attention(L, qkv, qkv_width, n, start, slots, visible, slot_count, slot_positions, kcache, vcache, capacity,
-                        attended, threads);
+    status |= attention(L, qkv, qkv_width, n, rows, kcache, vcache, attended, threads);
     status |= linear(&L->linear[O], L->numerics, attended, n, projected, threads);
     if (L->post_attention.weight) rms_norm(&L->post_attention, projected, projected, n, H, H);
     for (int64_t i = 0; i < n * H; i++) x[i] = x[i] + projected[i];
@@ -538,20 +555,18 @@ int decoder_layer(const Layer *L, float *x, int64_t n, int64_t start, const int6
     return status ? -1 : 0;
 }
 
-/* Several layers in turn over the same chunk (a whole forward, or the layers on one side of an
+/* Several layers in turn over the same rows (a whole forward, or the layers on one side of an
  * early exit), so that a step pays one call from Python instead of one per layer: layer i gets
- * its own rotary tables cos_tables[i]/sin_tables[i], caches kcaches[i]/vcaches[i] and, for a
- * tree of drafts, its own visibility mask visible[i] (layers with a sliding window see fewer
- * slots; slots and slot_positions are shared); visible is NULL for a contiguous chunk. Stops at the first layer that refuses its
- * arguments and returns -1 (x is then partly updated). */
-int decoder_layers(const Layer *const *layers, int64_t count, float *x, int64_t n, int64_t start, const int64_t *slots,
-                   const uint8_t *const *visible, int64_t slot_count, const int64_t *slot_positions,
-                   const float *const *cos_tables, const float *const *sin_tables, float *const *kcaches,
-                   float *const *vcaches, int64_t capacity, int threads) {
-    if (count < 0 || (slots && !visible)) return -1;
+ * its own rotary tables cos_tables[i]/sin_tables[i] and pools kcaches[i]/vcaches[i]; every layer's
+ * rows are described by `rows` (see Rows; its tables list `sequence_count` sequences). x [n,
+ * hidden] is updated in place. Returns 0, or -1 if `rows` is unusable (nothing computed) or a
+ * layer failed (x is then partly updated). */
+int decoder_layers(const Layer *const *layers, int64_t count, float *x, int64_t n, const Rows *rows,
+                   int64_t sequence_count, const float *const *cos_tables, const float *const *sin_tables,
+                   float *const *kcaches, float *const *vcaches, int threads) {
+    if (count < 0 || n < 1 || check_rows(rows, n, sequence_count) != 0) return -1;
     for (int64_t i = 0; i < count; i++)
-        if (decoder_layer(layers[i], x, n, start, slots, slots ? visible[i] : NULL, slot_count, slot_positions,
-                          cos_tables[i], sin_tables[i], kcaches[i], vcaches[i], capacity, threads) != 0)
+        if (layer_forward(layers[i], x, n, rows, cos_tables[i], sin_tables[i], kcaches[i], vcaches[i], threads) != 0)
             return -1;
     return 0;
 }
