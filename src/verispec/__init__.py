@@ -12,7 +12,7 @@ from importlib import import_module
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # what type checkers and editors see; at run time each name loads on first use
-    from .api import GenerationResult, TextStream, generate, stream
+    from .api import GenerationResult, TextStream, generate, generate_many, make_request, stream, stream_many
     from .errors import ConfigError, ModelLoadError, VerispecError
     from .hf_generate import transformers_generate
     from .methods import METHODS, MethodOptions, method_names
@@ -25,6 +25,7 @@ if TYPE_CHECKING:  # what type checkers and editors see; at run time each name l
 # here) before anything needs them.
 _EXPORTS = {
     "GenerationResult": "api", "TextStream": "api", "generate": "api", "stream": "api",
+    "generate_many": "api", "stream_many": "api", "make_request": "api",
     "ConfigError": "errors", "ModelLoadError": "errors", "VerispecError": "errors",
     "transformers_generate": "hf_generate",
     "METHODS": "methods", "MethodOptions": "methods", "method_names": "methods",

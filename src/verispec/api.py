@@ -1,7 +1,9 @@
-"""The text-level library API: `generate` and `stream` over any method.
+"""The text-level library API: `generate` and `stream` over any method, one request at a time,
+and `generate_many` and `stream_many` for many requests decoded together.
 
-Composes `methods` (which recipe), `engine` (the loop) and `text` (prompt encoding, incremental
-detokenization, stop strings). The CLI, benchmark and server call these functions.
+Composes `methods` (which recipe), `engine` (the loop of one request), `batch` (the loop of many)
+and `text` (prompt encoding, incremental detokenization, stop strings). The CLI, benchmark and
+server call these functions. `make_request` validates and encodes one request for any of them.
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Iterator, Sequence
 
+from .batch import DEFAULT_MAX_ROWS, DEFAULT_MAX_SEQUENCES, BatchEngine, Job
 from .engine import DecodeConfig, decode
 from .errors import ConfigError
 from .methods import MethodOptions, build, check_settings, get_method, with_settings
@@ -134,3 +137,123 @@ def generate(target: Target, prompt: str | Sequence[int], method: str = "anpd", 
         pass
     assert text_stream.result is not None
     return text_stream.result
+
+
+# -- many requests together ------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class TextDelta:
+    """A piece of final text of request `index` (its place in the list given)."""
+
+    index: int
+    text: str
+
+
+@dataclass(frozen=True)
+class RequestDone:
+    """Request `index` ended: its result, or the error it failed with (`result` None). A
+    cancelled request's result holds what it generated until then (stop reason "cancelled")."""
+
+    index: int
+    result: GenerationResult | None
+    error: BaseException | None = None
+
+
+class BatchTextStream:
+    """Many requests decoded together (`batch.BatchEngine`): iterate to receive each request's
+    text as it is committed (`TextDelta`) and each result as soon as its request ends
+    (`RequestDone`); `results` holds them in request order (a `GenerationResult`, or the error a
+    request failed with). `cancel(index)` ends one request between steps without touching the
+    others; leaving the loop early cancels every request still running."""
+
+    def __init__(self, target: Target, requests: Sequence[Request], max_rows: int = DEFAULT_MAX_ROWS,
+                 max_sequences: int = DEFAULT_MAX_SEQUENCES):
+        requests = list(requests)
+        for request in requests:
+            if not isinstance(request, Request):
+                raise ConfigError(f"generate_many takes requests made by verispec.make_request, not "
+                                  f"{type(request).__name__}")
+        self.target, self.requests = target, requests
+        self.results: list[GenerationResult | BaseException | None] = [None] * len(requests)
+        self._engine = BatchEngine(target, max_rows, max_sequences)
+        self._jobs: dict[int, Job] = {}
+        self._assemblers: dict[int, TextAssembler] = {}
+        self._cancelled: set[int] = set()
+
+    def cancel(self, index: int) -> None:
+        """End request `index` (if it is still running) before the next step."""
+        if not 0 <= index < len(self.requests):
+            raise ConfigError(f"no request {index}: there are {len(self.requests)}")
+        self._cancelled.add(index)
+
+    def _submit(self, index: int, request: Request) -> None:
+        sequence = self.target.new_sequence()
+        recipe = build(request.method, sequence, request.options, request.sampling)
+        self._assemblers[index] = TextAssembler(self.target.tokenizer, request.stop)
+        config = DecodeConfig(request.max_new_tokens, request.sampling, self.target.eos_token_ids)
+        stats = GenerationStats(method=request.method)
+        self._jobs[index] = self._engine.submit(list(request.prompt_ids), recipe, config, stats,
+                                                draws=get_method(request.method).draws, sequence=sequence)
+
+    def _done(self, index: int) -> Iterator[TextDelta | RequestDone]:
+        """The end of request `index`: its held-back text, then its result or error."""
+        job, assembler = self._jobs.pop(index), self._assemblers[index]
+        if job.error is not None:
+            self.results[index] = job.error
+            yield RequestDone(index, None, job.error)
+            return
+        tail = assembler.finish()
+        if tail:
+            yield TextDelta(index, tail)
+        job.stats.new_tokens = min(job.stats.new_tokens, len(assembler.ids))
+        result = GenerationResult(assembler.text, list(assembler.ids), list(self.requests[index].prompt_ids), job.stats)
+        self.results[index] = result
+        yield RequestDone(index, result)
+
+    def __iter__(self) -> Iterator[TextDelta | RequestDone]:
+        by_job: dict[int, int] = {}
+        try:
+            for index, request in enumerate(self.requests):
+                try:
+                    self._submit(index, request)
+                    by_job[self._jobs[index].id] = index
+                except Exception as error:  # noqa: BLE001 - a request that cannot start fails in its place
+                    self.results[index] = error
+                    yield RequestDone(index, None, error)
+            while self._jobs:
+                for index in sorted(self._cancelled & set(self._jobs)):
+                    self._engine.cancel(self._jobs[index], "cancelled")
+                    yield from self._done(index)
+                if not self._jobs:
+                    break
+                for job, committed in self._engine.step():
+                    index = by_job[job.id]
+                    assembler = self._assemblers[index]
+                    delta = assembler.push(committed)
+                    if delta:
+                        yield TextDelta(index, delta)
+                    if assembler.stopped and not job.done:
+                        job.stats.stop_reason = "stop"
+                        self._engine.cancel(job, "stop")
+                    if job.done:
+                        yield from self._done(index)
+        finally:
+            for job in list(self._jobs.values()):  # the consumer left early
+                self._engine.cancel(job, "cancelled")
+
+
+def stream_many(target: Target, requests: Sequence[Request], **kwargs) -> BatchTextStream:
+    """Decode `requests` (made by `make_request`) together, streaming; see `BatchTextStream`.
+    kwargs: `max_rows` (rows of one step's forward), `max_sequences` (requests running at once)."""
+    return BatchTextStream(target, requests, **kwargs)
+
+
+def generate_many(target: Target, requests: Sequence[Request], **kwargs) -> list[GenerationResult | BaseException]:
+    """Decode `requests` (made by `make_request`) together and return, in their order, each one's
+    `GenerationResult`, or the error it failed with in its place. Each output is the one the
+    request gives alone (`generate`): greedy token for token, seeded sampling of `ar`, `pld`,
+    `anpd` and `suffix` too. kwargs as `stream_many`."""
+    batch = BatchTextStream(target, requests, **kwargs)
+    for _ in batch:
+        pass
+    return list(batch.results)

@@ -77,68 +77,100 @@ def decode(
     generator = config.sampling.generator(device=target.device)  # where the target's logits are
     stats.prompt_tokens = len(prompt)
     context = list(prompt)
-
-    started = time.perf_counter()
-    target.reset()
-    drafter.begin(context)
-    logits = target.forward(context, last_only=True)  # [1, vocab]
-    committed = [rule(EMPTY_DRAFT, logits, config.sampling, generator).next_token]
-    drafter.commit(committed, 0)
-    stats.target_forwards += 1
-    stats.prefill_s = time.perf_counter() - started
-
-    while True:
-        committed, stats.stop_reason = _apply_stops(committed, stats.new_tokens, config)
-        context += committed
-        stats.new_tokens += len(committed)
-        yield committed
-        if stats.stop_reason:
-            return
+    try:
         started = time.perf_counter()
-        # 0. how far to draft: never past the token budget (a step commits drafts + 1)
-        k = min(controller.next_length(), config.max_new_tokens - stats.new_tokens - 1)
-        # 1. propose (the controller may stop it token by token), keep the prefix worth verifying;
-        #    a drawn draft is verified whole (`Draft.drawn`): its stop rule is `keep`, decided
-        #    before each token is drawn
-        draft = drafter.propose(context, k, controller.keep) if k > 0 else EMPTY_DRAFT
-        assert len(draft) <= max(k, 0), f"drafter proposed {len(draft)} tokens for k={k}"
-        if not draft.drawn:
-            draft = draft.prefix(controller.cut(draft.confidence, len(draft)))
-        if draft.parents is not None and not target.verifies_trees:
-            draft = draft.primary()  # this target verifies linear drafts only: the primary branch
-        draft_s = time.perf_counter() - started
-        # 2. verify: the last committed token (not yet in the cache) and the draft, one forward
-        #    (a tree of drafts: every branch in the same forward, the committed token its root)
-        #    (`lazy`: a rule that reads rows in order may get them as `LazyRows`, the rows after
-        #    the first few run through the layers and the head only if the rule reads them)
-        verify_started = time.perf_counter()
-        tokens = [context[-1], *draft.tokens.tolist()]
-        lazy = getattr(rule, "reads_rows_in_order", False) and lazy_rows.worth_deferring(draft.confidence)
-        if draft.parents is None:
-            logits = target.forward(tokens, lazy=lazy)  # [k+1, vocab]
-        else:
-            logits = target.forward_tree(tokens, [-1, *(draft.parents + 1).tolist()], lazy=lazy)  # [k+1, vocab]
-        # 3. accept n drafts, then one token from the target
-        verdict = rule(draft, logits, config.sampling, generator)
-        verify_s = time.perf_counter() - verify_started  # the rule's reads included: they may run the head
-        n = verdict.n_accepted
-        # 4. commit: keep the cache of context + accepted drafts (a tree's accepted path moved
-        #    to its positions); roll the drafter back
-        if draft.parents is None:
-            target.crop(len(context) + n)
-            accepted = draft.tokens[:n].tolist()
-        else:
-            target.keep_path([0, *(i + 1 for i in verdict.path)])
-            accepted = draft.tokens[list(verdict.path)].tolist()
-        committed = [*accepted, verdict.next_token]
-        drafter.commit(committed, len(draft))
-        # 5. update controller and stats
-        controller.observe(len(draft), n, draft.confidence, verify_s, draft_s)
-        stats.record_step(len(draft), n)
-        stats.decode_s += time.perf_counter() - started
+        target.reset()
+        drafter.begin(context)
+        logits = target.forward(context, last_only=True)  # [1, vocab]
+        committed = [rule(EMPTY_DRAFT, logits, config.sampling, generator).next_token]
+        drafter.commit(committed, 0)
+        stats.target_forwards += 1
+        stats.prefill_s = time.perf_counter() - started
+
+        while True:
+            committed, stats.stop_reason = apply_stops(committed, stats.new_tokens, config)
+            context += committed
+            stats.new_tokens += len(committed)
+            yield committed
+            if stats.stop_reason:
+                return
+            started = time.perf_counter()
+            # 0-1. how far to draft, and the draft worth verifying
+            draft = next_draft(drafter, controller, context, config.max_new_tokens - stats.new_tokens - 1,
+                               target.verifies_trees)
+            draft_s = time.perf_counter() - started
+            # 2. verify: the last committed token (not yet in the cache) and the draft, one forward
+            #    (a tree of drafts: every branch in the same forward, the committed token its root)
+            #    (`lazy`: a rule that reads rows in order may get them as `LazyRows`, the rows after
+            #    the first few run through the layers and the head only if the rule reads them)
+            verify_started = time.perf_counter()
+            tokens, parents = verify_tokens(context, draft)
+            lazy = getattr(rule, "reads_rows_in_order", False) and lazy_rows.worth_deferring(draft.confidence)
+            if parents is None:
+                logits = target.forward(tokens, lazy=lazy)  # [k+1, vocab]
+            else:
+                logits = target.forward_tree(tokens, parents, lazy=lazy)  # [k+1, vocab]
+            # 3. accept n drafts, then one token from the target
+            verdict = rule(draft, logits, config.sampling, generator)
+            verify_s = time.perf_counter() - verify_started  # the rule's reads included: they may run the head
+            # 4-5. commit, roll back, learn
+            committed = settle(target, drafter, draft, verdict, len(context))
+            controller.observe(len(draft), verdict.n_accepted, draft.confidence, verify_s, draft_s)
+            stats.record_step(len(draft), verdict.n_accepted)
+            stats.decode_s += time.perf_counter() - started
+    finally:
+        close_drafter(drafter)
 
 
-def _apply_stops(committed: list[int], generated: int, config: DecodeConfig) -> tuple[list[int], str]:
+def next_draft(drafter: Drafter, controller: Controller, context: Sequence[int], room: int,
+               verifies_trees: bool) -> Draft:
+    """Phases 0 and 1 of a step: how far to draft (the controller's length, never past `room`,
+    the tokens left in the budget after the one the target adds), then the draft (the
+    controller may stop it token by token), cut to the prefix worth verifying; a drawn draft is
+    verified whole (`Draft.drawn`): its stop rule is `keep`, decided before each token is drawn.
+    A tree becomes its primary branch where the target verifies linear drafts only."""
+    k = min(controller.next_length(), room)
+    draft = drafter.propose(context, k, controller.keep) if k > 0 else EMPTY_DRAFT
+    assert len(draft) <= max(k, 0), f"drafter proposed {len(draft)} tokens for k={k}"
+    if not draft.drawn:
+        draft = draft.prefix(controller.cut(draft.confidence, len(draft)))
+    if draft.parents is not None and not verifies_trees:
+        draft = draft.primary()
+    return draft
+
+
+def verify_tokens(context: Sequence[int], draft: Draft) -> tuple[list[int], list[int] | None]:
+    """What phase 2 runs: the last committed token (not yet in the cache) and the draft, with
+    each row's parent for a tree (-1: the committed token; None for a linear draft)."""
+    tokens = [context[-1], *draft.tokens.tolist()]
+    parents = None if draft.parents is None else [-1, *(draft.parents + 1).tolist()]
+    return tokens, parents
+
+
+def settle(target: "Target", drafter: Drafter, draft: Draft, verdict: Verdict, context_length: int) -> list[int]:
+    """Phase 4: keep the cache of the context and the accepted drafts (a tree's accepted path
+    moved to its positions), roll the drafter back; returns the committed tokens (the accepted
+    drafts and the target's own token)."""
+    n = verdict.n_accepted
+    if draft.parents is None:
+        target.crop(context_length + n)
+        accepted = draft.tokens[:n].tolist()
+    else:
+        target.keep_path([0, *(i + 1 for i in verdict.path)])
+        accepted = draft.tokens[list(verdict.path)].tolist()
+    committed = [*accepted, verdict.next_token]
+    drafter.commit(committed, len(draft))
+    return committed
+
+
+def close_drafter(drafter: Drafter) -> None:
+    """End a request's drafter: release what it holds beyond itself (a draft model's sequence)."""
+    close = getattr(drafter, "close", None)
+    if close is not None:
+        close()
+
+
+def apply_stops(committed: list[int], generated: int, config: DecodeConfig) -> tuple[list[int], str]:
     """Cut a step's tokens at the first stop token (kept) or at the token budget."""
     for i, token in enumerate(committed):
         if token in config.stop_token_ids:

@@ -41,11 +41,10 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Sequence
 
 import torch
 
-from .cache import StaticKV, Tree, cache_length, crop_to, new_cache
 from .device import (
     AUTO_MAP, STATIC_CACHE_TOKENS, CompiledStep, default_dtype, model_device, resolve_device, spread_over_devices,
 )
@@ -54,8 +53,10 @@ from .errors import ModelLoadError
 from .lazy_rows import LazyRows
 from .paths import cache_root
 from .runtime import blockmm
-from .runtime.fastpath import FastDecoder
+from .runtime.fastpath import BLOCK_KERNEL_MAX_ROWS, FastDecoder
+from .runtime.kv_pool import BlockPool, default_budget_bytes
 from .runtime.linear import BlockLinear, Linear
+from .sequence import TargetSequence
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DTYPE_CHOICES = ("auto", *DTYPES)
@@ -355,13 +356,12 @@ class Target:
         self.tokenizer = tokenizer
         self.name = name or getattr(model.config, "_name_or_path", "") or type(model).__name__
         self.config = model.config
-        self.cache = None
         self._body = model.get_decoder()
         self._fast = None
-        self._capture_layer = 0
-        self._captures: list[tuple[int, torch.Tensor]] = []
-        self._tree_slots: tuple[int, list[int]] | None = None  # the last forward_tree's start and slots
         self.attachments: dict = {}  # things built once per target (e.g. prepared exit heads)
+        self._pool: BlockPool | None = None  # paged KV memory, made at first use (`pool`)
+        self.kv_budget_bytes: int | None = None  # its size (None: `kv_pool.default_budget_bytes()`)
+        self._prefix_cache = True
         self.device = model_device(model)  # where input ids go and logits come back
         self._step: CompiledStep | None = None  # the compiled CUDA decode step (`compile_decode_step`)
         if fast and self.device.type != "cpu":
@@ -375,6 +375,7 @@ class Target:
             else:
                 _log(f"fast path not available for {self.name}: {reason}; using the eager forward")
         self._head = self._head_if_exact()
+        self._sequence = TargetSequence(self)  # the single-request interface's
 
     @property
     def numerics(self) -> str:
@@ -388,6 +389,8 @@ class Target:
             raise ValueError(f"numerics {value!r}: choose one of {', '.join(blockmm.NUMERICS)}")
         if self._fast is not None and self._fast.blocks:
             self._fast.numerics = value
+            if self._pool is not None:
+                self._pool.clear_cache()  # its blocks hold keys computed in the other numerics
 
     # -- facts about the model -------------------------------------------------------------
     @property
@@ -445,56 +448,85 @@ class Target:
             return False
         self._step = CompiledStep(self.model, min(self.max_length, STATIC_CACHE_TOKENS), mode, backend)
         self._head = None  # the step computes logits with the model's own forward
-        self.cache = None
+        self._sequence = TargetSequence(self)
         return True
 
+    # -- the single-request interface: this target's own sequence (`sequence.TargetSequence`) --
     def reset(self) -> None:
-        """Start a new request: an empty KV cache, no exit-layer capture."""
-        self._capture_layer = 0
-        self._captures = []
-        if self._step is not None:
-            self._step.crop(0)
-            self.cache = self._step.cache
-        elif self._fast is None:
-            self.cache = new_cache(self.model)
-        elif isinstance(self.cache, StaticKV):
-            self.cache.crop(0)  # reuse the allocation
-        else:
-            self.cache = self._fast.new_cache()
+        """Start a new request on this target's own sequence (see `TargetSequence.reset`)."""
+        self._sequence.reset()
+
+    def release(self) -> None:
+        """End the last request on this target's own sequence: its KV blocks go back to the pool
+        (the next `reset` does it too)."""
+        self._sequence.release()
+
+    @property
+    def cache(self):
+        return self._sequence.cache
 
     @property
     def length(self) -> int:
-        """Positions currently in the cache."""
-        if self._step is not None:
-            return self._step.length
-        return self.cache.length if self._fast is not None else cache_length(self.cache)
+        return self._sequence.length
 
     def crop(self, length: int) -> None:
-        """Roll the cache back to its first `length` positions."""
-        if self._step is not None:
-            self._step.crop(length)
-        elif self._fast is not None:
-            self.cache.crop(length)
-        else:
-            crop_to(self.cache, length)
+        self._sequence.crop(length)
 
-    @torch.inference_mode()
     def forward(self, tokens: Sequence[int], last_only: bool = False, lazy: bool = False) -> "torch.Tensor | LazyRows":
-        """Append `tokens` to the cache; return logits [n, vocab] (or [1, vocab] if last_only).
-        lazy=True may return them as `LazyRows` (the LM head run on the rows a rule reads), where
-        that gives the same bits (`_logits`)."""
-        assert self.cache is not None, "call reset() before forward()"
-        assert len(tokens) > 0, "forward needs at least one token"
-        ids = torch.tensor([list(tokens)], dtype=torch.long, device=self.device)  # [1, n]
-        if self._step is not None:
-            return self._ready(self._step.forward(ids, last_only))
-        if self._head is None:
-            keep = 1 if last_only else 0
-            return self._ready(self.model(input_ids=ids, cache=self.cache, use_cache=True, logits_to_keep=keep).logits[0])
-        if lazy and not last_only and self._batch_invariant(ids.shape[1], layers=True):
-            return self._staged(ids)
-        hidden = self.hidden_states(ids)  # [n, hidden]
-        return self._head(hidden[-1:]) if last_only else self._logits(hidden, lazy)
+        return self._sequence.forward(tokens, last_only, lazy)
+
+    def forward_tree(self, tokens: Sequence[int], parents: Sequence[int], lazy: bool = False) -> "torch.Tensor | LazyRows":
+        return self._sequence.forward_tree(tokens, parents, lazy)
+
+    def keep_path(self, rows: Sequence[int]) -> None:
+        self._sequence.keep_path(rows)
+
+    def hidden_states(self, ids: torch.Tensor) -> torch.Tensor:
+        return self._sequence.hidden_states(ids)
+
+    def exit_states(self, low: int, high: int) -> torch.Tensor:
+        return self._sequence.exit_states(low, high)
+
+    def capture_exit(self, layer: int) -> None:
+        self._sequence.capture_exit(layer)
+
+    def new_sequence(self) -> "TargetSequence":
+        """A sequence of its own on this target (for one of several requests at once)."""
+        return TargetSequence(self)
+
+    # -- paged KV memory and the prefix cache ------------------------------------------------
+    @property
+    def pages_kv(self) -> bool:
+        """Whether sequences keep their KV in the target's block pool (`kv_pool`): where every
+        layer runs in C at every width (the fast path, int8 numerics); elsewhere a sequence has
+        a contiguous cache of its own."""
+        fast = self._fast
+        return fast is not None and self._step is None and fast.runs_in_c(range(len(fast.layers)), BLOCK_KERNEL_MAX_ROWS + 1)
+
+    @property
+    def pool(self) -> BlockPool:
+        """The block pool of this target's paged sequences, made at first use with the budget
+        `kv_budget_bytes` (default: `kv_pool.default_budget_bytes()`)."""
+        if self._pool is None:
+            fast = self._fast
+            budget = self.kv_budget_bytes or default_budget_bytes()
+            self._pool = BlockPool.for_budget(len(fast.layers), fast.kv_heads, fast.head_dim, budget, fast.dtype,
+                                              prefix_cache=self._prefix_cache)
+        return self._pool
+
+    @property
+    def prefix_cache(self) -> bool:
+        """Whether paged sequences keep their full blocks for later requests that start with the
+        same tokens (`kv_pool.PrefixCache`; outputs are identical either way)."""
+        return self._prefix_cache
+
+    @prefix_cache.setter
+    def prefix_cache(self, value: bool) -> None:
+        self._prefix_cache = bool(value)
+        if self._pool is not None:
+            self._pool.prefix_cache = self._prefix_cache
+            if not value:
+                self._pool.clear_cache()
 
     def _batch_invariant(self, rows: int, layers: bool) -> bool:
         """Whether `rows` (at least `lazy_rows.MIN_ROWS`) can be computed in parts with the same
@@ -514,33 +546,6 @@ class Target:
             return LazyRows.of_head(hidden, self._head, self.vocab_size)
         return self._head(hidden)
 
-    def _staged(self, ids: torch.Tensor) -> LazyRows:
-        """A verify forward of `ids` [1, n] in two parts (`_in_two_parts`): the first
-        `lazy_rows.FIRST` tokens run now (appended to the cache, their logits computed), the
-        rest only when a rule reads one of their rows (appended then, after the first part). A
-        rule that stops at a rejection within the first part never pays the layers or the head
-        for the rest. The same bits as one forward: the C layers and the int8 head are
-        batch-invariant, and the rest's positions see the first part's keys in the cache."""
-        start = self.cache.length
-        return self._in_two_parts(ids.shape[1], lambda begin, end: self._head(self.hidden_states(ids[:, begin:end])),
-                                  lambda begin: self.cache.length == start + begin)
-
-    def _in_two_parts(self, n: int, part: Callable[[int, int], torch.Tensor],
-                      unmoved: Callable[[int], bool]) -> LazyRows:
-        """`LazyRows` of n rows whose chunks are `part(begin, end)` -> [end - begin, vocab]: the
-        first computed now, the rest when a rule first reads one of its rows, which it must do
-        before the cache moves (`unmoved(begin)`: the cache is as the first part left it)."""
-        first = part(0, lazy_rows.FIRST)  # [FIRST, vocab]
-
-        def compute(begin: int, end: int) -> torch.Tensor:
-            if begin == 0:
-                return first
-            assert unmoved(begin), "a staged verify's rows are read before the cache moves"
-            with torch.inference_mode():  # called by the rule, after the forward returned
-                return part(begin, end)
-
-        return LazyRows(n, compute, (self.vocab_size,), self.device, torch.float32)
-
     def _ready(self, logits: torch.Tensor) -> torch.Tensor:
         """`logits`, computed: on CUDA this waits for the forward, so that its time counts as the
         forward's (controllers learn from it) and not as the rule's; the rule reads them at once
@@ -549,107 +554,11 @@ class Target:
             torch.cuda.synchronize(logits.device)
         return logits
 
-    # -- trees of drafts -------------------------------------------------------------------
     @property
     def verifies_trees(self) -> bool:
         """Whether `forward_tree` is available: on the fast path (transformers' own forward takes
         no tree; the engine then verifies a tree draft's primary branch alone)."""
         return self._fast is not None
-
-    @torch.inference_mode()
-    def forward_tree(self, tokens: Sequence[int], parents: Sequence[int], lazy: bool = False) -> "torch.Tensor | LazyRows":
-        """Run a tree of tokens after the cache in one forward; return logits [m, vocab], row i
-        the distribution after row i's path. Row i is a child of row parents[i] (< i) or, for
-        -1, follows the cache (the engine's root: the last committed token). Placement:
-        `Tree.of_parents` (the primary branch at its own positions, the other rows in scratch
-        slots). Each row's logits are those its position would get in a contiguous forward of
-        its path (bit for bit on the C layers, which are batch-invariant; to float32 rounding on
-        the PyTorch layers, which are not). The cache's length is left alone: `keep_path` then
-        keeps one path. `lazy`: as in `forward`; where every layer is in C, the tree is staged
-        as a linear verify is: rows 0..FIRST-1 run now, the others through the layers and the
-        head only if a rule reads one of their rows (`_staged_tree`)."""
-        assert self._fast is not None, "tree verification needs the fast path (see verifies_trees)"
-        assert not self._capture_layer, "tree verification does not capture exit states"
-        assert len(tokens) == len(parents) > 0, "one parent per token"
-        start = self.cache.length
-        tree = Tree.of_parents(start, parents, self.device)
-        ids = torch.tensor(list(tokens), dtype=torch.long, device=self.device)  # [m]
-        self._tree_slots = (start, tree.slots.tolist())
-        if lazy and self._batch_invariant(len(tokens), layers=True):
-            return self._staged_tree(ids, tree, start)
-        x = self._fast.run(self._fast.embed(ids), start, self.cache, tree=tree)
-        return self._logits(self._fast.norm(x), lazy)
-
-    def _staged_tree(self, ids: torch.Tensor, tree: Tree, start: int) -> LazyRows:
-        """A tree verify of `ids` [m] placed by `tree`, in two parts (`_in_two_parts`): rows
-        0..FIRST-1 now, the rest when a rule first reads one of them. The rows come by decreasing
-        path probability with every ancestor before its children, so a walk that stops in the
-        first rows never pays for the others. The same bits as one call: each row is computed
-        on its own through the C layers and the int8 head, and the rest's rows see their
-        ancestors' keys and values, which the first part wrote to their slots (`Tree.rows`)."""
-        tree_slots = self._tree_slots  # this tree's, set by forward_tree
-
-        def part(begin: int, end: int) -> torch.Tensor:  # -> [end - begin, vocab]
-            x = self._fast.run(self._fast.embed(ids[begin:end]), start, self.cache, tree=tree.rows(begin, end))
-            return self._head(self._fast.norm(x))
-
-        # unmoved: no other tree ran and no path was kept since (`keep_path` grows the cache)
-        return self._in_two_parts(ids.shape[0], part,
-                                  lambda begin: self._tree_slots is tree_slots and self.cache.length == start)
-
-    def keep_path(self, rows: Sequence[int]) -> None:
-        """After `forward_tree`: keep `rows` (a path down the tree, from a -1 row, in order) as the
-        cache's next positions and drop every other row: the keys and values of a row held in a
-        scratch slot are copied to its position (a primary-branch row is already there;
-        `StaticKV.keep_slots`)."""
-        start, slots = self._tree_slots
-        assert self.cache.length == start, "keep_path must follow the forward_tree it keeps a path of"
-        self.cache.keep_slots(start, [slots[row] for row in rows])
-
-    def hidden_states(self, ids: torch.Tensor) -> torch.Tensor:
-        """Final-normed decoder states of `ids` [1, n] -> [n, hidden], appended to the cache.
-        With an exit layer set (`capture_exit`), also keeps the residual stream after that many
-        layers, for `exit_states`."""
-        if self._fast is None:
-            return self._body(input_ids=ids, cache=self.cache, use_cache=True).last_hidden_state[0]
-        start, n = self.cache.length, ids.shape[1]
-        x = self._fast.embed(ids[0])  # [n, hidden]
-        if self._capture_layer:
-            rope: dict = {}  # rotary tables, computed once for both halves
-            x = self._fast.run(x, start, self.cache, range(self._capture_layer), rope=rope)
-            self._trim_captures(start)
-            self._captures.append((start, x))
-            x = self._fast.run(x, start, self.cache, range(self._capture_layer, len(self._fast.layers)), rope=rope)
-        else:
-            x = self._fast.run(x, start, self.cache)
-        self.cache.length = start + n
-        return self._fast.norm(x)
-
-    def _trim_captures(self, start: int) -> None:
-        """Drop captured rows at positions >= `start` (rolled back before this forward). Captures
-        are ordered by position and do not overlap, so only the last ones can be affected: a
-        step costs O(1), not O(captures)."""
-        while self._captures and self._captures[-1][0] >= start:
-            self._captures.pop()
-        if self._captures:
-            position, states = self._captures[-1]
-            if position + states.shape[0] > start:
-                self._captures[-1] = (position, states[: start - position])
-
-    def exit_states(self, low: int, high: int) -> torch.Tensor:
-        """The captured residual stream of positions [low, high): [high - low, hidden]; forgets
-        what lies before `low` (an early-exit drafter consumes positions in order)."""
-        self._captures = [(p, t) for p, t in self._captures if p + t.shape[0] > low]
-        rows = [t[max(0, low - p) : high - p] for p, t in self._captures if p < high]
-        states = torch.cat(rows) if rows else torch.empty(0, self.config.hidden_size, device=self.device)
-        assert states.shape[0] == high - low, f"positions {low}..{high} were not captured"
-        return states
-
-    def capture_exit(self, layer: int) -> None:
-        """Keep the residual stream after `layer` layers of every forward (fast path; for
-        early-exit drafters). Cleared by `reset()`."""
-        assert self._fast is not None, "capturing an exit layer needs the fast path"
-        self._capture_layer = layer
 
     # -- our own LM head is used only where it is exact --------------------------------------
     @torch.inference_mode()

@@ -2,7 +2,7 @@
 
 A drafter proposes tokens that the target then verifies. It owns its own per-request state
 (n-gram tables, its KV cache, an exit head's cache) and nothing else; the engine calls, per
-request, `begin` once, then per step `propose` and `commit`.
+request, `begin` once, then per step `propose` and `commit`, and `close` (if it has one) at the end.
 
 Also owns the one switch for what drafters keep across requests on a target
 (`switch_off_memory`): ANPD's n-gram memory and SuffixDecoding's tree of earlier outputs both
@@ -178,6 +178,9 @@ class Drafter(Protocol):
     def commit(self, committed: Sequence[int], n_proposed: int) -> None:
         """Learn the tokens committed this step (the accepted draft prefix plus the target's
         token) and roll back whatever state was built for the rejected rest of the draft."""
+
+    # Optional: `close()`, called once when the request ends, for a drafter that holds something
+    # beyond itself (a draft model's KV sequence; `engine.close_drafter`).
 
 
 class NullDrafter:

@@ -87,7 +87,7 @@ class AuxLM:
                 f"the draft model {draft_target.name} has no fast forward path (Llama, Qwen2, Gemma 3 "
                 f"families, on the CPU), which model drafting needs"
             )
-        self.model = draft_target
+        self.model = draft_target.new_sequence()  # this request's own cache on the draft model
         self.device = draft_target.device
         self.vocab = None
         self.vocab_size = target.vocab_size
@@ -107,6 +107,9 @@ class AuxLM:
     def begin(self, prompt: Sequence[int]) -> None:
         self.model.reset()
         self._length = 0
+
+    def close(self) -> None:
+        self.model.release()
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.model._head(hidden)  # [n, V_draft]
@@ -140,6 +143,13 @@ class AuxLM:
         self.model.cache.length = self._length
 
 
+def close_lm(lm: DraftLM) -> None:
+    """End a request's draft model: give back what its sequence holds (`AuxLM.close`)."""
+    close = getattr(lm, "close", None)
+    if close is not None:
+        close()
+
+
 def check_same_tokenizer(draft_target, target) -> None:
     """Refuse a draft model whose tokenizer differs from the target's."""
     a, b = draft_target.tokenizer, target.tokenizer
@@ -165,6 +175,9 @@ class SampledDrafter:
 
     def begin(self, prompt: Sequence[int]) -> None:
         self.lm.begin(prompt)
+
+    def close(self) -> None:
+        close_lm(self.lm)
 
     @torch.inference_mode()
     def propose(self, context: Sequence[int], k: int, keep: Keep = keep_all) -> Draft:
@@ -222,6 +235,9 @@ class BeamDrafter:
 
     def begin(self, prompt: Sequence[int]) -> None:
         self.lm.begin(prompt)
+
+    def close(self) -> None:
+        close_lm(self.lm)
 
     @torch.inference_mode()
     def propose(self, context: Sequence[int], k: int, keep: Keep = keep_all) -> Draft:

@@ -1,0 +1,274 @@
+"""Many requests in one forward (`batch.BatchEngine`, `api.generate_many` / `stream_many`):
+every request's output is the one it gives alone, whatever shares its steps.
+
+On the tiny block-exact models of every fast-path architecture, int8 numerics (paged KV in the
+target's block pool): a mixed batch (prompt lengths across several KV blocks, methods that
+differ, greedy and seeded sampling, budgets that end early, requests that join late, prompts
+prefilled in chunks beside decoding rows) against each request run alone; a prompt's logits
+and keys bit for bit whether prefilled whole, in chunks, beside another sequence or from the
+prefix cache; the prefix cache on and off; a pool so small that sequences are preempted and
+recomputed; the API's errors in place, cancellation, and targets that cannot batch.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import helpers
+from verispec.api import RequestDone, TextDelta, generate, generate_many, make_request, stream_many
+from verispec.batch import BatchEngine
+from verispec.batch_forward import LAST, Part, forward_parts
+from verispec.errors import ConfigError, ModelLoadError
+from verispec.methods import MethodOptions
+from verispec.model import Target
+from verispec.runtime.kv_pool import PoolExhausted, block_bytes
+from verispec.runtime.rows import BLOCK
+
+TOKENIZER = helpers.char_tokenizer(eos=True)
+
+
+def int8_target(arch: str, seed: int = 0, **config) -> Target:
+    model = helpers.make_model(helpers.make_config(arch, vocab_size=len(TOKENIZER), **config), seed)
+    target = Target(model, TOKENIZER, name=f"tiny-{arch}-int8", fast=True, blocks=helpers.blockify(model),
+                    numerics="int8")
+    assert target.pages_kv
+    return target
+
+
+def solo(target: Target, request) -> list[int]:
+    """The request run alone, through the single-request API (its blocks given back after)."""
+    sampling = request.sampling
+    ids = generate(target, list(request.prompt_ids), request.method, max_new_tokens=request.max_new_tokens,
+                   temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
+                   seed=sampling.seed, stop=request.stop, options=request.options).token_ids
+    target.release()
+    return ids
+
+
+PROMPTS = ["the cat sat on the mat. the cat sat", "abcabcabcabcabc", "hello world, " * 14,
+           "so it goes. " * 30 + "and then", "q"]
+
+
+def mixed_requests(target: Target) -> list:
+    requests = []
+    for i, prompt in enumerate(PROMPTS):
+        for method in ("ar", "pld", "anpd", "anpd/tree=8"):
+            requests.append(make_request(target, prompt, method, max_new_tokens=12 + 9 * i))
+    for method in ("ar", "pld", "anpd"):  # seeded sampling: one draw per committed token, as ar
+        requests.append(make_request(target, PROMPTS[1], method, max_new_tokens=40, temperature=1.0, top_k=20, seed=7))
+    requests.append(make_request(target, PROMPTS[0], "anpd", max_new_tokens=60, stop=["at"]))
+    return requests
+
+
+@pytest.mark.parametrize("arch", helpers.FAST_ARCHITECTURES)
+@pytest.mark.parametrize("max_rows, max_sequences", [(256, 64), (24, 5)])
+def test_a_mixed_batch_gives_each_request_what_it_gives_alone(arch, max_rows, max_sequences):
+    """(24, 5): at most 5 at once, so later requests join while others decode, and prompts are
+    prefilled in several chunks beside verify rows."""
+    target = int8_target(arch)
+    requests = mixed_requests(target)
+    expected = [solo(target, request) for request in requests]
+    engine_steps = []
+    original = BatchEngine.step
+
+    def counted(self):
+        events = original(self)
+        engine_steps.append((len(self.running), self.last_rows))
+        return events
+
+    BatchEngine.step = counted
+    try:
+        results = generate_many(target, requests, max_rows=max_rows, max_sequences=max_sequences)
+    finally:
+        BatchEngine.step = original
+    for request, result, reference in zip(requests, results, expected):
+        assert not isinstance(result, BaseException), result
+        assert result.token_ids == reference, (request.method, request.prompt_ids[:5])
+    assert max(running for running, _ in engine_steps) >= min(max_sequences, len(requests)) - 1  # really batched
+    assert max(rows for _, rows in engine_steps) <= max_rows
+    assert sum(result.stats.accepted for result in results) > 0  # drafts were accepted in the batch
+    assert target.pool.used_blocks == 0  # every sequence gave its blocks back
+
+
+def test_requests_of_a_model_drafted_method_run_beside_the_batch(tmp_path):
+    """eesd drafts with the target's own first layers and a head: it runs unbatched, one
+    decode step per batch step, on a sequence of its own, beside batched requests."""
+    from test_eesd import identity_head
+    from verispec.drafters.early_exit import save_head
+
+    target = int8_target("llama", seed=1)
+    head = identity_head(target)
+    save_head(head, head.spec(target.model, target.name), tmp_path)
+    options = MethodOptions(exit_head=str(tmp_path), controller="constant:4")  # drafts every step
+    requests = [make_request(target, PROMPTS[i], method, max_new_tokens=20, options=options if method == "eesd" else None)
+                for i in range(3) for method in ("eesd", "anpd")]
+    expected = [solo(target, request) for request in requests]
+    results = generate_many(target, requests)
+    assert [result.token_ids for result in results] == expected
+    assert sum(result.stats.accepted for result in results if result.stats.method == "eesd") > 0
+    assert target.pool.used_blocks == 0
+
+
+@pytest.mark.parametrize("arch", helpers.FAST_ARCHITECTURES)
+def test_a_prompts_logits_and_keys_are_the_same_bits_however_it_is_prefilled(arch):
+    """Prefilled whole, in 2 and in 7 chunks, beside another sequence's rows, or extended from
+    cached blocks: the last position's logits and every position's keys are the same bits."""
+    target = int8_target(arch, seed=2)
+    prompt = torch.randint(3, len(TOKENIZER), (3 * BLOCK - 5,), generator=torch.Generator().manual_seed(2)).tolist()
+    target.prefix_cache = False
+
+    def keys_of(sequence) -> list[torch.Tensor]:
+        table, length = sequence.cache.block_table, sequence.cache.length
+        slots = torch.tensor([int(table[p // BLOCK]) * BLOCK + p % BLOCK for p in range(length)])
+        return [layer[:, slots] for layer in target.pool.keys + target.pool.values]
+
+    def chunked(pieces: int):
+        sequence = target.new_sequence()
+        sequence.reset()
+        cuts = torch.linspace(0, len(prompt), pieces + 1).round().long().tolist()
+        for a, b in zip(cuts, cuts[1:]):
+            logits = sequence.forward(prompt[a:b])
+        result = (logits[-1:].clone(), keys_of(sequence))
+        sequence.release()
+        return result
+
+    whole = chunked(1)
+    for pieces in (2, 7):
+        logits, keys = chunked(pieces)
+        assert torch.equal(logits, whole[0]), pieces
+        assert all(torch.equal(a, b) for a, b in zip(keys, whole[1])), pieces
+    # beside another sequence's rows in one forward
+    one, other = target.new_sequence(), target.new_sequence()
+    one.reset(), other.reset()
+    other.forward(prompt[:40])
+    together = forward_parts(target, [Part(other, prompt[40:50]), Part(one, prompt, logits=LAST)])
+    assert torch.equal(together[1], whole[0])
+    assert all(torch.equal(a, b) for a, b in zip(keys_of(one), whole[1]))
+    one.release(), other.release()
+    # from the prefix cache: two full blocks shared, the rest computed
+    target.prefix_cache = True
+    first = target.new_sequence()
+    first.reset()
+    first.forward(prompt)
+    first.release()
+    again = target.new_sequence()
+    again.reset()
+    logits = again.forward(prompt, last_only=True)
+    assert again.cache._shared == 2 and target.pool.prefix.hit_tokens == 2 * BLOCK
+    assert torch.equal(logits, whole[0])
+    assert all(torch.equal(a, b) for a, b in zip(keys_of(again), whole[1]))
+    again.release()
+
+
+def test_the_prefix_cache_changes_nothing_but_the_work_and_never_writes_shared_blocks():
+    target = int8_target("gemma3", seed=3)
+    system = "you are a helpful assistant. answer briefly. " * 5  # 225 characters: three full blocks
+    questions = ["what is the cat", "where is the mat", "why so", "how now brown cow"]
+    requests = [make_request(target, system + q, method, max_new_tokens=30) for q in questions for method in ("ar", "anpd")]
+    target.prefix_cache = False
+    without = generate_many(target, requests)
+    assert len(target.pool.prefix) == 0
+    target.prefix_cache = True
+    first = generate_many(target, requests[:1])  # fills the cache with the system prompt's blocks
+    cached = {block: [layer[:, block * BLOCK : (block + 1) * BLOCK].clone() for layer in target.pool.keys]
+              for block in target.pool.prefix.match(list(requests[0].prompt_ids))}
+    assert len(cached) == 3
+    hits_before = target.pool.prefix.hit_tokens
+    with_cache = generate_many(target, requests)
+    assert [r.token_ids for r in with_cache] == [r.token_ids for r in without]
+    assert first[0].token_ids == without[0].token_ids
+    assert target.pool.prefix.hit_tokens - hits_before >= 3 * BLOCK * len(requests)
+    for block, layers in cached.items():  # shared by every request, written by none
+        assert all(torch.equal(layer[:, block * BLOCK : (block + 1) * BLOCK], before)
+                   for layer, before in zip(target.pool.keys, layers))
+
+
+def test_a_pool_too_small_for_everyone_preempts_and_still_gives_identical_outputs():
+    """Room for about three sequences: the engine waits, preempts and recomputes, evicting
+    cached blocks as it goes; outputs stay identical and every block comes back."""
+    target = int8_target("qwen2", seed=4)
+    requests = [make_request(target, PROMPTS[i % len(PROMPTS)] + "xyz"[i % 3], method, max_new_tokens=70)
+                for i in range(6) for method in ("ar", "anpd")]
+    expected = [solo(target, request) for request in requests]
+    fresh = int8_target("qwen2", seed=4)
+    config = fresh.config
+    per_block = block_bytes(config.num_hidden_layers, config.num_key_value_heads, fresh._fast.head_dim)
+    fresh.kv_budget_bytes = 12 * per_block
+    preempted = []
+    original = BatchEngine._preempt
+    BatchEngine._preempt = lambda self, job: (preempted.append(job.id), original(self, job))[1]
+    try:
+        results = generate_many(fresh, requests)
+    finally:
+        BatchEngine._preempt = original
+    assert [r.token_ids for r in results] == expected
+    assert preempted  # the pool really ran short
+    assert fresh.pool.used_blocks == 0
+
+
+def test_a_request_that_could_never_fit_is_refused_in_its_place():
+    fresh = int8_target("llama")
+    config = fresh.config
+    fresh.kv_budget_bytes = 3 * block_bytes(config.num_hidden_layers, config.num_key_value_heads, fresh._fast.head_dim)
+    requests = [make_request(fresh, "hello", "ar", max_new_tokens=10),
+                make_request(fresh, "hello", "ar", max_new_tokens=400)]
+    results = generate_many(fresh, requests)
+    assert isinstance(results[1], PoolExhausted) and "needs" in str(results[1])
+    assert results[0].token_ids == solo(fresh, requests[0])
+
+
+def test_the_batch_api_gives_errors_in_place_and_keeps_the_good_results():
+    target = int8_target("gemma3")
+    assert generate_many(target, []) == []
+    with pytest.raises(ConfigError, match="make_request"):
+        generate_many(target, ["a prompt"])
+    good = [make_request(target, PROMPTS[0], "anpd", max_new_tokens=20),
+            make_request(target, PROMPTS[1], "ar", max_new_tokens=20)]
+    too_long = make_request(target, "x" * 500, "ar", max_new_tokens=100)  # past the model's 512 positions
+    no_head = make_request(target, PROMPTS[2], "eesd", max_new_tokens=20)  # no exit head for this model
+    results = generate_many(target, [good[0], too_long, no_head, good[1]])
+    assert isinstance(results[1], ConfigError) and "context" in str(results[1])
+    assert isinstance(results[2], ModelLoadError)
+    assert results[0].token_ids == solo(target, good[0]) and results[3].token_ids == solo(target, good[1])
+
+
+def test_cancelling_one_stream_leaves_the_others_untouched():
+    target = int8_target("llama", seed=5)
+    requests = [make_request(target, prompt, "anpd", max_new_tokens=50) for prompt in PROMPTS[:3]]
+    expected = [solo(target, request) for request in requests]
+    batch = stream_many(target, requests)
+    pieces: dict[int, list[str]] = {0: [], 1: [], 2: []}
+    done = {}
+    for event in batch:
+        if isinstance(event, TextDelta):
+            pieces[event.index].append(event.text)
+            if event.index == 1 and len(pieces[1]) == 2:
+                batch.cancel(1)
+        else:
+            assert isinstance(event, RequestDone)
+            done[event.index] = event.result
+    assert done[1].stats.stop_reason == "cancelled" and len(done[1].token_ids) < len(expected[1])
+    assert done[1].token_ids == expected[1][: len(done[1].token_ids)]
+    assert done[0].token_ids == expected[0] and done[2].token_ids == expected[2]
+    assert "".join(pieces[0]) == done[0].text  # the streamed text is the result's
+    assert target.pool.used_blocks == 0
+    # leaving the loop early cancels the rest and gives every block back
+    for event in stream_many(target, requests):
+        break
+    assert target.pool.used_blocks == 0
+    with pytest.raises(ConfigError, match="no request 5"):
+        batch.cancel(5)
+
+
+@pytest.mark.parametrize("path", ["llama-blocks", "gemma3", "qwen2-eager"])
+def test_targets_without_paged_kv_serve_the_batch_one_at_a_time(path):
+    """float32 numerics, the fast path's PyTorch layers, transformers' forward: no exact batching,
+    so the requests run one after another, each as it runs alone."""
+    target = helpers.make_target_for_path(path, seed=6, vocab_size=len(TOKENIZER))
+    target.tokenizer = TOKENIZER
+    assert not target.pages_kv
+    requests = [make_request(target, prompt, method, max_new_tokens=15) for prompt in PROMPTS[:2]
+                for method in ("ar", "pld")]
+    results = generate_many(target, requests)
+    assert [r.token_ids for r in results] == [solo(target, request) for request in requests]
