@@ -64,3 +64,24 @@ def test_arithmetic_rate_restores_the_thread_count_when_a_product_fails(monkeypa
 def test_timing_context_is_fixed_and_inside_the_vocabulary():
     assert timing_context(16, 100) == timing_context(16, 100)
     assert all(0 <= t < 100 for t in timing_context(64, 100)) and len(timing_context(64, 100)) == 64
+
+
+def test_the_batched_curve_and_the_prefill_rate_on_a_target_that_batches():
+    from verispec.bench.profile import batched_decode, format_batched, prefill_rate
+    from verispec.model import Target
+
+    model = helpers.make_model(helpers.make_config("gemma3"), 0)
+    target = Target(model, None, fast=True, blocks=helpers.blockify(model), numerics="int8")
+    curve = batched_decode(target, (4, 2), context_length=70, repeats=2)
+    assert list(curve["ms"]) == ["1", "2", "4"] and curve["ratios"]["1"] == 1.0
+    for n in ("2", "4"):
+        assert curve["tokens_per_s"][n] == pytest.approx(int(n) / (curve["ms"][n] / 1e3), rel=1e-2)
+    config = model.config
+    assert curve["kv_bytes_per_token"] == 2 * config.num_hidden_layers * config.num_key_value_heads * \
+        config.head_dim * 4
+    assert target.pool.used_blocks == 0  # the timed sequences were released
+    prefill = prefill_rate(target, 100, repeats=1)
+    assert prefill["tokens"] == 100 and prefill["tokens_per_s"] == pytest.approx(100 / (prefill["ms"] / 1e3), rel=1e-2)
+    assert target.prefix_cache and len(target.pool.prefix) == 0  # nothing cached by the timing
+    lines = format_batched(curve, prefill).splitlines()
+    assert len(lines) == 2 + 3 + 1 and lines[-1].startswith("prefill of 100 tokens")

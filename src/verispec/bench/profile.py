@@ -12,6 +12,11 @@ memory.
 
 Each figure is the median of `repeats` timed calls after 3 warm-ups, the widths measured in
 interleaved rounds so that a slow period of the machine shows in every width alike.
+
+On a target that batches (`Target.pages_kv`) it also times the batched decode curve
+(`batched_decode`: `ar`'s aggregate tokens per second with 1, 2, 4, 8 and 16 sequences decoding
+together, each after its own context), the KV memory a position takes, and a prompt's prefill
+rate (`prefill_rate`: a 1,000-token prompt through the same kernels as decode).
 """
 
 from __future__ import annotations
@@ -170,3 +175,83 @@ def describe_arithmetic(arithmetic: dict, numerics: str) -> str:
                       for count, rate in arithmetic["multiply_adds_per_s"].items())
     return (f"{numerics} products, multiply-adds/s: {rates}; each verify row adds about {arithmetic['row_ms']:.2f} ms "
             f"of arithmetic ({arithmetic['row_multiply_adds'] / 1e6:.0f} M multiply-adds a row)")
+
+
+DEFAULT_SEQUENCES = (1, 2, 4, 8, 16)
+DEFAULT_PREFILL = 1000
+
+
+def batched_decode(target, sequences: Sequence[int] = DEFAULT_SEQUENCES, context_length: int = DEFAULT_CONTEXT,
+                   repeats: int = 10) -> dict:
+    """`ar`'s aggregate decode rate with n sequences decoding together (each its own context of
+    `context_length` distinct tokens, one row each per step, `batch_forward.forward_parts`):
+    {"context", "ms": {"n": ms per step}, "tokens_per_s": {"n": n / step}, "ratios": {"n": rate
+    over 1 sequence's}, "kv_bytes_per_token"}. The sequences are released afterwards."""
+    from ..batch_forward import Part, forward_parts
+    from ..runtime.rows import BLOCK
+
+    counts = sorted(set(int(n) for n in sequences) | {1})
+    live = []
+    try:
+        for index in range(max(counts)):
+            sequence = target.new_sequence()
+            sequence.reset()
+            sequence.forward(timing_context(context_length + index, target.vocab_size)[index:], last_only=True)
+            live.append(sequence)
+        seconds = {}
+        for n in counts:
+            chosen = live[:n]
+
+            def step():
+                forward_parts(target, [Part(sequence, [3 + i]) for i, sequence in enumerate(chosen)])
+                for sequence in chosen:
+                    sequence.crop(sequence.length - 1)  # the same positions every time
+
+            seconds[n] = median_time(step, repeats)
+    finally:
+        for sequence in live:
+            sequence.release()
+    rate = {n: n / s for n, s in seconds.items()}
+    return {"context": context_length, "ms": {str(n): round(s * 1e3, 3) for n, s in seconds.items()},
+            "tokens_per_s": {str(n): round(r, 1) for n, r in rate.items()},
+            "ratios": {str(n): round(r / rate[1], 3) for n, r in rate.items()},
+            "kv_bytes_per_token": target.pool.block_bytes // BLOCK}
+
+
+def prefill_rate(target, length: int = DEFAULT_PREFILL, repeats: int = 3) -> dict:
+    """Tokens per second of a prompt of `length` tokens prefilled on a fresh sequence (the
+    prefix cache not consulted; the fastest of `repeats` after a short warm-up): {"tokens",
+    "ms", "tokens_per_s"}."""
+    prompt = timing_context(length, target.vocab_size)
+    saved, target.prefix_cache = target.prefix_cache, False
+    try:
+        _timed_prefill(target, prompt[:64])
+        best = min(_timed_prefill(target, prompt) for _ in range(repeats))
+    finally:
+        target.prefix_cache = saved
+    return {"tokens": length, "ms": round(best * 1e3, 1), "tokens_per_s": round(length / best, 1)}
+
+
+def _timed_prefill(target, prompt: list[int]) -> float:
+    """Seconds of one prefill of `prompt` (the last row's logits) on a fresh sequence."""
+    sequence = target.new_sequence()
+    sequence.reset()
+    try:
+        return _seconds(lambda: sequence.forward(prompt, last_only=True))
+    finally:
+        sequence.release()
+
+
+def format_batched(batched: dict | None, prefill: dict | None) -> str:
+    """The batched decode curve and the prefill rate (either may be None) as lines for a terminal."""
+    lines = []
+    if batched is not None:
+        lines += [f"batched decode ({batched['context']}-token contexts, one row each per step; KV "
+                  f"{batched['kv_bytes_per_token'] / 1024:.1f} KiB a position):",
+                  f"{'sequences':>10} {'ms/step':>9} {'tok/s':>8} {'x 1 seq':>8}"]
+        for n, ms in batched["ms"].items():
+            lines.append(f"{n:>10} {ms:9.2f} {batched['tokens_per_s'][n]:8.1f} {batched['ratios'][n]:8.2f}")
+    if prefill is not None:
+        lines.append(f"prefill of {prefill['tokens']} tokens: {prefill['ms'] / 1e3:.2f} s "
+                     f"({prefill['tokens_per_s']:.0f} tok/s)")
+    return "\n".join(lines)
