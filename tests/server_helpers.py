@@ -17,6 +17,7 @@ import uvicorn
 
 import helpers
 from verispec.model import Target
+from verispec.sequence import TargetSequence
 from verispec.server import ServerSettings, create_app
 
 # Prompts containing these strings trigger a hook during their prefill (see HookedTarget).
@@ -31,25 +32,32 @@ def _contains(tokens: Sequence[int], pattern: Sequence[int]) -> bool:
 
 
 class HookedTarget(Target):
-    """A Target whose forward can be slowed (`delay` seconds per forward) and whose prefill fails
+    """A Target whose forwards can be slowed (`delay` seconds per forward) and whose prefill fails
     when the prompt contains FAIL_MARKER, or waits while `gate` is closed when it contains
-    BLOCK_MARKER (`blocked` is set while it waits). The gate is open unless a test closes it:
+    BLOCK_MARKER (`blocked` is set while it waits). The hooks sit where every request's forward
+    goes: its sequence's `forward` (one request at a time) and `forward_parts` (a batched step).
+    The gate is open unless a test closes it:
 
         target.gate.clear(); ...send a BLOCK_MARKER request, target.blocked.wait(...)...
         target.gate.set()  # in a finally
     """
 
-    def __init__(self, model, tokenizer, name: str = "", delay: float = 0.0):
-        super().__init__(model, tokenizer, name=name)
+    def __init__(self, model, tokenizer, name: str = "", delay: float = 0.0, **kwargs):
+        super().__init__(model, tokenizer, name=name, **kwargs)
         self.delay = delay
         self.gate = threading.Event()
         self.gate.set()
         self.blocked = threading.Event()
         self._fail_ids = tokenizer(FAIL_MARKER)["input_ids"]
         self._block_ids = tokenizer(BLOCK_MARKER)["input_ids"]
+        self._sequence = self.new_sequence()
 
-    def forward(self, tokens, last_only: bool = False, lazy: bool = False):
-        if self.length == 0:  # the prefill of a request
+    def new_sequence(self) -> TargetSequence:
+        return _HookedSequence(self)
+
+    def hook(self, tokens, prefill: bool) -> None:
+        """What a forward of `tokens` meets before it runs."""
+        if prefill:
             if _contains(tokens, self._fail_ids):
                 raise RuntimeError("injected fault in the target forward")
             if _contains(tokens, self._block_ids):
@@ -58,9 +66,30 @@ class HookedTarget(Target):
                     self.gate.wait(HANG_GUARD_S)
                 finally:
                     self.blocked.clear()
+
+    def forward_parts(self, parts):
+        for part in parts:
+            self.hook(part.tokens, part.sequence.length == 0)
         if self.delay:
             time.sleep(self.delay)
+        return super().forward_parts(parts)
+
+
+class _HookedSequence(TargetSequence):
+    def forward(self, tokens, last_only: bool = False, lazy: bool = False):
+        self.target.hook(tokens, self.length == 0)
+        if self.target.delay:
+            time.sleep(self.target.delay)
         return super().forward(tokens, last_only, lazy)
+
+
+def int8_text_target(tokenizer, delay: float = 0.0, max_positions: int = 256, seed: int = 3) -> HookedTarget:
+    """The text tests' tiny Llama with block-exact weights in int8 numerics: its requests page
+    their KV and run together in one batch (`Target.pages_kv`)."""
+    config = helpers.make_config("llama", vocab_size=len(tokenizer), init=0.1, max_positions=max_positions)
+    model = helpers.make_model(config, seed=seed)
+    return HookedTarget(model, tokenizer, name="tiny-text-llama-int8", delay=delay, fast=True,
+                        blocks=helpers.blockify(model), numerics="int8")
 
 
 def text_target(tokenizer, delay: float = 0.0, max_positions: int = 256, cls=HookedTarget) -> Target:

@@ -85,7 +85,7 @@ def test_a_mixed_batch_gives_each_request_what_it_gives_alone(arch, max_rows, ma
     for request, result, reference in zip(requests, results, expected):
         assert not isinstance(result, BaseException), result
         assert result.token_ids == reference, (request.method, request.prompt_ids[:5])
-    assert max(running for running, _ in engine_steps) >= min(max_sequences, len(requests)) - 1  # really batched
+    assert max(running for running, _ in engine_steps) >= min(max_sequences, 10)  # really batched
     assert max(rows for _, rows in engine_steps) <= max_rows
     assert sum(result.stats.accepted for result in results) > 0  # drafts were accepted in the batch
     assert target.pool.used_blocks == 0  # every sequence gave its blocks back

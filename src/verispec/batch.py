@@ -40,9 +40,10 @@ from typing import Iterator
 
 import torch
 
-from .batch_forward import ALL, LAST, NONE, Part, forward_parts, prepare
+from .batch_forward import ALL, LAST, NONE, Part, prepare
 from .drafters.base import EMPTY_DRAFT
-from .engine import DecodeConfig, Recipe, apply_stops, close_drafter, decode, next_draft, settle, verify_tokens
+from .engine import (DecodeConfig, Logprobs, Recipe, apply_stops, close_drafter, decode, next_draft, settle,
+                     verify_tokens)
 from .errors import ConfigError
 from .runtime.kv_pool import PoolExhausted
 from .runtime.rows import BLOCK
@@ -74,6 +75,7 @@ class Job:
     sequence: TargetSequence | None = None
     generator: torch.Generator | None = None
     first_token: bool = True  # its prefill ends with the first token (False: a preempted job's recompute)
+    logprobs: Logprobs | None = None  # where the committed tokens' log-probabilities go, if wanted
     error: BaseException | None = None
     finish_reason: str = ""  # "eos", "length", "cancelled", "error"
     admitted_at: float = 0.0
@@ -167,7 +169,7 @@ class BatchEngine:
         """Run one step of every running job (see the module docstring); returns the tokens each
         job committed in it, in job order, including jobs that ended (`Job.done`: then
         `finish_reason`, and `error` for one that failed; its last tokens may be empty)."""
-        self._admit()
+        self.admit()
         events: list[tuple[Job, list[int]]] = []
         batched = [job for job in self.running if job.batched]
         if batched:
@@ -178,13 +180,15 @@ class BatchEngine:
                 break  # a target without paged KV: one job at a time
         return events
 
-    def _admit(self) -> None:
+    def admit(self) -> None:
         """Move waiting jobs to running, in order, while there is room (sequences, and free
         blocks for the prompt beyond what the prefix cache holds, with a block to spare per
         running job for its next verify). A job that cannot start with nothing else running
         never will (blocks held outside the engine): it ends with `PoolExhausted`."""
         while self.waiting and len(self.running) < self.max_sequences:
             job = self.waiting[0]
+            if job.batched and self._twin_prefilling(job):
+                return  # it starts from the twin's blocks once they are cached (n choices of one prompt)
             if job.batched:
                 if not self._start_batched(job):
                     if not self.running:
@@ -200,6 +204,12 @@ class BatchEngine:
             job.admitted_at = time.perf_counter()
             job.state = PREFILL if job.batched else DECODE
             self.running.append(job)
+
+    def _twin_prefilling(self, job: Job) -> bool:
+        """Whether a running job is still prefilling the same prompt (its blocks will be shared)."""
+        prompt = job.context[: job.prefill_to]
+        return any(other.state == PREFILL and other.prefill_to == len(prompt) and other.context[: other.prefill_to] == prompt
+                   for other in self.running if other.batched)
 
     def _start_batched(self, job: Job) -> bool:
         """Give `job` a paged sequence starting from the cached blocks of its context, if the
@@ -220,7 +230,7 @@ class BatchEngine:
     def _own_step(self, job: Job) -> list[int]:
         """One `engine.decode` step of an unbatched job on its own sequence."""
         if job._steps is None:
-            job._steps = decode(job.sequence, job.recipe, job.prompt, job.config, job.stats)
+            job._steps = decode(job.sequence, job.recipe, job.prompt, job.config, job.stats, job.logprobs)
         try:
             committed = next(job._steps)
         except StopIteration:
@@ -278,7 +288,7 @@ class BatchEngine:
             return []
         forward_started = time.perf_counter()
         try:
-            results = forward_parts(self.target, parts)
+            results = self.target.forward_parts(parts)
         except Exception as error:  # noqa: BLE001 - a failed forward ends the jobs in it, not the engine
             log.exception("a batched forward failed")
             for job, _, _ in plans:
@@ -316,10 +326,12 @@ class BatchEngine:
         if draft is None:  # a prompt chunk
             if job.sequence.length < job.prefill_to:
                 return None
+            job.sequence.cache.cache_full_blocks()  # its prompt's blocks, for jobs that share them
             if not job.first_token:  # a preempted job's context is back: it decodes on
                 job.state = DECODE
                 return None
             committed = [rule(EMPTY_DRAFT, logits, sampling, job.generator).next_token]
+            rows = [0]
             job.recipe.drafter.commit(committed, 0)
             job.stats.target_forwards += 1
             job.stats.prefill_s = time.perf_counter() - job.admitted_at
@@ -327,9 +339,12 @@ class BatchEngine:
         else:
             verdict = rule(draft, logits, sampling, job.generator)
             committed = settle(job.sequence, job.recipe.drafter, draft, verdict, len(job.context))
+            rows = list(range(verdict.n_accepted + 1)) if draft.parents is None else [0, *(i + 1 for i in verdict.path)]
             controller.observe(len(draft), verdict.n_accepted, draft.confidence, verify_s, draft_s)
             job.stats.record_step(len(draft), verdict.n_accepted)
         committed, reason = apply_stops(committed, job.stats.new_tokens, job.config)
+        if job.logprobs is not None:
+            job.logprobs.record(logits[rows[: len(committed)]], committed)
         job.context += committed
         job.stats.new_tokens += len(committed)
         if reason:
@@ -359,3 +374,4 @@ class BatchEngine:
         self.running.remove(job)
         job.state = WAITING
         self.waiting.appendleft(job)
+

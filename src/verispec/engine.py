@@ -58,14 +58,39 @@ class DecodeConfig:
             raise ConfigError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
 
 
+@dataclass
+class Logprobs:
+    """Where a request's log-probabilities go when it asks for them: per committed token, in
+    order, (its logprob, the `top` most probable (id, logprob) pairs), from the target's own
+    logits row that chose it: the model's distribution before temperature, top-k and top-p (what
+    vLLM reports by default). A step's entries are recorded before stop tokens or the budget cut
+    its tokens: read as many entries as there are output tokens."""
+
+    top: int = 0
+    entries: list = field(default_factory=list)
+
+    def record(self, rows: "torch.Tensor", tokens: Sequence[int]) -> None:
+        """rows [n, vocab]: row i the logits that token i was chosen from."""
+        logprobs = torch.log_softmax(rows.float(), dim=-1)  # [n, vocab]
+        chosen = logprobs[torch.arange(len(tokens)), torch.tensor(list(tokens))].tolist()
+        if self.top:
+            values, indices = logprobs.topk(self.top, dim=-1)  # [n, top]
+            tops = [list(zip(i, v)) for i, v in zip(indices.tolist(), values.tolist())]
+        else:
+            tops = [[] for _ in tokens]
+        self.entries += list(zip(chosen, tops))
+
+
 def decode(
     target: Target,
     recipe: Recipe,
     prompt: Sequence[int],
     config: DecodeConfig,
     stats: GenerationStats,
+    logprobs: Logprobs | None = None,
 ) -> Iterator[list[int]]:
-    """Generate after `prompt`; yield the committed tokens of each step."""
+    """Generate after `prompt`; yield the committed tokens of each step (and record their
+    log-probabilities in `logprobs`, if given)."""
     if not prompt:
         raise ConfigError("the prompt is empty: at least one token is needed")
     if len(prompt) + config.max_new_tokens > target.max_length:
@@ -83,6 +108,8 @@ def decode(
         drafter.begin(context)
         logits = target.forward(context, last_only=True)  # [1, vocab]
         committed = [rule(EMPTY_DRAFT, logits, config.sampling, generator).next_token]
+        if logprobs is not None:
+            logprobs.record(logits, committed)
         drafter.commit(committed, 0)
         stats.target_forwards += 1
         stats.prefill_s = time.perf_counter() - started
@@ -113,6 +140,11 @@ def decode(
             # 3. accept n drafts, then one token from the target
             verdict = rule(draft, logits, config.sampling, generator)
             verify_s = time.perf_counter() - verify_started  # the rule's reads included: they may run the head
+            if logprobs is not None:  # the rows that chose the committed tokens
+                rows = range(verdict.n_accepted + 1) if parents is None else [0, *(i + 1 for i in verdict.path)]
+                logprobs.record(torch.stack([logits[row] for row in rows]), [
+                    *(draft.tokens[:verdict.n_accepted].tolist() if parents is None
+                      else draft.tokens[list(verdict.path)].tolist()), verdict.next_token])
             # 4-5. commit, roll back, learn
             committed = settle(target, drafter, draft, verdict, len(context))
             controller.observe(len(draft), verdict.n_accepted, draft.confidence, verify_s, draft_s)

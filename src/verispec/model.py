@@ -494,6 +494,12 @@ class Target:
         """A sequence of its own on this target (for one of several requests at once)."""
         return TargetSequence(self)
 
+    def forward_parts(self, parts: list) -> list:
+        """One forward over several paged sequences' rows (`batch_forward.forward_parts`)."""
+        from .batch_forward import forward_parts
+
+        return forward_parts(self, parts)
+
     # -- paged KV memory and the prefix cache ------------------------------------------------
     @property
     def pages_kv(self) -> bool:
@@ -556,9 +562,13 @@ class Target:
 
     @property
     def verifies_trees(self) -> bool:
-        """Whether `forward_tree` is available: on the fast path (transformers' own forward takes
-        no tree; the engine then verifies a tree draft's primary branch alone)."""
-        return self._fast is not None
+        """Whether `forward_tree` is available: on the fast path, and on the PyTorch path for the
+        models `torch_path` can mask (elsewhere the engine verifies a tree's primary branch alone)."""
+        if self._fast is None:
+            from . import torch_path
+
+            return torch_path.verifies_trees(self)
+        return True
 
     # -- our own LM head is used only where it is exact --------------------------------------
     @torch.inference_mode()

@@ -60,6 +60,26 @@ def default_budget_bytes(fraction: float = 0.25, cap: int = 2 << 30) -> int:
     return 1 << 30
 
 
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30}
+
+
+def parse_bytes(text: str) -> int:
+    """'2GiB', '512MiB', '1.5GB', '1000000' -> bytes; a ConfigError for anything else."""
+    from ..errors import ConfigError
+
+    value = text.strip().lower().replace(" ", "")
+    number = value.rstrip("kmgib")
+    unit = value[len(number):]
+    try:
+        amount = float(number)
+    except ValueError:
+        amount = -1.0
+    if unit not in _UNITS or not amount > 0 or amount != amount or amount == float("inf"):
+        raise ConfigError(f"a memory size must be a positive number with an optional unit (B, KiB, MiB, GiB, KB, "
+                          f"MB, GB), got {text!r}")
+    return int(amount * _UNITS[unit])
+
+
 class _Node:
     """A cached full block: its tokens, the node of the block before it, its children by tokens."""
 

@@ -22,10 +22,15 @@ it without a word after the answer); in a stream that has begun, it becomes a fi
 followed by `data: [DONE]`. Error bodies are always valid UTF-8 JSON, whatever text they quote.
 
 Does not own generation: a validated request is handed to `worker.Worker`, whose single thread
-owns the Target and serves requests one at a time in arrival order. The event loop never runs
-the model; prompt encoding runs in the thread pool. A handler waits for its job's events and
-polls `request.is_disconnected()` between them: a client that goes away cancels its job (a
-waiting job leaves the queue, a running one stops at its next step).
+owns the Target and decodes every admitted request together in a continuous batch (a request's
+output is the one it gives alone). The event loop never runs the model; prompt encoding runs in
+the thread pool. A handler waits for its jobs' events and polls `request.is_disconnected()`
+between them: a client that goes away cancels its jobs (a waiting job leaves the queue, a
+running one leaves the batch at the next step). A request with `n` > 1 is n jobs (choice i
+samples with seed + i when a seed is given), whose prompt blocks are shared; `logprobs` are the
+target's own log-probabilities of the committed tokens, from the rows that chose them.
+A request that alone would take more than half of the KV pool is refused (400,
+"kv_memory_exceeded").
 
 Timeout (`request_timeout`, counted from arrival, queue wait included): a request that times
 out while still waiting gets 503 (code "timeout"); one that is generating stops at its next step
@@ -36,6 +41,7 @@ and ends normally with the text so far and finish_reason "length" (`verispec.sto
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import json
 import logging
@@ -58,12 +64,14 @@ from ..api import Request as GenerationRequest
 from ..errors import ConfigError, UnknownMethodError, VerispecError
 from ..methods import TREE_MAX_NODES, MethodOptions, check_settings, method_request
 from ..model import Target
-from ..sampling import SamplingConfig
+from ..sampling import MAX_SEED, SamplingConfig
 from ..text import encode_messages, encode_prompt
 from .metrics import ServerMetrics
 from .schemas import ChatCompletionRequest, CompletionRequest
-from .worker import (DONE, QUEUED, Delta, Event, Failed, Finished, Job, QueueFull, QueueTimeout, Started, Worker,
-                     WorkerStopped)
+from ..batch import DEFAULT_MAX_ROWS
+from ..runtime.rows import BLOCK
+from .worker import (DEFAULT_MAX_SEQUENCES, DONE, QUEUED, Delta, Event, Failed, Finished, Job, QueueFull, QueueTimeout,
+                     Started, Worker, WorkerStopped)
 
 
 log = logging.getLogger("verispec.server")
@@ -95,6 +103,8 @@ class ServerSettings:
     request_timeout: seconds from a request's arrival (queue wait included) after which it ends;
     None or 0 for no limit. max_tokens_limit: the largest max_tokens a request may ask for, and
     the budget of a request that does not say (capped by the room left in the context).
+    max_sequences: requests decoding together in the running batch (each choice of a request
+    with n > 1 is one); max_rows: rows of one step's forward (verify rows, then prompt chunks).
     """
 
     model_id: str = DEFAULT_MODEL_ID
@@ -103,6 +113,8 @@ class ServerSettings:
     max_queue: int = 64
     request_timeout: float | None = 300.0
     max_tokens_limit: int = 1024
+    max_sequences: int = DEFAULT_MAX_SEQUENCES  # requests decoding together
+    max_rows: int = DEFAULT_MAX_ROWS  # rows of one step's forward
 
     def __post_init__(self) -> None:
         if not isinstance(self.model_id, str) or not self.model_id.strip():
@@ -118,6 +130,10 @@ class ServerSettings:
             raise ConfigError(f"request_timeout must be >= 0 seconds (0 = no limit), got {self.request_timeout!r}")
         if not isinstance(self.max_tokens_limit, int) or self.max_tokens_limit < 1:
             raise ConfigError(f"max_tokens_limit must be an integer >= 1, got {self.max_tokens_limit!r}")
+        if not isinstance(self.max_sequences, int) or not 1 <= self.max_sequences <= 256:
+            raise ConfigError(f"max_sequences must be an integer from 1 to 256, got {self.max_sequences!r}")
+        if not isinstance(self.max_rows, int) or not 16 <= self.max_rows <= 4096:
+            raise ConfigError(f"max_rows must be an integer from 16 to 4096, got {self.max_rows!r}")
 
     @property
     def timeout(self) -> float | None:
@@ -344,8 +360,13 @@ def create_app(target: Target, settings: ServerSettings | None = None) -> FastAP
     """An OpenAI-compatible app serving `target`. Its worker thread (the only user of `target`)
     starts and stops with the app's lifespan."""
     settings = settings or ServerSettings()
-    metrics = ServerMetrics(queue_length=lambda: worker.queue_length, busy=lambda: float(worker.busy))
-    worker = Worker(target, settings.max_queue, observer=metrics)
+    pool = target.pool if target.pages_kv else None
+    metrics = ServerMetrics(
+        queue_length=lambda: worker.queue_length, busy=lambda: float(worker.busy), running=lambda: worker.running,
+        kv_blocks=lambda: (pool.used_blocks, pool.blocks) if pool is not None else (0, 0),
+        prefix_counts=lambda: (pool.prefix.queried_tokens, pool.prefix.hit_tokens) if pool is not None else (0, 0))
+    worker = Worker(target, settings.max_queue, observer=metrics, max_sequences=settings.max_sequences,
+                    max_rows=settings.max_rows)
     created = int(time.time())
 
     @asynccontextmanager
@@ -409,7 +430,8 @@ def create_app(target: Target, settings: ServerSettings | None = None) -> FastAP
     async def health():
         alive = worker.alive
         body = {"status": "ok" if alive else "unavailable", "model": settings.model_id,
-                "busy": worker.busy, "queue_length": worker.queue_length, "max_queue": settings.max_queue}
+                "busy": worker.busy, "running": worker.running, "max_sequences": settings.max_sequences,
+                "queue_length": worker.queue_length, "max_queue": settings.max_queue}
         return _JSON(body, status_code=200 if alive else 503)
 
     @app.get("/metrics")
@@ -443,8 +465,8 @@ def create_app(target: Target, settings: ServerSettings | None = None) -> FastAP
     def _check_common(body) -> tuple[str, MethodOptions]:
         """Checks every request makes before its prompt is encoded; returns its method and settings."""
         _check_model(body.model)
-        if body.n is not None and body.n != 1:
-            raise _invalid(f"n must be 1 (one choice per request), got {body.n}", param="n")
+        if getattr(body, "top_logprobs", None) and not body.logprobs:
+            raise _invalid("top_logprobs needs logprobs: true", param="top_logprobs")
         problems = body.unsupported()
         if problems:
             param, message = problems[0]
@@ -510,6 +532,13 @@ def create_app(target: Target, settings: ServerSettings | None = None) -> FastAP
                 f"this model's context is {target.max_length} tokens, but {len(ids) + max_tokens} were requested "
                 f"({len(ids)} in the {prompt_param}, {max_tokens} for the completion); lower {budget_param}",
                 param=budget_param, code="context_length_exceeded")
+        if pool is not None:  # one request may not take the whole KV pool
+            blocks = -(-(len(ids) + max_tokens + 2 * BLOCK) // BLOCK) * (body.n or 1)
+            if blocks > pool.blocks // 2:
+                raise _invalid(f"this request needs {blocks} blocks of KV memory ({len(ids)} prompt tokens, up to "
+                               f"{max_tokens} new ones{f', {body.n} choices' if (body.n or 1) > 1 else ''}); one "
+                               f"request may take at most half of this server's {pool.blocks}; lower {budget_param}",
+                               param=budget_param, code="kv_memory_exceeded")
         temperature = 1.0 if body.temperature is None else body.temperature
         top_p = 1.0 if body.top_p is None else body.top_p
         top_k = 0 if body.top_k is None else body.top_k
@@ -528,17 +557,27 @@ def create_app(target: Target, settings: ServerSettings | None = None) -> FastAP
         except ConfigError as error:
             raise _invalid(str(error)) from None
 
-    # -- running a job and answering -------------------------------------------------------------
+    # -- running a request's jobs and answering ------------------------------------------------
+    def _choice_requests(generation: GenerationRequest, n: int) -> list[GenerationRequest]:
+        """The requests of n choices: the same prompt and settings; with a seed, choice i samples
+        with seed + i (so each choice equals a request sent alone with that seed)."""
+        if n == 1 or generation.sampling.seed is None:
+            return [generation] * n
+        return [dataclasses.replace(generation, sampling=dataclasses.replace(
+            generation.sampling, seed=(generation.sampling.seed + i) % (MAX_SEED + 1))) for i in range(n)]
+
     async def _respond(request: Request, body, generation: GenerationRequest, chat: bool):
         loop = asyncio.get_running_loop()
-        events: asyncio.Queue[Event] = asyncio.Queue()
+        events: asyncio.Queue[tuple[int, Event]] = asyncio.Queue()  # (choice, event)
         timeout = settings.timeout
         arrival = time.monotonic()
-        job = Job(generation, lambda event: loop.call_soon_threadsafe(events.put_nowait, event),
-                  deadline=None if timeout is None else arrival + timeout, created=arrival)
+        n = body.n or 1
+        jobs = [Job(choice, (lambda index: lambda event: loop.call_soon_threadsafe(events.put_nowait, (index, event)))(i),
+                    deadline=None if timeout is None else arrival + timeout, created=arrival,
+                    logprobs=body.logprobs_wanted()) for i, choice in enumerate(_choice_requests(generation, n))]
         worker.start()  # idempotent; normally started by the lifespan
         try:
-            worker.submit(job)
+            worker.submit_all(jobs)
         except QueueFull as error:
             wait = max(1, math.ceil(worker.estimated_wait()))
             raise APIError(429, f"the server is busy: {error}; retry in about {wait} s", "rate_limit_error",
@@ -546,50 +585,63 @@ def create_app(target: Target, settings: ServerSettings | None = None) -> FastAP
         except WorkerStopped as error:
             raise APIError(503, str(error), "server_error", code="unavailable") from None
 
-        shape = _Shape(chat, settings.model_id, generation)
+        def cancel_all() -> None:
+            for job in jobs:
+                if job.state != DONE:
+                    worker.cancel(job, "cancelled")
+
+        shape = _Shape(chat, settings.model_id, generation, target.tokenizer)
+        finished: dict[int, Finished] = {}
         try:
             if not body.stream:
-                while True:
-                    event = await _next_event(request, job, events)
-                    if event is None:
+                while len(finished) < n:
+                    got = await _next_event(request, jobs, events)
+                    if got is None:
                         return Response(status_code=499)  # the client went away; nobody reads this
+                    index, event = got
                     if isinstance(event, Finished):
-                        return _JSON(shape.completion(event))
-                    if isinstance(event, Failed):
+                        finished[index] = event
+                    elif isinstance(event, Failed):
                         raise _failure(event)
+                return _JSON(shape.completion([finished[i] for i in range(n)]))
             # Streaming: the headers go out with the first text, so that a failure before any text
             # (a bad request, a fault in the prefill, a timeout in the queue) is still a plain error.
             while True:
-                first = await _next_event(request, job, events)
+                first = await _next_event(request, jobs, events)
                 if first is None:
                     return Response(status_code=499)
-                if isinstance(first, Failed):
-                    raise _failure(first)
-                if not isinstance(first, Started):
+                if isinstance(first[1], Failed):
+                    raise _failure(first[1])
+                if not isinstance(first[1], Started):
                     break
         except BaseException:  # an error answer, or this handler cancelled (server shutdown)
-            worker.cancel(job, "cancelled")  # no effect on a job that has ended
+            cancel_all()  # no effect on jobs that have ended
             raise
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
         async def sse() -> AsyncIterator[str]:
-            event: Event | None = first
+            got: tuple[int, Event] | None = first
             try:
                 if chat:
-                    yield shape.sse(shape.chunk({"role": "assistant", "content": ""}))
-                while event is not None:
+                    for index in range(n):
+                        yield shape.sse(shape.chunk({"role": "assistant", "content": ""}, index))
+                while got is not None:
+                    index, event = got
                     if isinstance(event, Delta):
-                        yield shape.sse(shape.chunk(event.text))
+                        yield shape.sse(shape.chunk(event.text, index, logprobs=shape.logprobs(event)))
                     elif isinstance(event, Finished):
-                        for chunk in shape.final_chunks(event, include_usage):
-                            yield shape.sse(chunk)
-                        yield "data: [DONE]\n\n"
-                        return
+                        finished[index] = event
+                        yield shape.sse(shape.final_chunk(event, index))
+                        if len(finished) == n:
+                            if include_usage:
+                                yield shape.sse(shape.usage_chunk([finished[i] for i in range(n)]))
+                            yield "data: [DONE]\n\n"
+                            return
                     elif isinstance(event, Failed):
                         yield shape.sse(_failure(event).body())
                         yield "data: [DONE]\n\n"
                         return
-                    event = await _next_event(request, job, events)
+                    got = await _next_event(request, jobs, events)
             except Exception as exc:  # the stream has begun: the error can only be its last event
                 if not isinstance(exc, APIError):
                     log.error("unexpected error in a stream", exc_info=exc)
@@ -597,26 +649,46 @@ def create_app(target: Target, settings: ServerSettings | None = None) -> FastAP
                 yield "data: [DONE]\n\n"
 
         return _JobStreamingResponse(
-            sse(), on_close=lambda: worker.cancel(job, "cancelled") if job.state != DONE else None,
-            media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            sse(), on_close=cancel_all, media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
-    async def _next_event(request: Request, job: Job, events: asyncio.Queue) -> Event | None:
-        """The job's next event; None once the client has disconnected (the job is then cancelled).
-        A job still waiting when its deadline passes leaves the queue with a 503."""
+    async def _next_event(request: Request, jobs: list[Job], events: asyncio.Queue) -> tuple[int, Event] | None:
+        """The next (choice, event) of the request's jobs, consecutive text of one choice merged
+        when the client reads slower than it is generated; None once the client has disconnected
+        (the jobs are then cancelled). Jobs still waiting when their deadline passes leave the
+        queue with a 503."""
         while True:
             try:
-                return await asyncio.wait_for(events.get(), _POLL_S)
+                got = await asyncio.wait_for(events.get(), _POLL_S)
+                return _merged(got, events)
             except asyncio.TimeoutError:
                 pass
             if await request.is_disconnected():
-                worker.cancel(job, "cancelled")
+                for job in jobs:
+                    worker.cancel(job, "cancelled")
                 return None
-            if job.deadline is not None and job.state == QUEUED and time.monotonic() >= job.deadline:
-                if worker.cancel(job, "timeout"):
+            queued = [job for job in jobs if job.state == QUEUED]
+            if queued and queued[0].deadline is not None and time.monotonic() >= queued[0].deadline:
+                if all(worker.cancel(job, "timeout") for job in queued):
+                    for job in jobs:
+                        worker.cancel(job, "cancelled")
                     raise APIError(503, f"the request timed out after {settings.timeout:g} s waiting in the queue",
                                    "server_error", code="timeout")
 
     return app
+
+
+def _merged(got: tuple[int, Event], events: asyncio.Queue) -> tuple[int, Event]:
+    """`got`, with the Deltas of the same choice queued right after it folded in (a reader that
+    falls behind gets fewer, longer chunks; nothing queues without bound)."""
+    index, event = got
+    while isinstance(event, Delta) and not events.empty():
+        following = events._queue[0]  # noqa: SLF001 - peek: asyncio.Queue has no public peek
+        if following[0] != index or not isinstance(following[1], Delta):
+            break
+        nxt = events.get_nowait()[1]
+        event = Delta(event.text + nxt.text, event.token_ids + nxt.token_ids, event.logprobs + nxt.logprobs)
+    return index, event
 
 
 def _failure(event: Failed) -> APIError:
@@ -631,20 +703,21 @@ def _failure(event: Failed) -> APIError:
 
 
 class _Shape:
-    """OpenAI's response and chunk shapes for one request."""
+    """OpenAI's response and chunk shapes for one request (its n choices)."""
 
-    def __init__(self, chat: bool, model_id: str, generation: GenerationRequest):
-        self.chat, self.model, self.generation = chat, model_id, generation
+    def __init__(self, chat: bool, model_id: str, generation: GenerationRequest, tokenizer=None):
+        self.chat, self.model, self.generation, self.tokenizer = chat, model_id, generation, tokenizer
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         self.created = int(time.time())
+        self._offsets: dict[int, int] = {}  # completions' text_offset so far, per choice (streams)
 
     def _head(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
                 "system_fingerprint": None}
 
-    def _usage(self, event: Finished) -> dict:
+    def _usage(self, events: list[Finished]) -> dict:
         prompt = len(self.generation.prompt_ids)
-        completion = len(event.result.token_ids)
+        completion = sum(len(event.result.token_ids) for event in events)
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
     @staticmethod
@@ -653,37 +726,78 @@ class _Shape:
         stats.update(stop_reason=event.reason, queue_s=round(event.queue_s, 4))
         return stats
 
-    def completion(self, event: Finished) -> dict:
-        finish = _FINISH_REASONS.get(event.reason, "length")
-        if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": event.text},
-                      "logprobs": None, "finish_reason": finish}
-            head = self._head("chat.completion")
-        else:
-            choice = {"index": 0, "text": event.text, "logprobs": None, "finish_reason": finish}
-            head = self._head("text_completion")
-        return {**head, "choices": [choice], "usage": self._usage(event), "verispec": self.extension(event)}
+    def _extensions(self, events: list[Finished]) -> dict:
+        """The speculation metrics: the first choice's, and with n > 1 every choice's too."""
+        extension = self.extension(events[0])
+        if len(events) > 1:
+            extension["choices"] = [self.extension(event) for event in events]
+        return extension
 
-    def chunk(self, delta: str | dict, finish: str | None = None) -> dict:
+    # -- log-probabilities -------------------------------------------------------------------
+    def _piece(self, token: int) -> str:
+        return self.tokenizer.decode([token]) if self.tokenizer is not None else str(token)
+
+    def logprobs(self, event: Delta | Finished, index: int = 0) -> dict | None:
+        """OpenAI's logprobs object for the tokens of `event` (None when none were asked for)."""
+        if isinstance(event, Finished):
+            tokens, entries = event.result.token_ids, event.logprobs
+        else:
+            tokens, entries = event.token_ids, event.logprobs
+        if not entries:
+            return None
+        tokens = tokens[: len(entries)]
+        if self.chat:
+            def item(token: int, logprob: float) -> dict:
+                piece = self._piece(token)
+                return {"token": piece, "logprob": logprob, "bytes": list(piece.encode("utf-8"))}
+            return {"content": [{**item(token, logprob), "top_logprobs": [item(i, lp) for i, lp in tops]}
+                                for token, (logprob, tops) in zip(tokens, entries)]}
+        pieces = [self._piece(token) for token in tokens]
+        offset = self._offsets.get(index, 0)
+        offsets = []
+        for piece in pieces:
+            offsets.append(offset)
+            offset += len(piece)
+        if isinstance(event, Delta):
+            self._offsets[index] = offset
+        return {"tokens": pieces, "token_logprobs": [logprob for logprob, _ in entries],
+                "top_logprobs": [{self._piece(i): lp for i, lp in tops} for _, tops in entries]
+                if any(tops for _, tops in entries) else None,
+                "text_offset": offsets}
+
+    # -- bodies and chunks ---------------------------------------------------------------------
+    def completion(self, events: list[Finished]) -> dict:
+        choices = []
+        for index, event in enumerate(events):
+            finish = _FINISH_REASONS.get(event.reason, "length")
+            if self.chat:
+                choices.append({"index": index, "message": {"role": "assistant", "content": event.text},
+                                "logprobs": self.logprobs(event), "finish_reason": finish})
+            else:
+                choices.append({"index": index, "text": event.text, "logprobs": self.logprobs(event),
+                                "finish_reason": finish})
+        head = self._head("chat.completion" if self.chat else "text_completion")
+        return {**head, "choices": choices, "usage": self._usage(events), "verispec": self._extensions(events)}
+
+    def chunk(self, delta: str | dict, index: int = 0, finish: str | None = None, logprobs: dict | None = None) -> dict:
         if self.chat:
             content = delta if isinstance(delta, dict) else {"content": delta}
-            choice = {"index": 0, "delta": content, "logprobs": None, "finish_reason": finish}
+            choice = {"index": index, "delta": content, "logprobs": logprobs, "finish_reason": finish}
             return {**self._head("chat.completion.chunk"), "choices": [choice]}
-        choice = {"index": 0, "text": delta if isinstance(delta, str) else "", "logprobs": None,
+        choice = {"index": index, "text": delta if isinstance(delta, str) else "", "logprobs": logprobs,
                   "finish_reason": finish}
         return {**self._head("text_completion"), "choices": [choice]}
 
-    def final_chunks(self, event: Finished, include_usage: bool) -> list[dict]:
-        """The chunk with finish_reason (and usage and metrics); with include_usage, OpenAI's
-        extra usage-only chunk (empty choices) follows and carries the metrics too."""
-        finish = _FINISH_REASONS.get(event.reason, "length")
-        last = self.chunk({} if self.chat else "", finish)
-        last.update(usage=self._usage(event), verispec=self.extension(event))
-        if not include_usage:
-            return [last]
-        usage_only = {**self._head(last["object"]), "choices": [], "usage": self._usage(event),
-                      "verispec": self.extension(event)}
-        return [last, usage_only]
+    def final_chunk(self, event: Finished, index: int) -> dict:
+        """A choice's chunk with its finish_reason, its usage and metrics."""
+        last = self.chunk({} if self.chat else "", index, _FINISH_REASONS.get(event.reason, "length"))
+        last.update(usage=self._usage([event]), verispec=self.extension(event))
+        return last
+
+    def usage_chunk(self, events: list[Finished]) -> dict:
+        """OpenAI's usage-only chunk (empty choices) at the end of a stream with include_usage."""
+        obj = "chat.completion.chunk" if self.chat else "text_completion"
+        return {**self._head(obj), "choices": [], "usage": self._usage(events), "verispec": self._extensions(events)}
 
     @staticmethod
     def sse(payload: dict) -> str:

@@ -8,7 +8,8 @@ ignored (see `unsupported`); fields nobody declared are ignored, as OpenAI's own
 e.g. `user` or `metadata`.
 
 Extension fields (not in OpenAI's API): `method` (a registered verispec method; default: the
-server's `--method`) and `top_k` (0 = off).
+server's `--method`) and `top_k` (0 = off). `n` (1 to MAX_CHOICES) and `logprobs` (completions:
+0 to 5 top ones; chat: `logprobs` true and `top_logprobs` 0 to 20) are OpenAI's.
 
 Ranges (docs/server.md lists them): every number must be finite (Python's json reads NaN and
 Infinity) and in its field's range, given by the annotations below (OpenAI's ranges where OpenAI
@@ -70,6 +71,7 @@ def _valid_text(value: str) -> str:
 
 
 Text = Annotated[str, AfterValidator(_valid_text)]
+MAX_CHOICES = 16  # n: choices of one request
 TokenBudget = Annotated[int, _integer(1, note=" (and at most the server's limit and the room left in the context)")]
 Penalty = Annotated[float, _number(-2, 2)]
 
@@ -94,7 +96,7 @@ class _Sampling(_Body):
     stop: Text | list[Text] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int | None = None  # only 1 (checked by the app)
+    n: Annotated[int, _integer(1, MAX_CHOICES)] | None = None  # choices: n requests sharing the prompt
     method: Text | None = None  # extension
     presence_penalty: Penalty | None = None  # only 0
     frequency_penalty: Penalty | None = None  # only 0
@@ -122,16 +124,18 @@ class CompletionRequest(_Sampling):
 
     prompt: Text | list[Text] | list[int]
     echo: bool = False
-    logprobs: int | None = None  # only null
+    logprobs: Annotated[int, _integer(0, 5)] | None = None  # the chosen token's and this many top ones
     best_of: int | None = None  # only 1
     suffix: Text | None = None  # only empty
+
+    def logprobs_wanted(self) -> int | None:
+        """How many top log-probabilities per token (0: the chosen token's only), or None."""
+        return self.logprobs
 
     def unsupported(self) -> list[tuple[str, str]]:
         problems = super().unsupported()
         if self.echo:
             problems.append(("echo", "echo is not supported"))
-        if self.logprobs is not None:
-            problems.append(("logprobs", "logprobs are not supported"))
         if self.best_of is not None and self.best_of != 1:
             problems.append(("best_of", "best_of must be 1 (one completion per request)"))
         if self.suffix:
@@ -160,8 +164,8 @@ class ChatCompletionRequest(_Sampling):
 
     messages: list[Message] = Field(...)
     max_completion_tokens: TokenBudget | None = None  # OpenAI's newer name for max_tokens; wins if both
-    logprobs: bool | None = None  # only false
-    top_logprobs: int | None = None  # only 0
+    logprobs: bool | None = None
+    top_logprobs: Annotated[int, _integer(0, 20)] | None = None  # with logprobs: this many top ones per token
     tools: list[dict] | None = None  # only empty
     response_format: dict | None = None  # only {"type": "text"}
 
@@ -171,12 +175,12 @@ class ChatCompletionRequest(_Sampling):
     def token_budget_param(self) -> str:
         return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
 
+    def logprobs_wanted(self) -> int | None:
+        """How many top log-probabilities per token (0: the chosen token's only), or None."""
+        return (self.top_logprobs or 0) if self.logprobs else None
+
     def unsupported(self) -> list[tuple[str, str]]:
         problems = super().unsupported()
-        if self.logprobs:
-            problems.append(("logprobs", "logprobs are not supported"))
-        if self.top_logprobs:
-            problems.append(("top_logprobs", "top_logprobs are not supported"))
         if self.tools:
             problems.append(("tools", "tools (function calling) are not supported"))
         if self.response_format is not None and self.response_format.get("type") != "text":

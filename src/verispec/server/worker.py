@@ -1,31 +1,32 @@
-"""The server's generation worker: a bounded queue and ONE thread that owns the Target.
+"""The server's generation worker: admission, and ONE thread that owns the Target and steps a batch.
 
-Owns: admission (a bounded FIFO of waiting jobs; a full queue refuses at once, and
-`estimated_wait` tells a refused client when the queue should have drained, from the run times
-of the recent jobs), running jobs one at a time on a single worker thread, cancellation (a
-per-job flag checked between text deltas), the per-request timeout, and turning every outcome
+Owns: admission (a bounded queue of waiting jobs; a full queue refuses at once, and
+`estimated_wait` tells a refused client when a slot should free up, from the run times of the
+recent jobs), the worker thread that runs every admitted job's decode loop together in a
+continuous batch (`batch.BatchEngine`: jobs join and leave the running batch between steps,
+prompts are prefilled in chunks beside the decoding rows), each job's text (`text.TextAssembler`:
+incremental detokenization and stop strings, applied as its tokens arrive), cancellation (a
+per-job flag, acted on between steps), the per-request timeout, and turning every outcome
 (finished, timed out, cancelled, failed) into an event for whoever submitted the job. Does not
 own HTTP, JSON, validation or prompt encoding: the app encodes and validates a request into a
 `verispec.api.Request` before submitting it here.
 
-Why one thread: a `Target` holds a single per-request KV cache, so one Target serves one request
-at a time; and generation is CPU-bound torch code (which releases the GIL inside its kernels), so
-running it on a thread of its own keeps the asyncio event loop free to accept connections, answer
-/health and /metrics, and refuse overload while a request is being generated. Requests are served
-strictly in arrival order; there is no batching.
+Why one thread: generation is CPU-bound torch and C code that uses every core for each step (its
+kernels release the GIL); one thread steps the batch, so the asyncio event loop stays free to
+accept connections, answer /health and /metrics and refuse overload. Exactness under load comes
+from the batch engine: a request's output is the one it gives alone, whatever else runs. A target
+that cannot batch exactly (no paged KV: float32 numerics, transformers' forward, a GPU) serves
+its jobs one at a time, in arrival order.
 
 Events flow out through the job's `notify` callback, called on the worker thread (the app turns
-them into asyncio-queue puts with `loop.call_soon_threadsafe`):
-  Started  the job left the queue and its generation begins
-  Delta    a piece of final text (from `TextStream`)
+them into asyncio-queue puts with `loop.call_soon_threadsafe`); `notify` must not block, so a
+slow reader never stalls the batch (its events queue up, at most one per committed token):
+  Started  the job joined the running batch
+  Delta    a piece of final text, with the ids (and log-probabilities, if asked) of the tokens
+           committed in that step
   Finished the generation ended: EOS, stop string, max_tokens, timeout or cancellation
   Failed   the generation raised (a `VerispecError` is the user's mistake, anything else a bug),
-           or the job's deadline passed before it left the queue (`QueueTimeout`)
-
-Cancellation and timeouts are checked between the deltas of `TextStream` (after each step that
-produced text): the worker then stops iterating, which closes the stream and so stops the decode
-loop. A step that produces no text (special tokens, a tail held back for a stop string) is not a
-check point; every step commits at least one token, so max_tokens still bounds the wait.
+           or the job's deadline passed before it joined the batch (`QueueTimeout`)
 """
 
 from __future__ import annotations
@@ -39,27 +40,35 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
-from ..api import GenerationResult, Request, TextStream
+from ..api import GenerationResult, Request
+from ..batch import DEFAULT_MAX_ROWS, BatchEngine
+from ..batch import Job as EngineJob
+from ..engine import DecodeConfig, Logprobs
 from ..errors import VerispecError
+from ..methods import build, get_method
 from ..model import Target
 from ..stats import GenerationStats
+from ..text import TextAssembler
 
 log = logging.getLogger("verispec.server")
 
 QUEUED, RUNNING, DONE = "queued", "running", "done"
 RECENT_JOBS = 32  # run times kept for the wait estimate of a refused request
+DEFAULT_MAX_SEQUENCES = 16  # requests decoding together
 
 
 # -- events ------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
 class Started:
-    queue_s: float  # seconds the job waited in the queue
+    queue_s: float  # seconds the job waited before joining the batch
 
 
 @dataclass(frozen=True)
 class Delta:
     text: str
+    token_ids: tuple[int, ...] = ()  # the tokens committed with it (their text may come later)
+    logprobs: tuple = ()  # per token (logprob, [(id, logprob), ...]) when the job asked for them
 
 
 @dataclass(frozen=True)
@@ -71,6 +80,7 @@ class Finished:
     text: str  # exactly the concatenated deltas (never a held-back tail)
     reason: str
     queue_s: float
+    logprobs: tuple = ()  # per token of result.token_ids, when asked for
 
 
 @dataclass(frozen=True)
@@ -87,7 +97,7 @@ class QueueFull(Exception):
 
 
 class QueueTimeout(Exception):
-    """The job's deadline passed before it left the queue; it was never started."""
+    """The job's deadline passed before it joined the batch; it was never started."""
 
 
 class WorkerStopped(Exception):
@@ -100,6 +110,9 @@ class Observer(Protocol):
     def first_token(self, seconds: float) -> None: ...
     def finished(self, stats: GenerationStats, reason: str) -> None: ...
     def failed(self, method: str, user_error: bool) -> None: ...
+    def step(self, rows: int, sequences: int, seconds: float) -> None: ...
+    def chunk_gap(self, seconds: float) -> None: ...
+    def per_output_token(self, seconds: float) -> None: ...
 
 
 class _NoObserver:
@@ -110,6 +123,15 @@ class _NoObserver:
         pass
 
     def failed(self, method: str, user_error: bool) -> None:
+        pass
+
+    def step(self, rows: int, sequences: int, seconds: float) -> None:
+        pass
+
+    def chunk_gap(self, seconds: float) -> None:
+        pass
+
+    def per_output_token(self, seconds: float) -> None:
         pass
 
 
@@ -123,16 +145,26 @@ class Job:
     request: the validated library request. notify: called on the worker thread with each
     event; it must not block. deadline: a `time.monotonic()` value after which the job ends with
     reason "timeout" (None: no limit); it counts from the request's arrival, queue wait included.
+    logprobs: None, or how many top log-probabilities to report per token (0: the chosen token's).
     """
 
     request: Request
     notify: Callable[[Event], None]
     deadline: float | None = None
     created: float = field(default_factory=time.monotonic)
+    logprobs: int | None = None
     id: int = field(default_factory=lambda: next(_ids))
     state: str = QUEUED
     cancel_reason: str | None = None
     _cancel: threading.Event = field(default_factory=threading.Event, repr=False)
+    # the worker thread's own
+    _engine_job: EngineJob | None = field(default=None, repr=False)
+    _assembler: TextAssembler | None = field(default=None, repr=False)
+    _parts: list = field(default_factory=list, repr=False)
+    _started: float = 0.0
+    _last_text: float = 0.0
+    _first_text: float = 0.0
+    _logprobs_sent: int = 0
 
     @property
     def cancelled(self) -> bool:
@@ -146,18 +178,21 @@ class Job:
 
 
 class Worker:
-    """A bounded FIFO of jobs served one at a time by one thread that owns `target`."""
+    """A bounded queue of jobs, run together by one thread that owns `target` (see the module
+    docstring). max_sequences: jobs decoding at once; max_rows: rows of one step's forward."""
 
-    def __init__(self, target: Target, max_queue: int = 16, observer: Observer | None = None):
+    def __init__(self, target: Target, max_queue: int = 16, observer: Observer | None = None,
+                 max_sequences: int = DEFAULT_MAX_SEQUENCES, max_rows: int = DEFAULT_MAX_ROWS):
         if not isinstance(max_queue, int) or max_queue < 1:
             raise ValueError(f"max_queue must be an integer >= 1, got {max_queue!r}")
         self.target = target
         self.max_queue = max_queue
         self.observer = observer or _NoObserver()
-        self._waiting: collections.deque[Job] = collections.deque()
-        self._current: Job | None = None
-        self._current_started = 0.0
-        # Seconds the last RECENT_JOBS jobs held the worker (queue wait not included).
+        self.engine = BatchEngine(target, max_rows, max_sequences)
+        self._inbox: collections.deque[Job] = collections.deque()  # submitted, not yet handed to the engine
+        self._waiting: list[Job] = []  # handed to the engine, not yet running
+        self._running: list[Job] = []
+        # Seconds the last RECENT_JOBS jobs ran (queue wait not included).
         self.recent_run_s: collections.deque[float] = collections.deque(maxlen=RECENT_JOBS)
         self._lock = threading.Condition()
         self._stopping = False
@@ -166,26 +201,38 @@ class Worker:
     # -- state -------------------------------------------------------------------------------
     @property
     def queue_length(self) -> int:
-        """Jobs waiting (the running one not included)."""
-        return len(self._waiting)
+        """Jobs waiting to join the batch."""
+        return len(self._inbox) + len(self._waiting)
+
+    @property
+    def running(self) -> int:
+        """Jobs in the running batch."""
+        return len(self._running)
 
     @property
     def busy(self) -> bool:
-        return self._current is not None
+        return bool(self._running)
 
     @property
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
+    @property
+    def max_sequences(self) -> int:
+        return self.engine.max_sequences
+
     def estimated_wait(self) -> float:
-        """Seconds until the jobs waiting and running now are done: their number times the mean
-        run time of the recent jobs (before any job finished, the running job's time so far)."""
+        """Seconds until a request sent now should be running: the jobs ahead of it (waiting,
+        and running ones, whose places it needs) in rounds of as many as run at once
+        (`max_sequences`, or 1 on a target that cannot batch), times the mean run time of the
+        recent jobs (before any job finished, the oldest running job's time so far)."""
         with self._lock:
-            ahead = len(self._waiting) + (self._current is not None)
+            ahead = self.queue_length + len(self._running)
             recent = list(self.recent_run_s)
-            running_for = time.monotonic() - self._current_started if self._current is not None else 0.0
-        mean = sum(recent) / len(recent) if recent else running_for
-        return ahead * mean
+            started = [job._started for job in self._running]
+        mean = sum(recent) / len(recent) if recent else (time.monotonic() - min(started) if started else 0.0)
+        at_once = self.max_sequences if self.engine.batches else 1
+        return -(-ahead // at_once) * mean
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self) -> None:
@@ -198,118 +245,224 @@ class Worker:
         """Refuse new jobs, cancel the waiting and running ones, and join the thread."""
         with self._lock:
             self._stopping = True
-            waiting, self._waiting = list(self._waiting), collections.deque()
-            current = self._current
+            waiting = list(self._inbox)
+            self._inbox.clear()
+            for job in self._waiting + self._running:
+                self._set_cancel(job, "cancelled")
             self._lock.notify_all()
         for job in waiting:
             job.state = DONE
             job._emit(Failed(WorkerStopped("the server is shutting down"), user_error=False))
-        if current is not None:
-            self._set_cancel(current, "cancelled")
         if self._thread is not None:
             self._thread.join(timeout)
 
     # -- admission and cancellation -------------------------------------------------------------
     def submit(self, job: Job) -> None:
         """Queue `job`; raises QueueFull when `max_queue` jobs are already waiting."""
+        self.submit_all([job])
+
+    def submit_all(self, jobs: list[Job]) -> None:
+        """Queue `jobs` together (the choices of one request), or none of them (QueueFull)."""
         with self._lock:
             if self._stopping:
                 raise WorkerStopped("the server is shutting down")
-            if len(self._waiting) >= self.max_queue:
+            if self.queue_length + len(jobs) > self.max_queue:
                 raise QueueFull(f"the queue is full ({self.max_queue} requests waiting)")
-            self._waiting.append(job)
+            self._inbox.extend(jobs)
             self._lock.notify()
 
     def cancel(self, job: Job, reason: str = "cancelled") -> bool:
         """Cancel `job`. A waiting job leaves the queue at once (returns True; no event follows);
-        a running one stops at its next check point and then reports Finished (returns False)."""
+        a running one stops at its next step and then reports Finished (returns False)."""
         with self._lock:
             if job.state == QUEUED:
-                try:
-                    self._waiting.remove(job)
-                except ValueError:
-                    pass
+                if job in self._inbox:
+                    self._inbox.remove(job)
                 job.state = DONE
                 job.cancel_reason = reason
-                job._cancel.set()
+                job._cancel.set()  # the thread takes it out of the engine's queue
+                self._lock.notify()
                 return True
         self._set_cancel(job, reason)
         return False
 
-    @staticmethod
-    def _set_cancel(job: Job, reason: str) -> None:
+    def _set_cancel(self, job: Job, reason: str) -> None:
         if not job._cancel.is_set():
             job.cancel_reason = reason
             job._cancel.set()
+            with self._lock:
+                self._lock.notify()
 
     # -- the thread ----------------------------------------------------------------------------
     def _run(self) -> None:
         while True:
             with self._lock:
-                while not self._waiting and not self._stopping:
+                while not self._inbox and not self._waiting and not self._running and not self._stopping:
                     self._lock.wait()
-                if self._stopping:
+                if self._stopping and not self._running and not self._waiting:
                     return
-                job = self._waiting.popleft()
-                job.state = RUNNING
-                self._current = job
-                self._current_started = time.monotonic()
+                arrived = list(self._inbox)
+                self._inbox.clear()
             try:
-                self._serve(job)
+                for job in arrived:
+                    self._hand_over(job)
+                self._apply_cancellations()
+                if self._waiting or self._running:
+                    self._step()
             except BaseException:  # never let one request take the worker down
-                log.error("job %s: unexpected error in the worker\n%s", job.id, traceback.format_exc())
-            finally:
-                job.state = DONE
-                with self._lock:
-                    self._current = None
-                    self.recent_run_s.append(time.monotonic() - self._current_started)
+                log.error("unexpected error in the worker\n%s", traceback.format_exc())
+                for job in self._waiting + self._running:
+                    self._fail(job, RuntimeError("the worker failed"), user_error=False)
 
-    def _serve(self, job: Job) -> None:
-        started = time.monotonic()
-        queue_s = started - job.created
-        job._emit(Started(queue_s))
-        method = job.request.method
-        parts: list[str] = []
-        reason = ""
-        if job.cancelled:  # cancelled between leaving the queue and starting: nobody waits for it
-            job._emit(Finished(GenerationResult("", [], list(job.request.prompt_ids), GenerationStats(method)),
-                               "", job.cancel_reason or "cancelled", queue_s))
+    def _hand_over(self, job: Job) -> None:
+        """Build `job`'s recipe and give it to the engine (a bad request fails here)."""
+        if job.cancelled:
+            return  # cancelled while waiting: its canceller was answered
+        if job.deadline is not None and time.monotonic() >= job.deadline:
+            self._fail(job, QueueTimeout(f"the request timed out after {time.monotonic() - job.created:.3g} s "
+                                         f"waiting in the queue"), user_error=False)
             return
-        if job.deadline is not None and started >= job.deadline:
-            job._emit(Failed(QueueTimeout(f"the request timed out after {queue_s:.3g} s waiting in the queue"),
-                             user_error=False))
-            return
+        request = job.request
         try:
-            text_stream = TextStream(self.target, job.request)
-            deltas = iter(text_stream)
-            try:
-                for delta in deltas:
-                    if not parts:
-                        self.observer.first_token(time.monotonic() - job.created)
-                    parts.append(delta)
-                    job._emit(Delta(delta))
-                    # Check points: between deltas, i.e. between decode steps.
-                    if job.cancelled:
-                        reason = job.cancel_reason or "cancelled"
-                        break
-                    if job.deadline is not None and time.monotonic() >= job.deadline:
-                        reason = "timeout"
-                        break
-            finally:
-                deltas.close()  # stops the decode loop; sets text_stream.result once iteration began
-            result = text_stream.result
-            assert result is not None
+            sequence = self.target.new_sequence()
+            recipe = build(request.method, sequence, request.options, request.sampling)
+            job._assembler = TextAssembler(self.target.tokenizer, request.stop)
+            config = DecodeConfig(request.max_new_tokens, request.sampling, self.target.eos_token_ids)
+            job._engine_job = self.engine.submit(list(request.prompt_ids), recipe, config,
+                                                 GenerationStats(method=request.method),
+                                                 draws=get_method(request.method).draws, sequence=sequence)
+            if job.logprobs is not None:
+                job._engine_job.logprobs = Logprobs(job.logprobs)
         except VerispecError as error:
-            self.observer.failed(method, True)
-            job._emit(Failed(error, user_error=True))
+            self._fail(job, error, user_error=True)
             return
-        except Exception as error:
-            log.error("job %s: generation failed\n%s", job.id, traceback.format_exc())
-            self.observer.failed(method, False)
-            job._emit(Failed(error, user_error=False))
+        except Exception as error:  # noqa: BLE001 - a bug in building one request fails that request
+            log.error("job %s: could not start\n%s", job.id, traceback.format_exc())
+            self._fail(job, error, user_error=False)
             return
-        if not parts and not reason:
+        self._waiting.append(job)
+
+    def _apply_cancellations(self) -> None:
+        """Jobs cancelled (or past their deadline) since the last step leave the batch."""
+        now = time.monotonic()
+        for job in list(self._waiting):
+            if job.cancelled:  # answered by `cancel` already: no event
+                self.engine.cancel(job._engine_job, job.cancel_reason or "cancelled")
+                self._waiting.remove(job)
+            elif job.deadline is not None and now >= job.deadline:
+                self.engine.cancel(job._engine_job, "timeout")
+                self._waiting.remove(job)
+                self._fail(job, QueueTimeout(f"the request timed out after {now - job.created:.3g} s waiting in "
+                                             f"the queue"), user_error=False)
+        for job in list(self._running):
+            if job.cancelled:
+                self.engine.cancel(job._engine_job, job.cancel_reason or "cancelled")
+                self._end(job, job.cancel_reason or "cancelled")
+            elif job.deadline is not None and now >= job.deadline:
+                self.engine.cancel(job._engine_job, "timeout")
+                self._end(job, "timeout")
+
+    def _step(self) -> None:
+        by_engine_job = {id(job._engine_job): job for job in self._waiting + self._running}
+        self.engine.admit()
+        for engine_job in self.engine.running:  # joined the batch now
+            job = by_engine_job.get(id(engine_job))
+            if job is not None and job.state == QUEUED:
+                self._begin(job)
+        started = time.perf_counter()
+        events = self.engine.step()
+        self.observer.step(self.engine.last_rows, len(self.engine.running), time.perf_counter() - started)
+        for engine_job, committed in events:
+            job = by_engine_job.get(id(engine_job))
+            if job is None or job.state == DONE:
+                continue  # cancelled while it was joining: it leaves at the next step
+            if job.state == QUEUED:  # joined and ended in one step
+                self._begin(job)
+            self._deliver(job, committed)
+
+    def _begin(self, job: Job) -> None:
+        with self._lock:
+            if job.state != QUEUED:
+                return
+            job.state = RUNNING
+            self._waiting.remove(job)
+            self._running.append(job)
+        job._started = time.monotonic()
+        job._emit(Started(job._started - job.created))
+
+    def _deliver(self, job: Job, committed: list[int]) -> None:
+        """A job's tokens of this step: its text so far as a Delta, its end as Finished or Failed."""
+        engine_job, assembler = job._engine_job, job._assembler
+        if committed:
+            kept_before = len(assembler.ids)
+            delta = assembler.push(committed)
+            logprobs = ()
+            if job.logprobs is not None:  # the entries of this step's tokens that a stop string left
+                kept = len(assembler.ids) - kept_before
+                entries = engine_job.logprobs.entries
+                logprobs = tuple(entries[job._logprobs_sent : job._logprobs_sent + kept])
+                job._logprobs_sent += len(committed)
+            if delta or logprobs:
+                now = time.monotonic()
+                if not job._parts and delta:
+                    job._first_text = now
+                    self.observer.first_token(now - job.created)
+                elif delta:
+                    self.observer.chunk_gap(now - job._last_text)
+                if delta:
+                    job._parts.append(delta)
+                    job._last_text = now
+                job._emit(Delta(delta, tuple(assembler.ids[kept_before:]), logprobs))
+            if assembler.stopped and not engine_job.done:
+                engine_job.stats.stop_reason = "stop"
+                self.engine.cancel(engine_job, "stop")
+        if engine_job.done:
+            if engine_job.error is not None:
+                user = isinstance(engine_job.error, VerispecError)
+                if not user:
+                    log.error("job %s: generation failed: %r", job.id, engine_job.error)
+                self._fail(job, engine_job.error, user_error=user)
+            else:
+                self._end(job, engine_job.stats.stop_reason or engine_job.finish_reason or "length")
+
+    def _end(self, job: Job, reason: str) -> None:
+        """Finished: the text so far (the held-back tail too, unless cut short), its stats."""
+        engine_job, assembler = job._engine_job, job._assembler
+        if reason not in ("cancelled", "timeout"):
+            tail = assembler.finish()
+            if tail:
+                if not job._parts:
+                    job._first_text = time.monotonic()
+                    self.observer.first_token(job._first_text - job.created)
+                job._parts.append(tail)
+                job._emit(Delta(tail))
+        stats = engine_job.stats
+        stats.new_tokens = min(stats.new_tokens, len(assembler.ids))
+        stats.stop_reason = reason if reason in ("cancelled", "timeout") else stats.stop_reason or reason
+        if not job._parts:
             self.observer.first_token(time.monotonic() - job.created)  # ended without any text
-        reason = reason or result.stats.stop_reason or "length"
-        self.observer.finished(result.stats, reason)
-        job._emit(Finished(result, "".join(parts), reason, queue_s))
+        elif stats.new_tokens > 1:
+            self.observer.per_output_token((job._last_text - job._first_text) / (stats.new_tokens - 1))
+        result = GenerationResult(assembler.text if reason not in ("cancelled", "timeout") else "".join(job._parts),
+                                  list(assembler.ids), list(job.request.prompt_ids), stats)
+        logprobs = tuple(engine_job.logprobs.entries[: len(assembler.ids)]) if job.logprobs is not None else ()
+        self.observer.finished(stats, reason)
+        with self._lock:
+            if job in self._running:
+                self._running.remove(job)
+            elif job in self._waiting:
+                self._waiting.remove(job)
+            job.state = DONE
+            self.recent_run_s.append(time.monotonic() - (job._started or job.created))
+        job._emit(Finished(result, "".join(job._parts), reason, job._started - job.created if job._started else 0.0,
+                           logprobs))
+
+    def _fail(self, job: Job, error: BaseException, user_error: bool) -> None:
+        self.observer.failed(job.request.method, user_error)
+        with self._lock:
+            if job in self._running:
+                self._running.remove(job)
+            if job in self._waiting:
+                self._waiting.remove(job)
+            job.state = DONE
+        job._emit(Failed(error, user_error=user_error))
