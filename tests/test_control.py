@@ -12,6 +12,7 @@ from __future__ import annotations
 import random
 import sys
 
+import numpy as np
 import pytest
 
 import helpers
@@ -324,3 +325,62 @@ def test_a_width_seen_once_costs_at_most_what_the_others_say():
     cost.observe(2, 0.100)
     cost.observe(2, 0.100)
     assert cost.verify(2) == pytest.approx(10.0)  # confirmed: it really is that slow
+
+
+# -- speculation under load --------------------------------------------------------------------------
+
+def _goodput(confidences, lengths, costs, rows=0):
+    """Expected tokens per second of a step that verifies these prefixes."""
+    a, b = costs
+    tokens = float(len(confidences))
+    for confidence, n in zip(confidences, lengths):
+        survival = 1.0
+        for j in range(n):
+            survival *= confidence[j]
+            tokens += survival
+    return tokens / (a + b * (len(confidences) + rows + sum(lengths)))
+
+
+def test_allocate_drafts_is_the_best_cut_of_every_draft_together():
+    """Against brute force over every combination of prefix lengths, on random small cases."""
+    import itertools
+
+    from verispec.control import allocate_drafts
+
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        n = int(rng.integers(1, 4))
+        confidences = [tuple(rng.uniform(0.05, 1.0, int(rng.integers(0, 5)))) for _ in range(n)]
+        costs = (float(rng.uniform(0.005, 0.02)), float(rng.uniform(0.0005, 0.005)))
+        rows = int(rng.integers(0, 20))
+        got = allocate_drafts(confidences, costs, rows)
+        best = max(_goodput(confidences, lengths, costs, rows)
+                   for lengths in itertools.product(*[range(len(c) + 1) for c in confidences]))
+        assert _goodput(confidences, got, costs, rows) == pytest.approx(best, rel=1e-12)
+
+
+def test_drafts_shrink_as_the_batch_fills():
+    from verispec.control import allocate_drafts
+
+    costs, draft = (0.015, 0.0015), (0.9, 0.85, 0.8, 0.7, 0.5, 0.3)
+    alone = allocate_drafts([draft], costs)[0]
+    crowded = allocate_drafts([draft] * 16, costs)
+    assert alone >= 4 and max(crowded) < alone and min(crowded) >= 1
+    assert allocate_drafts([(0.3, 0.3)] * 16, costs) == [0] * 16  # unlikely tokens are not worth a row
+    assert allocate_drafts([(), (0.99, 0.99)], costs) == [0, 2]
+
+
+def test_row_costs_fit_a_line_and_fall_back_on_the_prior_slope():
+    from verispec.control import RowCosts
+
+    costs = RowCosts(prior_slope=0.1)
+    assert costs.fit() is None
+    for rows in (4, 4, 4, 4):
+        costs.observe(rows, 0.014)
+    a, b = costs.fit()  # no spread in width: b is the prior share of a
+    assert b == pytest.approx(0.1 * a) and a + 4 * b == pytest.approx(0.014)
+    costs = RowCosts()
+    for rows in (1, 8, 16, 32, 2, 24):
+        costs.observe(rows, 0.012 + 0.002 * rows)
+    a, b = costs.fit()
+    assert a == pytest.approx(0.012, rel=0.15) and b == pytest.approx(0.002, rel=0.15)

@@ -5,7 +5,9 @@ Owns `BatchEngine`, which runs the decode loops of many requests (`Job`s) in ste
 1. admit waiting jobs, first come first served, while there are sequence slots and KV blocks
    for their prompts (a prompt that starts with cached blocks shares them: `kv_pool`);
 2. every decoding job drafts as `engine.decode` does (`engine.next_draft`: its own drafter,
-   controller and method), and its verify rows (a chain or a tree) join the step's forward;
+   controller and method); the drafts are then cut together for the step's best expected
+   tokens per second (`control.allocate_drafts`: a draft row costs more when the forward is
+   already wide), and the verify rows (chains or trees) join the step's forward;
 3. waiting prompts are prefilled in chunks in the same forward, within a row budget
    (`max_rows`), so a long prompt never stalls the sequences already decoding;
 4. one forward of the target runs all those rows (`batch_forward.forward_parts`): every row's
@@ -41,6 +43,7 @@ from typing import Iterator
 import torch
 
 from .batch_forward import ALL, LAST, NONE, Part, prepare
+from .control import RowCosts, allocate_drafts
 from .drafters.base import EMPTY_DRAFT
 from .engine import (DecodeConfig, Logprobs, Recipe, apply_stops, close_drafter, decode, next_draft, settle,
                      verify_tokens)
@@ -107,6 +110,7 @@ class BatchEngine:
         if not self.batches:
             log.info("%s keeps no paged KV (float32 numerics, transformers' forward or a GPU): its requests run "
                      "one at a time", target.name)
+        self.row_costs = RowCosts()  # a step's seconds by its rows, for cutting drafts under load
         self.waiting: collections.deque[Job] = collections.deque()
         self.running: list[Job] = []
         self.last_rows = 0  # rows of the last step's shared forward
@@ -254,20 +258,25 @@ class BatchEngine:
         for job in decoding:  # blocks for the longest verify first: preempt while they are missing
             if job.state == DECODE:
                 self._reserve(job, job.sequence.length + 2 * (self._room(job, share) + 1))
-        parts, plans = [], []
+        drafted = []  # (job, its uncut draft, seconds spent drafting)
         for job in decoding:
             if job.state != DECODE:
                 continue  # preempted
             drafted_at = time.perf_counter()
             drafter, controller, _ = job.recipe
             try:
-                draft = next_draft(drafter, controller, job.context, self._room(job, share), True)
+                draft = next_draft(drafter, controller, job.context, self._room(job, share), True, cut=False)
             except Exception as error:  # noqa: BLE001 - a drafter's failure ends its job only
                 self._finish(job, "error", error)
                 continue
+            drafted.append((job, draft, time.perf_counter() - drafted_at))
+        lengths = self._cut_drafts(drafted, prefilling)
+        parts, plans = [], []
+        for (job, draft, draft_s), length in zip(drafted, lengths):
+            draft = draft.prefix(length)
             tokens, parents = verify_tokens(job.context, draft)
             parts.append(Part(job.sequence, tokens, parents, ALL))
-            plans.append((job, draft, time.perf_counter() - drafted_at))
+            plans.append((job, draft, draft_s))
         budget = self.max_rows - sum(len(part.tokens) for part in parts)
         for job in [job for job in self.running if job.batched and job.state == PREFILL]:
             chunk = min(job.prefill_to - job.sequence.length, budget)
@@ -295,6 +304,7 @@ class BatchEngine:
                 self._finish(job, "error", error)
             return [(job, []) for job, _, _ in plans]
         forward_s = time.perf_counter() - forward_started
+        self.row_costs.observe(self.last_rows, forward_s)
         events = []
         for (job, draft, draft_s), part, logits in zip(plans, parts, results):
             share_s = forward_s * len(part.tokens) / self.last_rows  # this job's part of the forward
@@ -311,6 +321,27 @@ class BatchEngine:
             if draft is not None:
                 job.stats.decode_s += elapsed
         return events
+
+    def _cut_drafts(self, drafted: list, prefilling: bool) -> list[int]:
+        """How much of each job's draft to verify: jointly, for the step's best expected tokens
+        per second (`control.allocate_drafts` under the fitted `RowCosts`), from each draft's
+        confidences, or where a drafter gives none from its job's acceptance so far. Drawn drafts
+        (none here: their methods run unbatched) stay whole."""
+        costs = self.row_costs.fit()
+        if costs is None or not drafted:
+            return [len(draft) for _, draft, _ in drafted]
+        confidences = []
+        for job, draft, _ in drafted:
+            if draft.drawn or not len(draft):
+                confidences.append(())
+            elif draft.confidence:
+                confidences.append(draft.confidence)
+            else:
+                rate = (job.stats.accepted + 1) / (job.stats.drafted + 2)
+                confidences.append((rate,) * len(draft))
+        pending = self.max_rows // 4 if prefilling else 0  # prompt rows this step will likely carry
+        lengths = allocate_drafts(confidences, costs, pending)
+        return [len(draft) if draft.drawn else n for (_, draft, _), n in zip(drafted, lengths)]
 
     @staticmethod
     def _room(job: Job, share: int) -> int:

@@ -43,6 +43,17 @@ Controllers know nothing of models; they are tested on synthetic acceptance stre
 The paper's exact priors and stopping rule could not be read here; these are the rules
 implemented, with the defaults above.
 
+Speculation under load (`RowCosts`, `allocate_drafts`): when many sequences share each forward
+(`batch.BatchEngine`), a draft token costs one more row of a forward that is already wide, and
+a per-sequence controller cannot see that. Each step the batch therefore cuts every sequence's
+draft jointly, for the most expected tokens per second of the whole step (goodput): a step of R
+rows takes about a + b R seconds (`RowCosts`, fitted online from the steps' measured times), and
+draft token j of a sequence adds its survival (the product of its confidences up to j: the
+chance that it is accepted) to the tokens the step commits. Rows go, most probable first, while
+a row's survival exceeds the step's tokens per second times its cost b. One sequence alone
+drafts about as its adaptive controller would; sixteen sharing a forward draft only tokens that
+are very likely accepted.
+
 Trace replay (`constant_trace_cost`, `threshold_trace_cost`, `oracle_trace_cost`): what a
 controller would cost on a recorded greedy trace of a drafter's agreement with the target,
 under given step costs, including the least cost any controller could reach with hindsight
@@ -51,6 +62,7 @@ under given step costs, including the least cost any controller could reach with
 
 from __future__ import annotations
 
+import heapq
 import math
 import random
 import statistics
@@ -266,6 +278,68 @@ def oracle_trace_cost(agreement: Sequence[bool], draft_cost: float, verify_cost,
         best[t] = min(_step_cost(m, m, draft_cost, verify_cost) + best[t + m + 1]
                       for m in range(min(runs[t], max_length, n - 1 - t) + 1))
     return best[0]
+
+
+class RowCosts:
+    """A forward's seconds as a linear function of its rows, a + b R, fitted by least squares over
+    the last `window` steps. Until the steps vary enough in width to tell b from a (or when the
+    fit is not sensible), b is the prior share `prior_slope` of the one-row cost a."""
+
+    def __init__(self, window: int = 64, prior_slope: float = 0.1):
+        self._steps: deque[tuple[int, float]] = deque(maxlen=window)
+        self.prior_slope = prior_slope
+
+    def observe(self, rows: int, seconds: float) -> None:
+        if rows > 0 and seconds > 0:
+            self._steps.append((rows, seconds))
+
+    def fit(self) -> tuple[float, float] | None:
+        """(a, b) in seconds, or None before any step."""
+        if not self._steps:
+            return None
+        rows = np.array([r for r, _ in self._steps], dtype=float)
+        seconds = np.array([s for _, s in self._steps], dtype=float)
+        if rows.max() - rows.min() >= 2 and len(rows) >= 4:
+            b, a = np.polyfit(rows, seconds, 1)
+            if a > 0 and b > 0:
+                return float(a), float(b)
+        # no usable slope: seconds = a (1 + prior_slope R) through the median point
+        r, s = float(np.median(rows)), float(np.median(seconds))
+        a = s / (1 + self.prior_slope * r)
+        return a, a * self.prior_slope
+
+
+def allocate_drafts(confidences: Sequence[Sequence[float]], costs: tuple[float, float], rows: int = 0) -> list[int]:
+    """How many tokens of each sequence's draft to verify in a shared forward: draft i offers
+    tokens with per-token acceptance estimates confidences[i] (token j is accepted with
+    probability prod(confidences[i][:j + 1]) -- its survival); the step has one row per sequence
+    for its committed token, plus `rows` other rows (prompt chunks), and costs (a, b) = a + b R
+    seconds for R rows. Rows are added most probable first while a row's survival exceeds the
+    step's expected tokens per second times b. Returns the prefix length per draft."""
+    a, b = costs
+    n = len(confidences)
+    lengths = [0] * n
+    tokens, total_rows = float(n), n + rows
+    frontier = []  # (-survival of the next token, sequence)
+    survival = [1.0] * n
+    for i, confidence in enumerate(confidences):
+        if confidence:
+            survival[i] = float(confidence[0])
+            frontier.append((-survival[i], i))
+    heapq.heapify(frontier)
+    while frontier:
+        gain, i = heapq.heappop(frontier)
+        gain = -gain
+        if gain * (a + b * total_rows) <= tokens * b:  # goodput would fall
+            break
+        lengths[i] += 1
+        tokens += gain
+        total_rows += 1
+        j = lengths[i]
+        if j < len(confidences[i]):
+            survival[i] *= float(confidences[i][j])
+            heapq.heappush(frontier, (-survival[i], i))
+    return lengths
 
 
 class ConstantLength:

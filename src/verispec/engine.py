@@ -155,16 +155,17 @@ def decode(
 
 
 def next_draft(drafter: Drafter, controller: Controller, context: Sequence[int], room: int,
-               verifies_trees: bool) -> Draft:
+               verifies_trees: bool, cut: bool = True) -> Draft:
     """Phases 0 and 1 of a step: how far to draft (the controller's length, never past `room`,
     the tokens left in the budget after the one the target adds), then the draft (the
-    controller may stop it token by token), cut to the prefix worth verifying; a drawn draft is
-    verified whole (`Draft.drawn`): its stop rule is `keep`, decided before each token is drawn.
-    A tree becomes its primary branch where the target verifies linear drafts only."""
+    controller may stop it token by token), cut to the prefix worth verifying (unless `cut` is
+    False: the batch cuts its sequences' drafts together); a drawn draft is verified whole
+    (`Draft.drawn`): its stop rule is `keep`, decided before each token is drawn. A tree
+    becomes its primary branch where the target verifies linear drafts only."""
     k = min(controller.next_length(), room)
     draft = drafter.propose(context, k, controller.keep) if k > 0 else EMPTY_DRAFT
     assert len(draft) <= max(k, 0), f"drafter proposed {len(draft)} tokens for k={k}"
-    if not draft.drawn:
+    if cut and not draft.drawn:
         draft = draft.prefix(controller.cut(draft.confidence, len(draft)))
     if draft.parents is not None and not verifies_trees:
         draft = draft.primary()
