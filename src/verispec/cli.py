@@ -287,6 +287,7 @@ def generate(
             top_p=sampling.top_p, seed=seed, stop=tuple(stop), prompt_format=prompt_format, options=options,
         )
         make_request(target, prompt, name, **request_args)  # validate everything before any run
+        target.prefix_cache = False  # --compare's second run must prefill as the first did
         results = {}
         if compare and name != "ar":
             baseline = stream_text(target, prompt, "ar", **request_args)
@@ -462,6 +463,7 @@ def bench(
         directory = Path(out_dir) if out_dir else Path("bench-out") / datetime.now().strftime("%Y%m%d-%H%M%S")
         runner.check_run_dir(directory, settings, resume)
         target = _load(model, dtype, fast, block_kernel, numerics, device, compile)
+        target.prefix_cache = False  # every method prefills every prompt in full: equal terms
         for name in peer_names:
             get_peer(name).check(peer_settings, target)  # checks that need the model (layer counts)
         probe = EnergyProbe()
@@ -491,6 +493,58 @@ def bench(
     out.print(report.terminal_table(summary))
     err.print(f"records, summary.json, report.md and plots in {directory}", highlight=False)
     print(json.dumps(report.json_safe(metrics.compact(summary))), flush=True)
+
+
+@app.command("bench-serve")
+def bench_serve(
+    server: List[str] = typer.Option(["verispec"], "--server", "-s", help="A server to measure; repeat for several, measured in turn: [LABEL=]TARGET [ARGS]. TARGET: http://HOST:PORT (running; ARGS: --pid N for its memory, --body JSON added to every request), verispec[:METHOD] (verispec serve METHOD ARGS), llama-server[:N] (make llama-server; --parallel N), vllm (make vllm)."),
+    model: Optional[str] = typer.Option(None, help="Model the started servers serve: a .gguf file (all of them) or a transformers directory (verispec, vllm); default: the embedded Gemma 3 270M."),
+    threads: int = typer.Option(2, help="Threads of each started server (OMP_NUM_THREADS; llama-server -t)."),
+    dataset: str = typer.Option("builtin", help="builtin | spec-bench | code-edit | PATH.jsonl (Spec-Bench format); its multi-turn questions, if any, feed the chat workload."),
+    categories: Optional[str] = typer.Option(None, help="Comma-separated categories to keep (default: all)."),
+    per_category: Optional[int] = typer.Option(None, "--per-category", help="At most N prompts per category."),
+    prompts: Optional[int] = typer.Option(8, "--prompts", help="Use the first N prompts selected."),
+    max_tokens: int = typer.Option(64, "--max-tokens", "-n", help="max_tokens of every request (greedy, temperature 0)."),
+    endpoint: str = typer.Option("chat", help="chat (/v1/chat/completions) | completions (/v1/completions, the prompt as is)."),
+    concurrency: str = typer.Option("1,2,4,8,16", help="Closed-loop concurrency levels (1 always runs: the solo outputs)."),
+    requests: Optional[int] = typer.Option(None, help="Requests per closed-loop level and open-loop rate (default: the prompts, at least the concurrency)."),
+    rate: str = typer.Option("", help="Open-loop request rates per second, comma-separated ('' = no open loop)."),
+    arrivals: str = typer.Option("poisson", help="poisson | constant: open-loop arrival times."),
+    chat_conversations: int = typer.Option(4, "--chat-conversations", help="Multi-turn conversations (0 = none)."),
+    chat_concurrency: int = typer.Option(1, "--chat-concurrency", help="Conversations at a time."),
+    prefix_repeats: int = typer.Option(2, "--prefix-repeats", help="Cached-prefix tests (a cold long prompt, then the same with another last line; 0 = none)."),
+    prefix_tokens: int = typer.Option(1000, "--prefix-tokens", help="Length of the cached-prefix prompt, in tokens (about)."),
+    soak_requests: int = typer.Option(0, "--soak-requests", help="Requests of the soak with cancellations (0 = no soak)."),
+    soak_concurrency: int = typer.Option(16, "--soak-concurrency", help="Concurrent clients in the soak."),
+    cancel_fraction: float = typer.Option(0.2, "--cancel-fraction", help="Share of soak requests the client cancels (disconnects) mid-stream or before the first chunk."),
+    seed: int = typer.Option(0, help="Seed of the open-loop arrivals and the soak's cancellations."),
+    request_timeout: float = typer.Option(600.0, "--request-timeout", help="Seconds a request may take before the client gives up (an error)."),
+    start_timeout: float = typer.Option(900.0, "--start-timeout", help="Seconds a started server may take to answer /health."),
+    api_key: Optional[str] = typer.Option(None, "--api-key", help="Bearer key sent to every server."),
+    tokenizer: Optional[str] = typer.Option(None, help="Tokenizer directory that counts tokens where a server reports no usage (default: the model's, if on disk; else chunks are counted)."),
+    llama_server: Optional[str] = typer.Option(None, "--llama-server", help="The llama-server binary (default: the one `make llama-server` builds)."),
+    vllm_python: Optional[str] = typer.Option(None, "--vllm-python", help="Python of vLLM's environment (default: the one `make vllm` builds)."),
+    out_dir: Optional[str] = typer.Option(None, "--out", help="Output directory (default: bench-out/serve-<timestamp>)."),
+) -> None:
+    """Load-test OpenAI-compatible servers side by side: closed and open loop, multi-turn chat, cached prefix, a soak with cancellations."""
+    options = dict(locals())  # every option, by name, for serve.run_command
+    import shlex
+
+    from .bench import report, serve, serve_report
+
+    try:
+        summary, directory, started = serve.run_command(
+            command=shlex.join(["verispec", *sys.argv[1:]]),
+            log=lambda m: err.print(m, highlight=False, markup=False, soft_wrap=True), **options)
+    except VerispecError as error:
+        _fail(str(error))
+        return
+    out.print(serve_report.terminal_table(summary))
+    err.print(f"records.jsonl, summary.json, report.md and plots in {directory}", highlight=False)
+    print(json.dumps(report.json_safe(serve_report.compact(summary))), flush=True)
+    failed = [label for label, entry in started.items() if entry.get("error")]
+    if failed:
+        _fail(f"{', '.join(failed)} could not be measured (see report.md and the logs in {directory / 'servers'})", 1)
 
 
 @app.command()
@@ -588,8 +642,12 @@ def serve(
     max_tokens_limit: int = typer.Option(1024, "--max-tokens-limit", help="Largest max_tokens a request may ask for (also the default)."),
     model_id: Optional[str] = typer.Option(None, "--model-id", help="Model id clients send (default: verispec-default, or the model path's basename)."),
     ngram_memory: bool = NGRAM_MEMORY_OPTION,
+    max_batch: int = typer.Option(16, "--max-batch", help="Requests decoded together (each choice of n counts); more wait in the queue."),
+    max_rows: int = typer.Option(256, "--max-rows", help="Rows of one step's forward: the running requests' verify rows, then prompt chunks."),
+    kv_memory: Optional[str] = typer.Option(None, "--kv-memory", help="KV memory of the batch, e.g. 2GiB (default: a quarter of the available memory, at most 2 GiB)."),
+    prefix_cache: bool = typer.Option(True, "--prefix-cache/--no-prefix-cache", help="Keep computed prompt blocks for later requests that start with them (outputs are identical either way)."),
 ) -> None:
-    """Serve the model over an OpenAI-compatible HTTP API; one worker thread generates, one request at a time."""
+    """Serve the model over an OpenAI-compatible HTTP API: requests are decoded together in a continuous batch."""
     from .model import resolve_dtype
     from .server import ServerSettings, create_app, default_model_id
     from .server.app import served_method
@@ -613,9 +671,17 @@ def serve(
             max_queue=max_queue,
             request_timeout=request_timeout,
             max_tokens_limit=max_tokens_limit,
+            max_sequences=max_batch,
+            max_rows=max_rows,
         )
+        from .runtime.kv_pool import parse_bytes
+
+        kv_bytes = None if kv_memory is None else parse_bytes(kv_memory)
         sock = _listen(host, port)
         target = _load(model, dtype, fast, block_kernel, numerics, device, compile)
+        target.kv_budget_bytes, target.prefix_cache = kv_bytes, prefix_cache
+        if target.pages_kv:
+            target.pool  # noqa: B018 - made now: a budget too small for one block is refused before serving
         if not ngram_memory:  # for every request, whatever method it asks for
             from .drafters.base import switch_off_memory
 
@@ -628,8 +694,11 @@ def serve(
     bound_host, bound_port = sock.getsockname()[:2]
     shown_host = f"[{bound_host}]" if ":" in bound_host else bound_host
     url = f"http://{shown_host}:{bound_port}/v1"
+    batching = (f"up to {max_batch} requests together, KV {target.pool.blocks * target.pool.block_bytes / 2**30:.2f} GiB, "
+                f"prefix cache {'on' if prefix_cache else 'off'}" if target.pages_kv
+                else "one request at a time (no exact batching for this target: it needs the block kernel in int8 numerics)")
     err.print(f"serving {target.name} as '{settings.model_id}' ({str(target.dtype).replace('torch.', '')} on "
-              f"{target.device}, method {method}) at {url}", highlight=False, soft_wrap=True)
+              f"{target.device}, method {method}; {batching}) at {url}", highlight=False, soft_wrap=True)
     print(url, flush=True)
     config = uvicorn.Config(create_app(target, settings), log_level="info", lifespan="on",
                             timeout_graceful_shutdown=5)
@@ -649,12 +718,15 @@ def profile(
     widths: str = typer.Option("2,4,8,16,32", help="Comma-separated verify widths to time besides 1."),
     exit_head: Optional[str] = EXIT_HEAD_OPTION,
     repeats: int = typer.Option(15, help="Timed calls per width and round (the median is kept)."),
+    sequences: str = typer.Option("1,2,4,8,16", help="Comma-separated numbers of sequences for the batched decode curve (empty: none)."),
+    prefill: int = typer.Option(1000, help="Tokens of the prompt whose prefill rate is timed (0: none)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
-    """Time a 1-token step and verify forwards of several widths on this machine: can drafting pay here?"""
+    """Time a 1-token step and verify forwards of several widths on this machine (can drafting pay here?), and
+    where the target batches, the aggregate decode rate of many sequences and a prompt's prefill rate."""
     import torch
 
-    from .bench.profile import format_profile, profile_target
+    from .bench.profile import batched_decode, format_batched, format_profile, prefill_rate, profile_target
     from .bench.report import kernel_info, machine_info
 
     try:
@@ -668,6 +740,15 @@ def profile(
             _fail(f"--widths must lie in 1..64, got {widths!r}")
         if context < 1 or repeats < 1:
             _fail("--context and --repeats must be >= 1")
+        try:
+            counts = sorted({int(n) for n in _names(sequences)})
+        except ValueError:
+            _fail(f"--sequences must be comma-separated integers, got {sequences!r}")
+            return
+        if counts and not 1 <= min(counts) <= max(counts) <= 64:
+            _fail(f"--sequences must lie in 1..64, got {sequences!r}")
+        if prefill < 0:
+            _fail(f"--prefill must be >= 0, got {prefill}")
         _check_device(device, compile)
         target = _load(model, dtype, fast, block_kernel, numerics, device, compile)
         if context + max(chosen) > target.max_length:
@@ -683,7 +764,12 @@ def profile(
                 if exit_head is not None:
                     raise
                 err.print(f"no EESD draft step timed: {error}", highlight=False)
+        if prefill > target.max_length:
+            _fail(f"--prefill {prefill} exceeds the model's context of {target.max_length}")
         result = profile_target(target, context, chosen, head, repeats)
+        if target.pages_kv:
+            result["batched"] = batched_decode(target, counts, context) if counts else None
+            result["prefill"] = prefill_rate(target, prefill) if prefill else None
     except VerispecError as error:
         _fail(str(error))
         return
@@ -695,6 +781,8 @@ def profile(
     out.print(f"{target.name} on {result['machine']['cpu']} ({result['threads']} threads, kernel: {result['kernel']})",
               highlight=False)
     out.print(format_profile(result), highlight=False)
+    if result.get("batched") or result.get("prefill"):
+        out.print(format_batched(result["batched"], result["prefill"]), highlight=False)
 
 
 @app.command("train-exit")
