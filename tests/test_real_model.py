@@ -215,3 +215,36 @@ def test_sps_and_mtad_run_on_the_shipped_head(real_target):
     mtad = verispec.generate(real_target, PROMPT, method="mtad", max_new_tokens=24, seed=0)
     assert len(mtad.token_ids) == 24 or mtad.stats.stop_reason == "eos"
     assert mtad.stats.accepted > 0, mtad.stats
+
+
+def test_requests_decoded_together_give_what_each_gives_alone(real_target):
+    """The batch API on the real model: prompts of different lengths (one past four KV blocks),
+    lossless methods side by side, greedy and seeded sampling, each output equal to the
+    request's own; a second turn that re-sends the first turn's conversation starts from its
+    cached blocks and gives the same output as without the cache."""
+    from verispec.bench.datasets import load_dataset
+
+    _, questions = load_dataset("builtin", None, 100)
+    prompts = [question.prompt for question in questions[:4]] + [PROMPT * 4]
+    requests = [verispec.make_request(real_target, prompt, method, max_new_tokens=24, prompt_format="chat")
+                for prompt in prompts for method in ("ar", "anpd")]
+    requests.append(verispec.make_request(real_target, prompts[0], "pld", max_new_tokens=24, temperature=0.8,
+                                          seed=3, prompt_format="chat"))
+    assert max(len(request.prompt_ids) for request in requests) > 256
+    alone = [verispec.generate(real_target, list(r.prompt_ids), r.method, max_new_tokens=24,
+                               temperature=r.sampling.temperature, seed=r.sampling.seed).token_ids for r in requests]
+    real_target.release()
+    together = verispec.generate_many(real_target, requests)
+    assert [result.token_ids for result in together] == alone
+    assert real_target.pool.used_blocks == 0
+    history = list(requests[-2].prompt_ids) + together[-2].token_ids
+    follow_up = real_target.tokenizer("\nUser: And again?\n\nAssistant:", add_special_tokens=False).input_ids
+    second = verispec.make_request(real_target, history + follow_up, "anpd", max_new_tokens=24)
+    hits = real_target.pool.prefix.hit_tokens
+    cached = verispec.generate_many(real_target, [second])[0]
+    assert real_target.pool.prefix.hit_tokens - hits >= len(history) // 64 * 64 - 64
+    real_target.prefix_cache = False
+    try:
+        assert verispec.generate_many(real_target, [second])[0].token_ids == cached.token_ids
+    finally:
+        real_target.prefix_cache = True

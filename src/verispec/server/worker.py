@@ -435,6 +435,7 @@ class Worker:
                     job._first_text = time.monotonic()
                     self.observer.first_token(job._first_text - job.created)
                 job._parts.append(tail)
+                job._last_text = time.monotonic()
                 job._emit(Delta(tail))
         stats = engine_job.stats
         stats.new_tokens = min(stats.new_tokens, len(assembler.ids))
@@ -447,22 +448,22 @@ class Worker:
                                   list(assembler.ids), list(job.request.prompt_ids), stats)
         logprobs = tuple(engine_job.logprobs.entries[: len(assembler.ids)]) if job.logprobs is not None else ()
         self.observer.finished(stats, reason)
+        self._leave(job)
         with self._lock:
-            if job in self._running:
-                self._running.remove(job)
-            elif job in self._waiting:
-                self._waiting.remove(job)
-            job.state = DONE
             self.recent_run_s.append(time.monotonic() - (job._started or job.created))
         job._emit(Finished(result, "".join(job._parts), reason, job._started - job.created if job._started else 0.0,
                            logprobs))
 
     def _fail(self, job: Job, error: BaseException, user_error: bool) -> None:
         self.observer.failed(job.request.method, user_error)
+        self._leave(job)
+        job._emit(Failed(error, user_error=user_error))
+
+    def _leave(self, job: Job) -> None:
+        """`job` is done: out of the waiting or running list."""
         with self._lock:
             if job in self._running:
                 self._running.remove(job)
             if job in self._waiting:
                 self._waiting.remove(job)
             job.state = DONE
-        job._emit(Failed(error, user_error=user_error))
