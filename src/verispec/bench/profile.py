@@ -70,10 +70,29 @@ def target_step_seconds(target, context: list[int], width: int = 1, repeats: int
 
 def draft_step_seconds(target, prepared, context: list[int], repeats: int = 15) -> float:
     """Median seconds of one EESD draft token (layers 1..N of the target, the head's layer, norm
-    and the draft-vocabulary projection) after `context`; `prepared`: a `PreparedHead`."""
+    and the draft-vocabulary projection) after `context`; `prepared`: a `PreparedHead`. On the
+    PyTorch path each timed draft token is also taken back out of both caches (a crop), as a
+    finished draft is."""
     from ..drafters.early_exit import ExitHeadLM
     from ..cache import Tree
 
+    device = target.device
+    token = torch.tensor([context[0]], device=device)
+    if not target.fast:
+        from .. import torch_path
+
+        target.reset()
+        lm = ExitHeadLM(target, prepared)
+        lm.begin(context)
+        target.forward(context[:-1], last_only=True)
+        lm.sync(context)  # the head's cache and the target's first layers hold the context
+
+        def step():
+            lm.extend(token, Tree.contiguous(len(context), 1, device))
+            torch_path.crop_layers(target.cache, range(prepared.exit_layer), len(context))
+            lm.keep(0)
+
+        return median_time(step, repeats)
     target.reset()
     target.forward(context, last_only=True)
     lm = ExitHeadLM(target, prepared)
@@ -82,9 +101,7 @@ def draft_step_seconds(target, prepared, context: list[int], repeats: int = 15) 
     lm._head_length = len(context)
     lm._cache.reserve(len(context) + 2)
     lm._cache.length = len(context)
-    device = target.device
-    return median_time(lambda: lm.extend(torch.tensor([context[0]], device=device),
-                                         Tree.contiguous(len(context), 1, device)), repeats)
+    return median_time(lambda: lm.extend(token, Tree.contiguous(len(context), 1, device)), repeats)
 
 
 def arithmetic_rate(target, rows: int = 16, repeats: int = 5) -> dict | None:
@@ -229,7 +246,7 @@ def prefill_rate(target, length: int = DEFAULT_PREFILL, repeats: int = 3) -> dic
         best = min(_timed_prefill(target, prompt) for _ in range(repeats))
     finally:
         target.prefix_cache = saved
-    return {"tokens": length, "ms": round(best * 1e3, 1), "tokens_per_s": round(length / best, 1)}
+    return {"tokens": length, "ms": round(best * 1e3, 3), "tokens_per_s": round(length / best, 1)}
 
 
 def _timed_prefill(target, prompt: list[int]) -> float:

@@ -338,6 +338,10 @@ class AnpdDrafter:
     the outcomes of long-match and remembered kinds are the memory's (`NgramMemory.outcomes`),
     learned over the requests; the others are this request's.
 
+    `outcomes`: a dict shared by several drafters that draft side by side (requests of one batch,
+    `verispec.integrations.vllm`) pools what they learn of the request's own kinds there, instead
+    of each request starting from the prior (None, the default: per request, reset by `begin`).
+
     Trees (`tree` > 0: a node budget): the draft branches where the tables offer several next
     tokens. Best first: from the context's end, the candidate with the largest path probability
     (the product of the confidences down its path) joins the tree, its own continuations
@@ -351,7 +355,8 @@ class AnpdDrafter:
     likeliest children.
     """
 
-    def __init__(self, config: NgramConfig = NgramConfig(), memory: NgramMemory | None = None, tree: int = 0):
+    def __init__(self, config: NgramConfig = NgramConfig(), memory: NgramMemory | None = None, tree: int = 0,
+                 outcomes: dict[tuple, list[int]] | None = None):
         if memory is not None and memory.config != config:
             raise ConfigError(f"the memory's n-gram config {memory.config} differs from the drafter's {config}")
         if isinstance(tree, bool) or not isinstance(tree, int) or tree < 0:
@@ -364,6 +369,7 @@ class AnpdDrafter:
         self._spans: SpanIndex | None = None  # the memory's, or this request's own
         self._stream = -1  # this request's stream in `_spans`
         self._outcomes: dict[tuple, list[int]] = {}  # kind -> [accepted, rejected]
+        self._pooled = outcomes  # where the request's own kinds are learned, if not per request
         self._last_kinds: list[tuple] = []  # confidence kinds of the last linear draft's tokens
         self._last_tree: tuple[list[int], list[int], list[tuple]] | None = None  # tokens, parents, kinds
 
@@ -387,7 +393,8 @@ class AnpdDrafter:
             self._spans = self.memory.spans if self.memory is not None else new_span_index()
             self._stream = self._spans.new_stream()
             self._spans.extend(self._stream, prompt)
-        self._outcomes, self._last_kinds, self._last_tree = {}, [], None
+        self._outcomes = {} if self._pooled is None else self._pooled
+        self._last_kinds, self._last_tree = [], None
 
     def propose(self, context: Sequence[int], k: int, keep: Keep = keep_all) -> Draft:
         span = self._long_match()
@@ -395,6 +402,19 @@ class AnpdDrafter:
             k = min(k, self.tree)
             if span is None:
                 return self._propose_tree(k, keep)
+        tokens, confidence = self._propose_path(span, k, keep)
+        return Draft(torch.tensor(tokens, dtype=torch.long, device=HOST), confidence=confidence)
+
+    def propose_ids(self, k: int, keep: Keep = keep_all) -> tuple[list[int], tuple[float, ...]]:
+        """The linear draft `propose` makes, as plain ids and confidences (no tensor), for
+        callers that batch drafts themselves (`verispec.integrations.vllm`); `commit` follows
+        as after `propose`. Linear drafts only (tree = 0)."""
+        if self.tree:
+            raise ConfigError("propose_ids makes linear drafts: this drafter drafts trees (tree > 0)")
+        return self._propose_path(self._long_match(), k, keep)
+
+    def _propose_path(self, span: Span | None, k: int, keep: Keep) -> tuple[list[int], tuple[float, ...]]:
+        """Up to k tokens on one path: the copy after a long match, else chained look-ups."""
         if span is not None:  # a long match is copied as a single path, trees or not
             tokens = span.tokens(k)
             kinds = [span_kind(span.length + j, span.other) for j in range(len(tokens))]
@@ -406,7 +426,7 @@ class AnpdDrafter:
         confidence = tuple(self._confidence(kind) for kind in kinds)
         n = kept_prefix(confidence, keep)
         self._last_kinds = kinds[:n]
-        return Draft(torch.tensor(tokens[:n], dtype=torch.long, device=HOST), confidence=confidence[:n])
+        return tokens[:n], confidence[:n]
 
     def _long_match(self) -> Span | None:
         """The longest earlier occurrence of the stream's end, if at least span_min tokens long."""
