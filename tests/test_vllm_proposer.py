@@ -83,6 +83,10 @@ class Engine:
         self.active: list[Request] = []
         self.calls = 0
         self.drafted = 0
+        self.now = 0.0  # simulated seconds: each step costs 10 ms plus 1 ms a verified row
+
+    def clock(self) -> float:
+        return self.now
 
     def new_request(self, prompt_length: int = 40, new_tokens: int = 60) -> Request:
         target = [self.rng.randrange(3, 200)] + text(self.rng, prompt_length + new_tokens - 1, self.phrases)
@@ -92,6 +96,7 @@ class Engine:
         return request
 
     def step(self, skip: bool = False, shuffle: bool = True) -> list[list[int]]:
+        self.now += 0.010 + 0.001 * sum(1 + len(request.drafts) for request in self.active)
         sampled_of: dict[int, list[int]] = {}
         for request in self.active:
             if request.prefill_chunks:
@@ -158,6 +163,7 @@ def run_engine(settings: str, seed: int, steps: int = 60, skip_every: int = 0, m
     """`settings` without `memory`: the proposer and the references share the `memory` flag."""
     proposer = AnpdProposer(stand_in_config(k=k, max_model_len=max_model_len), f"{settings}/memory={memory}")
     engine = Engine(proposer, seed, memory, width=max_model_len)
+    proposer.clock = engine.clock  # `cost=measured` times the stand-in's steps, not this machine's
     for step in range(steps):
         while len(engine.active) < engine.slots and engine.rng.random() < 0.7:
             engine.active.append(engine.new_request(engine.rng.randrange(1, 60), engine.rng.randrange(5, 80)))

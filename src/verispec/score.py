@@ -44,17 +44,24 @@ def perplexity(target: Target, prompt_ids: Sequence[int], output_ids: Sequence[i
 
 
 @torch.inference_mode()
-def target_perplexity(target: Target, prompt_ids: Sequence[int], output_ids: Sequence[int], chunk: int = 16) -> float:
-    """Like `perplexity`, from `target.forward` (its numerics, its runtime): the prompt in one
-    forward, then the output `chunk` tokens at a time. Resets the target's cache."""
-    assert len(prompt_ids) > 0 and chunk >= 1, "needs a prompt and chunk >= 1"
-    if len(output_ids) == 0:
-        return math.nan
+def target_logits(target: Target, prompt_ids: Sequence[int], output_ids: Sequence[int], chunk: int = 16) -> torch.Tensor:
+    """The target's logits that predict each output token, from `target.forward` (its numerics,
+    its runtime): the prompt in one forward, then the output `chunk` tokens at a time, as decoding
+    computes them. [m, vocab], row i predicts output_ids[i]. Resets the target's cache."""
+    assert len(prompt_ids) > 0 and len(output_ids) > 0 and chunk >= 1, "needs a prompt, an output and chunk >= 1"
     target.reset()
     rows = [target.forward(list(prompt_ids), last_only=True)]  # [1, vocab]: predicts output_ids[0]
     for start in range(0, len(output_ids) - 1, chunk):
         rows.append(target.forward(list(output_ids[start : min(start + chunk, len(output_ids) - 1)])))
-    logits = torch.cat(rows)  # [m, vocab]: row i predicts output_ids[i]
-    log_probs = torch.log_softmax(logits.float(), dim=-1)
+    return torch.cat(rows)
+
+
+@torch.inference_mode()
+def target_perplexity(target: Target, prompt_ids: Sequence[int], output_ids: Sequence[int], chunk: int = 16) -> float:
+    """Like `perplexity`, from the target's own forward path (`target_logits`)."""
+    assert len(prompt_ids) > 0 and chunk >= 1, "needs a prompt and chunk >= 1"
+    if len(output_ids) == 0:
+        return math.nan
+    log_probs = torch.log_softmax(target_logits(target, prompt_ids, output_ids, chunk).float(), dim=-1)
     targets = torch.tensor(list(output_ids), dtype=torch.long, device=log_probs.device).unsqueeze(1)  # [m, 1]
     return float(torch.exp(-log_probs.gather(1, targets).mean()))

@@ -353,6 +353,7 @@ class AnpdProposer:
                                 self.settings.rows or max_num_seqs + EXTRA_ROWS)
         self.costs = StepCosts(self.settings)
         self._previous: tuple[float, int, int] | None = None  # (started, rows, drafted) of the last call
+        self.clock: Callable[[], float] = time.perf_counter  # what `cost=measured` times steps with
 
     def load_model(self, *args, **kwargs) -> None:
         """vLLM's CPU runner calls this on every drafter: there is no draft network to load."""
@@ -360,7 +361,7 @@ class AnpdProposer:
     def propose(self, sampled_token_ids: Sequence[Sequence[int]], num_tokens_no_spec: np.ndarray,
                 token_ids_cpu: np.ndarray, slot_mappings=None) -> list[list[int]]:
         """One list of draft ids per row (see the module docstring). `slot_mappings` is unused."""
-        started = time.perf_counter()
+        started = self.clock()
         rows = len(sampled_token_ids)
         lengths, tokens = _checked(rows, num_tokens_no_spec, token_ids_cpu)  # [>= rows], [>= rows, max_len]
         bound, relative = 0.0, None
