@@ -23,6 +23,10 @@ it can differ from the int8 head's by a few near-ties.
     python scripts/early_exit_agreement.py --per-category 1 --layers 2 4 6 8 12 --max-new-tokens 64
     python scripts/early_exit_agreement.py --layers 4 --exit-head old-head new-head
     python scripts/early_exit_agreement.py --per-category 2 --layers 4 --max-new-tokens 128 --ceiling
+    python scripts/early_exit_agreement.py --per-category 2 --layers 4 --max-new-tokens 128 --ceiling --no-fast
+
+--no-fast measures the step costs on the PyTorch path (transformers' forward, in float32 unless
+--dtype says otherwise), where eesd then runs.
 """
 
 from __future__ import annotations
@@ -110,8 +114,10 @@ def main() -> None:
     parser.add_argument("--exit-head", nargs="+", default=[str(DEFAULT_EXIT_HEAD)], help="head directories to compare")
     parser.add_argument("--ceiling", action="store_true", help="replay the heads' agreement under measured step costs")
     parser.add_argument("--max-draft", type=int, default=8, help="longest draft for --ceiling (eesd's K)")
+    parser.add_argument("--no-fast", dest="fast", action="store_false", help="the PyTorch path's step costs")
+    parser.add_argument("--dtype", default="float32", help="the target's dtype (default float32)")
     args = parser.parse_args()
-    target = verispec.load()
+    target = verispec.load(dtype=args.dtype, fast=args.fast)
     model = target.model
     heads = [(path, *load_head(Path(path), model, target.name)) for path in args.exit_head]
     _, questions = load_dataset("spec-bench", per_category=args.per_category)

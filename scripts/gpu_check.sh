@@ -1,35 +1,46 @@
 #!/usr/bin/env bash
-# The GPU check, for a person with an NVIDIA GPU (not for CI: it needs a GPU and a model).
+# The GPU check, for a person (or a machine) with an NVIDIA GPU; not for CI.
 #
-#   scripts/gpu_check.sh MODEL [OUT_DIR]
+#   scripts/gpu_check.sh [MODEL [OUT_DIR]]
 #
-# MODEL: a transformers model directory, or a hub id already in the local Hugging Face cache
-# (verispec never downloads). OUT_DIR: where the report goes (default gpu-check/<timestamp>).
-# PYTHON: the interpreter to use (default .venv/bin/python); it needs a CUDA build of torch.
-# GPU_CHECK_COMPILE=1 runs the benchmark with the compiled decode step (--compile).
+# MODEL: a transformers model directory, a hub id already in the local Hugging Face cache
+# (verispec never downloads), or "random" (the default): random-weight Llama models built on the
+# GPU by scripts/gpu_models.py (GPU_CHECK_SIZE=7b|1b|tiny, default 7b; a 68M draft model with the
+# same vocabulary; an untrained exit head). Random weights are valid for step costs and exactness,
+# not for acceptance rates. OUT_DIR: where the report goes (default gpu-check/<timestamp>).
+# DRAFT_MODEL: the draft model of sps, mtad and transformers' assisted generation (random: the
+# 68M one). EXIT_HEAD: eesd's exit head (random: the untrained one). PYTHON: the interpreter
+# (default .venv/bin/python; it needs a CUDA build of torch). GPU_CHECK_COMPILE=1 benchmarks
+# with the compiled decode step (--compile). MAX_NEW_TOKENS: tokens per prompt (default 128).
 #
 # 1. prints the GPU as nvidia-smi and torch see it;
-# 2. runs tests/test_device.py with VERISPEC_TEST_DEVICE=cuda: the greedy equivalence of ar, pld
-#    and anpd through load(device="cuda"), a model moved to CUDA through transformers'
-#    generate(), the compiled step, and the check that no tensor of a request leaves the GPU
-#    (the CPU versions run too); fails if any CUDA test was skipped;
-# 3. benchmarks ar, pld, anpd and transformers' own decoding (hf-ar) and prompt lookup (hf-pld)
-#    on MODEL with --device cuda (the built-in prompts, 64 new tokens);
-# 4. writes OUT_DIR/gpu_report.md (GPU, test summary, benchmark table) and prints its path.
+# 2. runs tests/test_device.py with VERISPEC_TEST_DEVICE=cuda: greedy ar, pld, anpd (single paths
+#    and trees), eesd and sps equal ar through load(device="cuda") on the fast-path families'
+#    PyTorch path, mtad runs, a model moved to CUDA decodes through transformers' generate(), the
+#    compiled step, and no tensor of a request leaves the GPU (the CPU versions run too); fails
+#    if any CUDA test was skipped;
+# 3. times forwards of 1..32 tokens against one (`verispec profile`);
+# 4. benchmarks every method against transformers' own decoding (hf-ar), prompt lookup (hf-pld)
+#    and assisted generation with the same draft model (hf-assisted): greedy on the built-in
+#    prompts, then sampled (temperature 1, top-k 10, top-p 0.9) for ar, sps, mtad, hf-ar and
+#    hf-assisted;
+# 5. writes OUT_DIR/gpu_report.md (GPU, models, tests, forward costs, the two tables) and prints
+#    its path.
 set -euo pipefail
 
 if [ -n "${CI:-}" ]; then
-    echo "gpu_check.sh needs a GPU and a model: it is run by hand, not by CI" >&2
+    echo "gpu_check.sh needs a GPU: it is run by hand, not by CI" >&2
     exit 2
 fi
-if [ $# -lt 1 ] || [ $# -gt 2 ]; then
-    sed -n '2,9p' "$0" | sed 's/^# \{0,1\}//' >&2
+if [ $# -gt 2 ]; then
+    sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//' >&2
     exit 2
 fi
-MODEL=$1
+MODEL=${1:-random}
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 OUT=${2:-"$ROOT/gpu-check/$(date +%Y%m%d-%H%M%S)"}
 PYTHON=${PYTHON:-"$ROOT/.venv/bin/python"}
+TOKENS=${MAX_NEW_TOKENS:-128}
 mkdir -p "$OUT"
 REPORT="$OUT/gpu_report.md"
 cd "$ROOT"
@@ -64,23 +75,76 @@ if grep -q "VERISPEC_TEST_DEVICE" "$OUT/tests.txt"; then
     TESTS_STATUS=1
 fi
 
-echo "== benchmark on $MODEL"
+if [ "$MODEL" = random ]; then
+    echo "== random-weight models (${GPU_CHECK_SIZE:-7b})"
+    "$PYTHON" scripts/gpu_models.py "$OUT/models" --size "${GPU_CHECK_SIZE:-7b}" --device cuda 2>&1 | tee "$OUT/models.txt"
+    MODEL="$OUT/models/target"
+    DRAFT_MODEL=${DRAFT_MODEL:-"$OUT/models/draft"}
+    EXIT_HEAD=${EXIT_HEAD:-"$OUT/models/exit-head"}
+    WEIGHTS="random weights (scripts/gpu_models.py, size ${GPU_CHECK_SIZE:-7b}): step costs and exactness, not acceptance"
+else
+    WEIGHTS="the model's own weights"
+fi
+METHODS=ar,pld,anpd,anpd/tree=8
+SAMPLED=ar
+PEERS=hf-ar,hf-pld
+SAMPLED_PEERS=hf-ar
+DRAFT_FLAGS=()
+if [ -n "${EXIT_HEAD:-}" ]; then
+    METHODS="$METHODS,eesd"
+    DRAFT_FLAGS+=(--exit-head "$EXIT_HEAD")
+fi
+if [ -n "${DRAFT_MODEL:-}" ]; then
+    METHODS="$METHODS,sps,sps/constant:4"
+    SAMPLED="$SAMPLED,sps,mtad,mtad/tau=0.1"
+    PEERS="$PEERS,hf-assisted"
+    SAMPLED_PEERS="$SAMPLED_PEERS,hf-assisted"
+    DRAFT_FLAGS+=(--draft-model "$DRAFT_MODEL")
+elif [ -n "${EXIT_HEAD:-}" ]; then  # sps and mtad draft with the exit head
+    METHODS="$METHODS,sps"
+    SAMPLED="$SAMPLED,sps,mtad,mtad/tau=0.1"
+fi
 COMPILE_FLAGS=()
 if [ "${GPU_CHECK_COMPILE:-0}" = 1 ]; then
     COMPILE_FLAGS=(--compile)
 fi
+
+echo "== forward costs on $MODEL"
 set +e
+"$PYTHON" -m verispec.cli profile --model "$MODEL" --device cuda ${COMPILE_FLAGS[@]+"${COMPILE_FLAGS[@]}"} \
+    --widths 2,4,8,16,32 --sequences '' --prefill 0 2>&1 | tee "$OUT/profile.txt"
+PROFILE_STATUS=${PIPESTATUS[0]}
+
+echo "== benchmark on $MODEL: greedy"
 "$PYTHON" -m verispec.cli bench --model "$MODEL" --device cuda ${COMPILE_FLAGS[@]+"${COMPILE_FLAGS[@]}"} \
-    --methods ar,pld,anpd --peers hf-ar,hf-pld --dataset builtin --max-new-tokens 64 --seed 0 \
-    --no-progress --out "$OUT/bench" 2>&1 | tee "$OUT/bench.txt"
+    ${DRAFT_FLAGS[@]+"${DRAFT_FLAGS[@]}"} --methods "$METHODS" --peers "$PEERS" --dataset builtin \
+    --max-new-tokens "$TOKENS" --seed 0 --no-progress --out "$OUT/bench" 2>&1 | tee "$OUT/bench.txt"
 BENCH_STATUS=${PIPESTATUS[0]}
+
+echo "== benchmark on $MODEL: sampled"
+"$PYTHON" -m verispec.cli bench --model "$MODEL" --device cuda ${COMPILE_FLAGS[@]+"${COMPILE_FLAGS[@]}"} \
+    ${DRAFT_FLAGS[@]+"${DRAFT_FLAGS[@]}"} --methods "$SAMPLED" --peers "$SAMPLED_PEERS" --dataset builtin \
+    --temperature 1 --top-k 10 --top-p 0.9 --max-new-tokens "$TOKENS" --seed 0 --no-progress \
+    --out "$OUT/bench-sampled" 2>&1 | tee "$OUT/bench-sampled.txt"
+SAMPLED_STATUS=${PIPESTATUS[0]}
 set -e
+
+section() {  # a benchmark's report, or the tail of its log
+    if [ -f "$1/report.md" ]; then
+        cat "$1/report.md"
+    else
+        echo '```'
+        tail -n 25 "$2"
+        echo '```'
+    fi
+}
 
 {
     echo "# verispec GPU check"
     echo
     echo "- date: $(date -Iseconds)"
-    echo "- model: $MODEL"
+    echo "- model: $MODEL ($WEIGHTS)"
+    echo "- draft model: ${DRAFT_MODEL:-none}; exit head: ${EXIT_HEAD:-none}"
     echo "- verispec: $(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null || echo unknown)"
     echo
     echo "## GPU"
@@ -96,16 +160,20 @@ set -e
     tail -n 25 "$OUT/tests.txt"
     echo '```'
     echo
-    echo "## Benchmark (exit status $BENCH_STATUS)"
+    echo "## Forward costs (exit status $PROFILE_STATUS)"
     echo
-    if [ -f "$OUT/bench/report.md" ]; then
-        cat "$OUT/bench/report.md"
-    else
-        echo '```'
-        tail -n 25 "$OUT/bench.txt"
-        echo '```'
-    fi
+    echo '```'
+    tail -n 30 "$OUT/profile.txt"
+    echo '```'
+    echo
+    echo "## Greedy benchmark (exit status $BENCH_STATUS)"
+    echo
+    section "$OUT/bench" "$OUT/bench.txt"
+    echo
+    echo "## Sampled benchmark (exit status $SAMPLED_STATUS)"
+    echo
+    section "$OUT/bench-sampled" "$OUT/bench-sampled.txt"
 } > "$REPORT"
 
 echo "report: $REPORT"
-[ "$TESTS_STATUS" = 0 ] && [ "$BENCH_STATUS" = 0 ]
+[ "$TESTS_STATUS" = 0 ] && [ "$PROFILE_STATUS" = 0 ] && [ "$BENCH_STATUS" = 0 ] && [ "$SAMPLED_STATUS" = 0 ]

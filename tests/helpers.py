@@ -88,6 +88,26 @@ def make_config(arch: str, vocab_size: int = 128, init: float = 0.1, max_positio
     return config
 
 
+def mistral_config(vocab_size: int = 128, init: float = 0.1, max_positions: int = 512):
+    """A tiny float32 Mistral (2 layers, hidden 64): every layer slides over a window of
+    `SLIDING_WINDOW` positions. For the PyTorch path's tests (no fast path)."""
+    from transformers import MistralConfig
+
+    return MistralConfig(
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions,
+        sliding_window=SLIDING_WINDOW, initializer_range=init, bos_token_id=None, eos_token_id=None, pad_token_id=None,
+    )
+
+
+def neox_config(vocab_size: int = 128):
+    """A tiny GPT-NeoX: a family verispec's PyTorch path does not take apart (refusal tests)."""
+    from transformers import GPTNeoXConfig
+
+    return GPTNeoXConfig(vocab_size=vocab_size, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         intermediate_size=128, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+
+
 def micro_llama_config(vocab_size: int = 8, init: float = 0.5, max_positions: int = 64):
     """The smallest useful Llama (1 layer, hidden 32), for tests that run thousands of requests."""
     from transformers import LlamaConfig

@@ -5,10 +5,10 @@ decode step.
   a GPU that is not there, auto-map without accelerate and --compile on the CPU are refused with
   a ConfigError (library) or one `error:` line and exit status 2 (every CLI command that loads a
   model, the server included), before any model is read.
-- Greedy equivalence through `load(..., device=...)`: ar, pld, anpd and eesd (an untrained exit
-  head saved for the tiny model) give `ar`'s output, on the CPU always and on CUDA when
-  VERISPEC_TEST_DEVICE=cuda (scripts/gpu_check.sh); on CUDA, eesd and draft models are refused
-  (they need the CPU fast path).
+- Greedy equivalence through `load(..., device=...)`: ar, pld, anpd (single paths and trees),
+  eesd (an untrained exit head saved for the tiny model) and sps with a draft model give `ar`'s
+  output, on the fast path and the PyTorch path, on the CPU always and on CUDA when
+  VERISPEC_TEST_DEVICE=cuda (scripts/gpu_check.sh); mtad with a draft model runs there too.
 - No tensor of a request is made on a hard-coded device: every tensor factory called from
   verispec's code during requests of every method (outside runtime/, the CPU-only kernels) says
   its device, every floating-point tensor made is on the target's device, and every random draw
@@ -16,8 +16,9 @@ decode step.
   device.
 - The static-cache decode step (`device.CompiledStep`, compiled on CUDA) run here through
   TorchDynamo's "eager" backend on the CPU: same outputs as the DynamicCache path for every
-  method and forced rollbacks, a failing compiled call recovers, sliding-window models are
-  declined. Exit-head labelling through the PyTorch forward (the GPU path) matches the fast path.
+  method and forced rollbacks, for a model with sliding-window layers too (its static cache keeps
+  them full-length, so they roll back), a failing compiled call recovers, the fast path is not
+  compiled. Exit-head labelling through the PyTorch forward matches the fast path.
 """
 
 from __future__ import annotations
@@ -215,29 +216,27 @@ def test_lossless_methods_equal_ar_on_the_device(tiny_dirs, tmp_path, device, ar
     target = load(str(tiny_dirs[arch]), "float32", fast=fast, device=device)
     assert target.device.type == device
     assert target.fast == (fast and device == "cpu")  # the CPU runtime stays on the CPU
-    methods = {"pld": MethodOptions(), "anpd": MethodOptions(controller="constant:6")}
-    if target.fast:
-        methods["eesd"] = MethodOptions(exit_head=str(_exit_head_dir(target, tmp_path / "head")),
-                                        controller="constant:3")
+    methods = {"pld": MethodOptions(), "anpd": MethodOptions(controller="constant:6"),
+               "anpd/tree=8": MethodOptions(controller="constant:6", tree=8),
+               "eesd": MethodOptions(exit_head=str(_exit_head_dir(target, tmp_path / "head")), controller="constant:3"),
+               "sps": MethodOptions(draft_model=str(tiny_dirs["llama" if arch == "gemma3" else "gemma3"]),
+                                    controller="constant:3")}
     accepted = dict.fromkeys(methods, 0)
     for seed in (0, 1):
         ids = prompt(target.vocab_size, seed)
         reference = verispec.generate(target, ids, "ar", max_new_tokens=NEW_TOKENS).token_ids
         assert len(reference) == NEW_TOKENS
-        for method, options in methods.items():
-            result = verispec.generate(target, ids, method, max_new_tokens=NEW_TOKENS, options=options)
-            assert result.token_ids == reference, (method, seed)
-            accepted[method] += result.stats.accepted
-    assert all(accepted.values()), accepted  # drafts were accepted: the comparison was not vacuous
-
-
-def test_model_drafting_is_refused_off_the_cpu(tiny_dirs, tmp_path):
-    available("cuda")
-    target = load(str(tiny_dirs["llama"]), "float32", device="cuda")
-    with pytest.raises(ConfigError, match="on the CPU"):
-        build("eesd", target, MethodOptions(exit_head=str(_exit_head_dir(target, tmp_path / "head"))))
-    with pytest.raises(ConfigError, match="CPU fast path only"):
-        build("sps", target, MethodOptions(draft_model=str(tiny_dirs["llama"])))
+        for label, options in methods.items():
+            result = verispec.generate(target, ids, label.partition("/")[0], max_new_tokens=NEW_TOKENS, options=options)
+            assert result.token_ids == reference, (label, seed)
+            accepted[label] += result.stats.accepted
+        mtad = verispec.generate(target, ids, "mtad", max_new_tokens=NEW_TOKENS, seed=seed,
+                                 options=MethodOptions(draft_model=str(tiny_dirs["llama"]), controller="constant:3"))
+        assert len(mtad.token_ids) == NEW_TOKENS and mtad.stats.drafted > 0
+    assert all(accepted[label] for label in ("pld", "anpd", "eesd")), accepted  # not vacuous
+    if not target.fast:  # the draft model is on the target's device and path
+        assert target.attachments[("draft-model", str(tiny_dirs["llama" if arch == "gemma3" else "gemma3"]))].device \
+            == target.device
 
 
 def test_a_model_moved_to_cuda_decodes_through_generate(tiny_dirs):
@@ -315,7 +314,8 @@ def _requests(target: Target, draft_target: Target | None) -> None:
             helpers.run(target, build(method, target, sampling=sampling), ids, 12, sampling)
     if importlib.util.find_spec("arctic_inference") is not None:
         helpers.run(target, build("suffix", target), ids, 12)
-    if target.fast:  # eesd, sps, mtad: the drafters that run models (CPU fast path)
+    helpers.run(target, build("anpd", target, MethodOptions(tree=8, controller="constant:8")), ids, 12)
+    if draft_target is not None:  # eesd, sps, mtad: the drafters that run models
         head = target.attachments["audit-head"]  # built before the audit: not part of a request
         constant = lambda: parse_controller("constant:3", 3)  # noqa: E731
         for sampling in (SamplingConfig(), SAMPLED):
@@ -331,9 +331,8 @@ def _requests(target: Target, draft_target: Target | None) -> None:
 def test_no_tensor_of_a_request_is_made_on_a_hard_coded_device(device, fast):
     model = helpers.make_model(helpers.make_config("llama", init=0.3), seed=1).to(device)
     target = Target(model, None, name="tiny-llama", fast=fast)
-    draft = helpers.make_target("llama", seed=2, init=0.3) if target.fast else None
-    if target.fast:
-        target.attachments["audit-head"] = ExitHead(target.model, 1, list(range(0, target.vocab_size, 2)))
+    draft = Target(helpers.make_model(helpers.make_config("llama", init=0.3), seed=2).to(device), None, fast=fast)
+    target.attachments["audit-head"] = ExitHead(target.model, 1, list(range(0, target.vocab_size, 2)))
     audit = FactoryAudit(target.device)
     with audit:
         _requests(target, draft)
@@ -373,17 +372,26 @@ def _compiled_target(model) -> Target:
     return target
 
 
-def test_static_cache_step_equals_the_dynamic_cache_path():
-    model = helpers.make_model(helpers.make_config("llama", init=0.1, max_positions=128), seed=0)
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_static_cache_step_equals_the_dynamic_cache_path(arch):
+    model = helpers.make_model(helpers.make_config(arch, init=0.1, max_positions=128), seed=0)
     plain, static = Target(model, None, fast=False), _compiled_target(model)
     assert static.max_length == 128 and static.cache is None
+    head = ExitHead(model, 1, list(range(0, 128, 2)))
+    draft = Target(helpers.make_model(helpers.make_config(arch, init=0.1), seed=4), None, fast=False)
+    constant = lambda: parse_controller("constant:3", 3)  # noqa: E731
     for seed in (0, 1):
         ids = prompt(128, seed)
         reference = helpers.run(plain, build("ar", plain), ids, NEW_TOKENS)[0]
         for method, options in (("ar", MethodOptions()), ("pld", MethodOptions()),
-                                ("anpd", MethodOptions(controller="constant:6"))):
+                                ("anpd", MethodOptions(controller="constant:6")),
+                                ("anpd", MethodOptions(controller="constant:6", tree=6))):
             got, stats, _ = helpers.run(static, build(method, static, options), ids, NEW_TOKENS)
             assert got == reference, (method, seed)
+        for recipe in (Recipe(EarlyExitDrafter(static, head), constant(), verify_lossless),
+                       Recipe(SampledDrafter(AuxLM(draft, static)), constant(), verify_lossless)):
+            got, stats, _ = helpers.run(static, recipe, ids, NEW_TOKENS)
+            assert got == reference and stats.drafted > 0, (recipe.drafter, seed)
         for mode in ("partial", "random", "none"):  # rollbacks of every size
             drafter = helpers.ScriptedDrafter(reference, mode, 128, right=2, seed=seed)
             got, stats, _ = helpers.run(static, helpers.scripted_recipe(drafter, 5), ids, NEW_TOKENS)
@@ -411,13 +419,11 @@ def test_a_failing_compiled_call_falls_back_and_keeps_the_cache_right(capfd):
     assert "compiled decode step failed (RuntimeError: graph capture failed); running it uncompiled" in capfd.readouterr().err
 
 
-def test_sliding_window_models_and_the_fast_path_are_not_compiled(capfd, llama_target):
+def test_the_fast_path_is_not_compiled_and_sliding_window_models_are(capfd, llama_target):
     model = helpers.make_model(helpers.make_config("gemma3", init=0.1), seed=0)
-    assert CompiledStep.unsupported(model).startswith("sliding-window layers")
-    assert not Target(model, None, fast=False).compile_decode_step(mode=None, backend="eager")
+    assert CompiledStep.unsupported(model) is None  # its sliding layers are full-length in the static cache
     assert not llama_target.compile_decode_step(mode=None, backend="eager")
-    err = capfd.readouterr().err
-    assert "sliding-window layers" in err and "the target runs the CPU fast path" in err
+    assert "the target runs the CPU fast path" in capfd.readouterr().err
     assert llama_target._step is None
 
 

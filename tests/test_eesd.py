@@ -85,10 +85,16 @@ def test_exit_at_the_last_layer_with_an_identity_head_accepts_everything(arch):
     assert max(len(s) for s in steps) == 6
 
 
-def test_eesd_needs_the_fast_path():
-    target = helpers.make_target("llama", seed=0, fast=False)
-    with pytest.raises(ConfigError, match="fast"):
-        EarlyExitDrafter(target, ExitHead(target.model, 1, [0, 1, 2]))
+def test_eesd_refuses_a_model_the_pytorch_path_cannot_take_apart():
+    """Off the fast path eesd runs through the model's own modules (tests/test_torch_path.py);
+    a family it does not know (GPT-NeoX here) is refused with the reason, not run."""
+    target = Target(helpers.make_model(helpers.neox_config()), None, name="tiny-neox")
+    assert not target.fast
+    with pytest.raises(ConfigError, match="an exit head cannot run on .* 'gpt_neox' is not one of the families"):
+        ExitHead(target.model, 1, [0, 1, 2])
+    llama = helpers.make_target("llama", seed=0, fast=False)
+    with pytest.raises(ConfigError, match="eesd cannot run on .* 'gpt_neox'"):
+        EarlyExitDrafter(target, ExitHead(llama.model, 1, [0, 1, 2]))
 
 
 @pytest.mark.long

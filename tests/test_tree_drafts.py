@@ -15,7 +15,9 @@ path's keys and values kept at its positions (`Target.keep_path`), and ANPD's tr
 - The loop: greedy `anpd` with trees equals `ar` on every architecture and path, with steps
   where a branch other than the primary one wins; after such a step the next step's logits are
   `ar`'s (bit for bit on the C layers): the accepted path's keys and values were moved into place.
-  A target that cannot verify trees (transformers' forward) verifies the primary branch alone.
+  The PyTorch path (transformers' forward, every eager path) verifies trees under a custom
+  attention mask (`torch_path`); a target whose model it cannot take apart verifies the primary
+  branch alone.
 - Sampling (long): seeded runs reproduce `ar`'s samples, and unseeded ones follow `ar`'s exact
   distribution (chi-square on a micro Llama); a broken multi-branch rule fails the same test.
 - Options: bad node budgets and tree options on other methods are refused before any model loads.
@@ -462,7 +464,8 @@ SCRIPTS = {
 
 @pytest.mark.parametrize("script", list(SCRIPTS))
 @pytest.mark.parametrize("path,context", [("gemma3-int8", 14), ("llama-int8", 14), ("qwen2", 14), ("gemma3-blocks", 14),
-                                          ("gemma3-int8", 300)])
+                                          ("gemma3-int8", 300), ("gemma3-eager", 14), ("qwen2-eager", 14),
+                                          ("gpt2-eager", 14)])
 def test_after_another_branch_wins_the_next_step_is_ars(tiny_targets, path, context, script):
     """The KV commit: a step where a branch other than the primary one wins moves its keys and
     values to their positions; every later forward's logits are then `ar`'s, bit for bit on the
@@ -506,8 +509,13 @@ def test_after_another_branch_wins_the_next_step_is_ars(tiny_targets, path, cont
             assert (mine - reference_row).abs().max().item() <= 1e-5 * max(reference_row.abs().max().item(), 1.0)
 
 
-def test_a_target_without_tree_verification_checks_the_primary_branch(tiny_targets):
-    target = tiny_targets["llama-eager"]
+def neox_target() -> Target:
+    """A model the PyTorch path does not take apart (GPT-NeoX): it verifies no trees."""
+    return Target(helpers.make_model(helpers.neox_config(), seed=3), None, name="tiny-neox", fast=False)
+
+
+def test_a_target_without_tree_verification_checks_the_primary_branch():
+    target = neox_target()
     assert not target.verifies_trees
     prompt = branching_prompt(1)
     reference = helpers.run(target, build("ar", target), prompt, 10)[0]
@@ -524,13 +532,14 @@ def test_a_target_without_tree_verification_checks_the_primary_branch(tiny_targe
 
 
 def test_anpd_drafts_single_paths_where_trees_cannot_be_verified(tiny_targets, capsys):
-    target = helpers.make_target_for_path("qwen2-eager", seed=3)
+    target = neox_target()
     recipe = build("anpd", target, MethodOptions(tree=8))
     assert recipe.drafter.tree == 0
-    assert "cannot verify trees" in capsys.readouterr().err
+    assert "cannot verify trees of drafts (its architecture 'gpt_neox' is not one of" in capsys.readouterr().err
     build("anpd", target, MethodOptions(tree=8))
     assert capsys.readouterr().err == ""  # said once per target
     assert build("anpd", tiny_targets["qwen2"], MethodOptions(tree=8)).drafter.tree == 8
+    assert build("anpd", tiny_targets["qwen2-eager"], MethodOptions(tree=8)).drafter.tree == 8  # the PyTorch path
 
 
 # -- options ---------------------------------------------------------------------------------------

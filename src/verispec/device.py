@@ -129,7 +129,8 @@ class CompiledStep:
 
     `length` (a Python int) is the truth about how many positions the cache holds; rollback
     (`crop`) sets the cache's own length tensors in place (`cache.set_static_length`), so the
-    graph keeps its addresses. Models with sliding-window layers are refused (`unsupported`).
+    graph keeps its addresses; sliding-window layers are full-length there, so they roll back too
+    (`cache.new_static_cache`).
     When compiling or running the compiled step fails, the step says why once and runs
     uncompiled from then on.
     """

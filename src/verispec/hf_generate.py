@@ -32,7 +32,15 @@ settings as in `verispec bench --methods`, e.g. "anpd/tree=8"), `seed=`,
 target forwards, timings), and every `verispec.MethodOptions` field: `draft_length`,
 `controller`, `ngram_max_n`, `span_min`, `pld_max_ngram`, `exit_head`, `draft_model`, `beams`, `tau`,
 `head_int8`, `ngram_memory`, `tree`, and suffix's `max_tree_depth`, `max_spec_factor`, `min_token_prob`,
-`max_cached_requests` (left unset: the method's default).
+`max_cached_requests` (left unset: the method's default). `draft_model=` (sps, mtad) takes a
+model you loaded (a transformers causal LM with the same tokenizer, on the model's device) or a
+path; transformers' own `assistant_model=` never reaches a callable `custom_generate`.
+
+Every method runs on every device: the model runs on verispec's CPU fast path where its
+architecture has one (Llama, Qwen2, Gemma 3 on the CPU), else through its own PyTorch forward
+(any device); eesd, sps/mtad with the exit head, tree drafts and mtad's beams there need a model
+of a family the PyTorch path can take apart (`verispec.torch_path.FAMILIES`), and say so for any
+other.
 
 Refused with a `ConfigError` (a ValueError) naming the option: a batch of more than one
 sequence, `num_return_sequences` > 1, an attention mask with padding, beam search and the other
@@ -52,12 +60,14 @@ with it; a copy or pickle of the model carries none) and rebuilt when a paramete
 changes (in place, or by `.to()`), since the fast path keeps its own fused forms of the weights.
 The call runs the model in eval mode (no dropout) and restores each module's mode afterwards.
 Methods needing extra files refuse as they do elsewhere (eesd without an exit head for this
-model; sps / mtad without `draft_model=` or an exit head).
+model; sps / mtad without `draft_model=` or an exit head). A loaded draft model gets its
+`Target` the same way, kept on the draft model object.
 """
 
 from __future__ import annotations
 
 import itertools
+import os
 from contextlib import contextmanager
 from dataclasses import fields
 
@@ -121,7 +131,7 @@ def transformers_generate(
     ngram_max_n: int | None = None,
     pld_max_ngram: int | None = None,
     exit_head: str | None = None,
-    draft_model: str | None = None,
+    draft_model=None,
     beams: int | None = None,
     tau: float | None = None,
     head_int8: bool | None = None,
@@ -146,6 +156,7 @@ def transformers_generate(
     if getattr(model.config, "is_encoder_decoder", False):
         raise ConfigError("verispec's custom_generate needs a decoder-only (causal) language model")
     given = {field.name: arguments[field.name] for field in fields(MethodOptions)}
+    given["draft_model"] = _draft_model(draft_model)
     method, options = with_settings(method, MethodOptions(**{key: value for key, value in given.items()
                                                              if value is not None}))
     if get_method(method).default_sampling and not generation_config.do_sample:
@@ -216,6 +227,18 @@ def target_for(model) -> Target:
         slot.target = Target(model, None, fast=True)
         slot.fingerprint = _fingerprint(model)
     return slot.target
+
+
+def _draft_model(draft_model):
+    """`draft_model=` as MethodOptions takes it: a path as it is, a loaded causal LM as its
+    `Target` (built once, kept on that model)."""
+    if draft_model is None or isinstance(draft_model, (str, Target)):
+        return draft_model
+    if isinstance(draft_model, os.PathLike):
+        return str(draft_model)
+    if not (isinstance(draft_model, torch.nn.Module) and hasattr(draft_model, "get_output_embeddings")):
+        raise ConfigError(f"draft_model must be a loaded causal LM or a path, got {type(draft_model).__name__}")
+    return target_for(draft_model)
 
 
 @contextmanager

@@ -43,7 +43,7 @@ class MethodOptions:
     ngram_max_n: int = 5  # ANPD: largest n-gram order
     pld_max_ngram: int = 3  # prompt lookup: longest n-gram matched
     exit_head: str | None = None  # EESD: directory of a trained exit head (default: the shipped one)
-    draft_model: str | None = None  # sps / mtad: auxiliary draft model (default: the EESD exit head)
+    draft_model: "str | Target | None" = None  # sps / mtad: draft model, a path or a loaded Target (default: the EESD exit head)
     beams: int = 4  # mtad: beam width W
     tau: float = 0.5  # mtad: joint-likelihood threshold
     head_int8: bool = True  # EESD head: its layer on int8 forms (block-kernel targets), else float32
@@ -130,17 +130,18 @@ def _eesd(target: Target, options: MethodOptions, sampling: SamplingConfig) -> D
 
 
 def draft_lm(target: Target, options: MethodOptions) -> DraftLM:
-    """The auxiliary drafting model: --draft-model when given (loaded once per target), else
-    the target's own first layers with the EESD exit head."""
+    """The auxiliary drafting model: --draft-model when given (a loaded Target, or a path loaded
+    once per target on its device, on the fast path where the target and the draft model both
+    have one, else on the PyTorch path), else the target's own first layers with the EESD exit
+    head."""
     if options.draft_model is None:
         return ExitHeadLM(target, prepared_exit_head(target, options.exit_head, options.head_int8))
-    if target.device.type != "cpu":  # before loading it: drafting with a model needs the CPU fast path
-        raise ConfigError(f"drafting with --draft-model runs on the CPU fast path only; this target runs on "
-                          f"{target.device}: load it with device 'cpu'")
+    if isinstance(options.draft_model, Target):
+        return AuxLM(options.draft_model, target)
     path = str(Path(options.draft_model).expanduser())
     key = ("draft-model", path)
     if key not in target.attachments:
-        target.attachments[key] = load(path, target.dtype, fast=True, device=target.device)
+        target.attachments[key] = load(path, target.dtype, fast=target.fast, device=target.device)
     return AuxLM(target.attachments[key], target)
 
 
@@ -292,11 +293,14 @@ def controller_memory(target: Target, key: tuple) -> ControllerMemory:
 
 def _tree_budget(target: Target, tree: int) -> int:
     """ANPD's node budget on `target`: `tree`, or 0 (single-path drafts: the tree's best branch)
-    where the target cannot verify trees (transformers' own forward), said once per target."""
+    where the target cannot verify trees (a model the PyTorch path cannot mask), said once per
+    target with the reason."""
     if tree and not target.verifies_trees:
         if not target.attachments.get("tree-fallback-said"):
+            from .torch_path import unsupported
+
             target.attachments["tree-fallback-said"] = True
-            print(f"[verispec] {target.name} cannot verify trees of drafts (they need the fast path); "
+            print(f"[verispec] {target.name} cannot verify trees of drafts ({unsupported(target.model)}); "
                   f"anpd drafts single paths on it", file=sys.stderr, flush=True)
         return 0
     return tree

@@ -23,10 +23,13 @@ float32 elsewhere: on an AVX2-only CPU PyTorch's bf16 matrix multiply of more th
 at well under 1 GFLOP/s, so verifying k tokens costs about k times one token, which defeats
 speculative decoding; float32 runs at ~90 GFLOP/s there. On a GPU "auto" picks bfloat16.
 
-The LM head: `Target` computes logits from the decoder's last hidden state itself, multiplying by
-the output embedding in vocabulary chunks (one batched matmul). On the 262,144-token vocabulary
-this took 105 ms for 16 positions in float32 against 274 ms for one `nn.Linear`, and it also
-exposes hidden states to drafters. It is used only for models whose logits are exactly
+The LM head: `Target` computes logits from the decoder's last hidden state itself: on the fast
+path with its prepacked linears, on the PyTorch path in float32 with the weight packed once for
+oneDNN (`runtime.linear.Linear`: on the 262,144-token vocabulary, 1 thread of an AVX-512 EPYC,
+46-51 ms for 1 and 2 positions and 68-75 ms for 16, against 60 / 134-152 / 157-215 ms for
+`nn.Linear`, whose float32 product repacks the weight at every call), else multiplying by the
+output embedding in vocabulary chunks (one batched matmul). It also exposes hidden states to
+drafters. It is used only for models whose logits are exactly
 `hidden @ W^T` (checked numerically at load against the model's own forward), on the CPU; any
 other model (soft-capped or scaled logits, a head bias), and any model on a GPU, runs its own
 forward (with `logits_to_keep`).
@@ -583,7 +586,11 @@ class Target:
                 _log(f"fast path not available for {self.name}: its LM head is not a plain linear map")
                 self._fast = None
             return None
-        ours = self._fast.linear(head, rarely_wide=True) if self._fast is not None else _ChunkedHead.of(head.weight)
+        if self._fast is not None:
+            ours = self._fast.linear(head, rarely_wide=True)
+        else:  # the PyTorch path: packed for oneDNN in float32 (see the module docstring)
+            packable = head.weight.dtype == torch.float32 and torch.backends.mkldnn.is_available()
+            ours = Linear(head.weight.detach(), None) if packable else _ChunkedHead.of(head.weight)
         probe = torch.arange(3, 3 + min(4, self.vocab_size - 3), dtype=torch.long, device=self.device).unsqueeze(0)
         numerics = self._fast.numerics if self._fast is not None else None
         if numerics is not None:

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 
-from . import lazy_rows
+from . import lazy_rows, torch_path
 from .cache import StaticKV, Tree, cache_length, crop_to, new_cache
 from .lazy_rows import LazyRows
 from .runtime.kv_pool import PagedKV
@@ -112,12 +112,8 @@ class TargetSequence:
             skip = self.cache.start_from_cache(tokens)
             tokens = tokens[skip:]
         ids = torch.tensor([list(tokens)], dtype=torch.long, device=target.device)  # [1, n]
-        if target._step is not None:
-            return target._ready(target._step.forward(ids, last_only))
-        if target._head is None:
-            keep = 1 if last_only else 0
-            return target._ready(target.model(input_ids=ids, cache=self.cache, use_cache=True,
-                                              logits_to_keep=keep).logits[0])
+        if target._fast is None:  # the PyTorch path: transformers' forward, or the compiled step
+            return torch_path.forward(self, ids, last_only)
         if lazy and not last_only and target._batch_invariant(ids.shape[1], layers=True):
             return self._staged(ids)
         hidden = self.hidden_states(ids)  # [n, hidden]
@@ -165,9 +161,10 @@ class TargetSequence:
         head only if a rule reads one of their rows (`_staged_tree`)."""
         target = self.target
         fast = target._fast
-        assert fast is not None, "tree verification needs the fast path (see verifies_trees)"
         assert not self._capture_layer, "tree verification does not capture exit states"
         assert len(tokens) == len(parents) > 0, "one parent per token"
+        if fast is None:  # the PyTorch path: rows appended in order under a custom mask
+            return torch_path.forward_tree(self, tokens, parents)
         start = self.cache.length
         self._prepare_write()
         tree = Tree.of_parents(start, parents, target.device)
@@ -201,6 +198,8 @@ class TargetSequence:
         cache's next positions and drop every other row: the keys and values of a row held in a
         scratch slot are copied to its position (a primary-branch row is already there;
         `StaticKV.keep_slots`, `PagedKV.keep_slots`)."""
+        if self.target._fast is None:
+            return torch_path.keep_tree(self, rows)
         start, slots = self._tree_slots
         assert self.cache.length == start, "keep_path must follow the forward_tree it keeps a path of"
         if self.paged:
@@ -220,7 +219,7 @@ class TargetSequence:
         target = self.target
         fast = target._fast
         if fast is None:
-            return target._body(input_ids=ids, cache=self.cache, use_cache=True).last_hidden_state[0]
+            return torch_path.hidden_states(self, ids)
         start, n = self.cache.length, ids.shape[1]
         self._prepare_write()
         x = fast.embed(ids[0])  # [n, hidden]
@@ -259,7 +258,6 @@ class TargetSequence:
         return states
 
     def capture_exit(self, layer: int) -> None:
-        """Keep the residual stream after `layer` layers of every forward (fast path; for
-        early-exit drafters). Cleared by `reset()`."""
-        assert self.target._fast is not None, "capturing an exit layer needs the fast path"
+        """Keep the residual stream after `layer` layers of every forward (for early-exit
+        drafters; on the PyTorch path through a forward hook, `torch_path`). Cleared by `reset()`."""
         self._capture_layer = layer

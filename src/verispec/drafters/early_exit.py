@@ -15,15 +15,21 @@ frequent tokens of the training corpus; it is tied, not trained or stored, so a 
 one layer and a norm (about 11 MB in bfloat16 for Gemma 3 270M). q is zero outside the draft
 vocabulary, which keeps speculative sampling lossless (the rejection step covers those tokens).
 
-Shared cache (fast path only): to draft, the drafter runs the target's layers 0..N-1 for its
-tokens writing into the target's own static KV cache, at positions past the committed length
-that the verification forward then overwrites; context tokens are never recomputed. The head
-keeps its own one-layer static cache, rolled back by moving its length. After verification, the
-accepted tokens' head entries are already there (drafting computed them) except for the last
-draft token when everything was accepted; its layer-N state is taken from the verification
-forward itself (`Target.exit_states`), so committed target cache entries are never rewritten.
-When the controller decides not to draft, nothing is computed: the next draft catches up on the
-skipped positions from the states the target's forwards captured meanwhile.
+Shared cache: to draft, the drafter runs the target's layers 0..N-1 for its tokens in the
+target's own KV cache, past the committed length; context tokens are never recomputed. On the
+fast path they write a static cache's positions that the verification forward then overwrites;
+on the PyTorch path (any transformers model `torch_path` can take apart, on any device) they run
+through the model's own forward, stopped after layer N, and are appended to layers 0..N-1 of its
+DynamicCache (or the compiled step's StaticCache), which the drafter crops back when its draft
+is done (`end_draft`), before the verification forward. The head keeps a cache of its own (a
+one-layer static cache on the fast path, a DynamicCache on the PyTorch path), rolled back to the
+committed positions. After verification, the accepted tokens' head entries are already there
+(drafting computed them) except for the last draft token when everything was accepted; its
+layer-N state is taken from the verification forward itself (`Target.exit_states`: the fast
+path keeps it, the PyTorch path reads it with a forward hook on layer N), so committed target
+cache entries are never rewritten. When the controller decides not to draft, nothing is
+computed: the next draft catches up on the skipped positions from the states the target's
+forwards captured meanwhile.
 Verification runs the full model on every verified token (it does not reuse the draft's layer-N
 states): the savings would be at most N/L of the body's cost on the drafted tokens, and reusing
 them would make the target's numerics depend on how the draft was computed.
@@ -33,7 +39,6 @@ from __future__ import annotations
 
 import copy
 import hashlib
-import inspect
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -42,8 +47,10 @@ from typing import Sequence
 import torch
 from safetensors.torch import load_file, save_file
 
-from ..cache import StaticKV, Tree
+from .. import torch_path
+from ..cache import StaticKV, Tree, new_cache
 from ..errors import ConfigError, ModelLoadError
+from ..runtime.linear import Linear
 from ..sampling import SamplingConfig
 from .model import SampledDrafter
 
@@ -81,26 +88,23 @@ class ExitHead(torch.nn.Module):
 
     def __init__(self, model, exit_layer: int, draft_vocab: Sequence[int], init_layer: int | None = None):
         super().__init__()
-        body = model.get_decoder()
-        layers = len(body.layers)
+        parts = torch_path.parts(model, "an exit head")  # the decoder's layers, final norm, rotary module
+        layers = len(parts.layers)
         if not 1 <= exit_layer <= layers:
             raise ConfigError(f"exit layer must be in 1..{layers} for this model, got {exit_layer}")
         self.exit_layer = exit_layer
         self.init_layer = min(exit_layer, layers - 1) if init_layer is None else init_layer
-        self.layer = copy.deepcopy(body.layers[self.init_layer])
-        self.norm = copy.deepcopy(body.norm)
+        self.layer = copy.deepcopy(parts.layers[self.init_layer])
+        self.norm = copy.deepcopy(parts.norm)
         output = model.get_output_embeddings().weight.detach()  # [vocab, d]
         self.register_buffer("vocab", torch.tensor(list(draft_vocab), dtype=torch.long, device=output.device),
                              persistent=False)
-        # The target's output embedding and rotary module are used, not owned: kept out of this
-        # module's parameters, state dict and dtype casts.
+        # The target (its output embedding, rotary module, layer kinds) is used, not owned: kept
+        # out of this module's parameters, state dict and dtype casts.
         object.__setattr__(self, "_output", output)
-        object.__setattr__(self, "_rotary", body.rotary_emb)
-        self._rotary_args = (
-            (model.config.layer_types[self.init_layer],)
-            if "layer_type" in inspect.signature(body.rotary_emb.forward).parameters else ()
-        )
-        self._window = getattr(self.layer.self_attn, "sliding_window", None)
+        object.__setattr__(self, "_model", model)
+        self._rotary_args = (parts.kinds[self.init_layer],) if parts.rotary_takes_kind else ()
+        self._window = parts.windows[self.init_layer]
         for parameter in self.parameters():
             parameter.requires_grad_(True)
 
@@ -113,16 +117,13 @@ class ExitHead(torch.nn.Module):
         stream after N target layers, positions 0..T-1) -> draft logits [B, T, V_d]."""
         batch, length, _ = hidden.shape
         steps = torch.arange(length, device=hidden.device)
-        positions = steps.unsqueeze(0).expand(batch, -1)  # [B, T]
-        rope = self._rotary(hidden, positions, *self._rotary_args)
         query, key = steps.unsqueeze(1), steps.unsqueeze(0)
         visible = key <= query
         if self._window is not None:
             visible &= key > query - self._window
         mask = torch.zeros(length, length, dtype=hidden.dtype, device=hidden.device).masked_fill(~visible, float("-inf"))
-        out = self.layer(hidden, position_embeddings=rope, attention_mask=mask[None, None].expand(batch, 1, -1, -1),
-                         position_ids=positions)
-        out = out[0] if isinstance(out, tuple) else out
+        out = torch_path.call_layer(self.layer, self._model, hidden, mask[None, None].expand(batch, 1, -1, -1),
+                                    self._rotary_args)  # [B, T, d]
         return self.norm(out) @ self.output_rows().to(hidden.dtype).T  # [B, T, V_d]
 
     def spec(self, model, name: str, training: dict | None = None) -> ExitHeadSpec:
@@ -174,29 +175,36 @@ def load_head(directory: Path, model, name: str = "", exit_layer: int | None = N
 
 
 class PreparedHead:
-    """An exit head made ready for fast drafting on one target (packed projection, wrapped
-    layer); built once per target and head, shared by that target's requests.
+    """An exit head made ready for drafting on one target; built once per target and head,
+    shared by that target's requests.
 
-    With `quantize` (the default) and a target on the block kernel, the head's layer runs on
-    int8 Q8_0-style forms of its weights (`gguf_blocks.quantize_blocks`), as one C call like the
-    target's layers, instead of as float32 PyTorch operators; the drafts are then those of the
-    quantized head (verification keeps the output exact either way, and sps/mtad's q is the
-    distribution the drafts were actually sampled from)."""
+    On the fast path: a packed projection and a wrapped layer. With `quantize` (the default) and
+    a target on the block kernel, the head's layer runs on int8 Q8_0-style forms of its weights
+    (`gguf_blocks.quantize_blocks`), as one C call like the target's layers, instead of as
+    float32 PyTorch operators; the drafts are then those of the quantized head (verification
+    keeps the output exact either way, and sps/mtad's q is the distribution the drafts were
+    actually sampled from). On the PyTorch path: the head's own layer module and the draft
+    vocabulary's output rows in the target's dtype (`quantize` has no effect there)."""
 
     def __init__(self, target, head: ExitHead, spec: ExitHeadSpec | None = None, quantize: bool = True):
-        if not target.fast:
-            where = "" if target.device.type == "cpu" else f"; this target runs on {target.device}: load it with device 'cpu'"
-            raise ConfigError(f"eesd needs the fast forward path (Llama, Qwen2 or Gemma 3 models on the CPU, not --no-fast{where})")
         self.head, self.spec = head, spec
         self.exit_layer = head.exit_layer
-        self.layer = target._fast.wrap_layer(head.layer, quantize=quantize)
         self.norm = head.norm
-        self.project = target.output_rows_linear(head.vocab)  # hidden [n, d] -> [n, V_d]
         self.vocab = head.vocab  # [V_d]
+        if target.fast:
+            self.layer = target._fast.wrap_layer(head.layer, quantize=quantize)
+            self.project = target.output_rows_linear(head.vocab)  # hidden [n, d] -> [n, V_d]
+        else:
+            torch_path.parts(target.model, "eesd")  # a model it cannot take apart is refused here
+            self.layer = head.layer
+            torch_path.pack(head.layer)  # its multi-row products' packed weights (CPU, float32), made now
+            # hidden [n, d] -> [n, V_d]; packed for oneDNN in float32 on the CPU, as the target's head
+            self.project = Linear(head.output_rows().to(target.dtype).contiguous(), None)
 
 
 class ExitHeadLM:
-    """The target's first N layers plus an exit head, as a `DraftLM` (see `drafters.model`)."""
+    """The target's first N layers plus an exit head, as a `DraftLM` (see `drafters.model`), on
+    the fast path or the PyTorch path (see the module docstring)."""
 
     def __init__(self, target, head: "PreparedHead | ExitHead"):
         prepared = head if isinstance(head, PreparedHead) else PreparedHead(target, head)
@@ -207,22 +215,46 @@ class ExitHeadLM:
         self.device = target.device
         self._fast = target._fast
         self._layer, self._project, self._norm = prepared.layer, prepared.project, prepared.norm
-        self._cache: StaticKV | None = None
+        self._cache = None  # the head's own: a one-layer StaticKV (fast path), a DynamicCache (PyTorch path)
         self._head_length = 0  # positions 0.. with valid head keys/values
+        # PyTorch path: the head's layer is a copy of target layer `_index` (its cache slot and kind)
+        self._index = prepared.head.init_layer
+        self._rotary_kind = prepared.head._rotary_args
+        self._scratch: int | None = None  # draft rows in the target's layers 0..N-1 from this position on
 
     def begin(self, prompt: Sequence[int]) -> None:
         self.target.capture_exit(self.exit_layer)
-        if self._cache is None:
+        if self._fast is None:
+            self._cache = new_cache(self.target.model)
+            self._scratch = None
+        elif self._cache is None:
             self._cache = self._fast.new_cache(layers=1)
-        self._cache.crop(0)
+        else:
+            self._cache.crop(0)
         self._head_length = 0
 
     def _head(self, residual: torch.Tensor, start: int, tree: Tree | None = None,
               last_only: bool = False) -> torch.Tensor:
         """Head layer over residual [m, d] (filling the head cache for all m) -> draft logits
         [m, V_d], or [1, V_d] for the last row only."""
-        out = self._fast.run_layer(self._layer, residual, start, self._cache, tree=tree)  # [m, d]
+        if self._fast is None:
+            placed = tree if tree is not None else torch_path.contiguous(start, residual.shape[0], self.device)
+            out = torch_path.run_layer(self._layer, self.target.model, residual, placed, self._cache, self._index,
+                                       self._rotary_kind)  # [m, d]
+        else:
+            out = self._fast.run_layer(self._layer, residual, start, self._cache, tree=tree)  # [m, d]
         return self._project(self._norm(out[-1:] if last_only else out))
+
+    def _first_layers(self, tokens: torch.Tensor, tree: Tree) -> torch.Tensor:
+        """Layers 0..N-1 of the target for draft tokens [m] placed by `tree`, in the target's
+        cache (scratch rows past the committed positions) -> the residual stream [m, d]."""
+        if self._fast is None:
+            if self._scratch is None:
+                self._scratch = int(tree.positions.min())
+            residual, _ = torch_path.through(self.target, self.target.cache, tokens, tree, stop_after=self.exit_layer)
+            return residual
+        return self._fast.run(self._fast.embed(tokens), int(tree.positions[0]), self.target.cache, range(self.exit_layer),
+                              tree=tree if tree.slots is not None else None)
 
     @torch.inference_mode()
     def sync(self, context: Sequence[int]) -> torch.Tensor:
@@ -233,8 +265,9 @@ class ExitHeadLM:
             rows.append(self.target.exit_states(self._head_length, last))
         token = torch.tensor([context[-1]], dtype=torch.long, device=self.device)
         # The last token is not in the target's cache yet: run layers 0..N-1 for it, writing
-        # scratch entries that the next verification overwrites.
-        rows.append(self._fast.run(self._fast.embed(token), last, self.target.cache, range(self.exit_layer)))
+        # scratch entries that the next verification overwrites (fast path) or that `end_draft`
+        # crops (PyTorch path).
+        rows.append(self._first_layers(token, Tree.contiguous(last, 1, self.device)))
         # Only the last row's logits are used: projecting the catch-up rows too cost a
         # 32k-row projection per committed token (a whole prompt's on the first draft).
         logits = self._head(torch.cat(rows), self._head_length, last_only=True)  # [1, V_d]
@@ -244,19 +277,26 @@ class ExitHeadLM:
     @torch.inference_mode()
     def extend(self, tokens: torch.Tensor, tree: Tree) -> torch.Tensor:
         """Draft tokens through layers 0..N-1 (scratch entries in the target's cache) and the head."""
-        start = int(tree.positions[0])
-        residual = self._fast.run(self._fast.embed(tokens), start, self.target.cache, range(self.exit_layer),
-                                  tree=tree if tree.slots is not None else None)
-        return self._head(residual, start, tree if tree.slots is not None else None)
+        residual = self._first_layers(tokens, tree)
+        return self._head(residual, int(tree.positions[0]), tree if tree.slots is not None else None)
 
     def keep(self, m: int) -> None:
         self._head_length += m
-        self._cache.length = self._head_length
+        if self._fast is None:
+            torch_path.crop_layers(self._cache, [self._index], self._head_length)
+        else:
+            self._cache.length = self._head_length
+
+    def end_draft(self) -> None:
+        """The draft is done: on the PyTorch path, its rows leave the target's layers 0..N-1
+        before the verification forward appends to every layer (the fast path's are overwritten)."""
+        if self._scratch is not None:
+            torch_path.crop_layers(self.target.cache, range(self.exit_layer), self._scratch)
+            self._scratch = None
 
 
 class EarlyExitDrafter(SampledDrafter):
-    """EESD's drafter: `SampledDrafter` over the target's first N layers and an exit head
-    (needs the fast path)."""
+    """EESD's drafter: `SampledDrafter` over the target's first N layers and an exit head."""
 
     def __init__(self, target, head: "PreparedHead | ExitHead", sampling: SamplingConfig = SamplingConfig()):
         super().__init__(ExitHeadLM(target, head), sampling)

@@ -4,9 +4,12 @@ Owns three things:
 - `DraftLM`, the small interface a drafting model offers: `sync(context)` brings its own state
   up to the committed context and returns the logits for the next token; `extend(tokens, tree)`
   runs draft tokens placed past the context (one path, or several beams side by side in scratch
-  cache slots) and returns their next-token logits; `keep(m)` commits the first m tokens of a
-  single-path extension. `AuxLM` implements it for an auxiliary causal LM with its own KV cache
-  (`--draft-model`); `early_exit.ExitHeadLM` for the target's first layers plus an exit head.
+  cache slots) and returns their next-token logits; `end_draft()` says the draft is complete
+  (before the target verifies it); `keep(m)` commits the first m tokens of a single-path
+  extension. `AuxLM` implements it for an auxiliary causal LM with its own KV cache
+  (`--draft-model`: any transformers model with the target's tokenizer, on the fast path where
+  it has one, else on its PyTorch path on the target's device); `early_exit.ExitHeadLM` for the
+  target's first layers plus an exit head.
 - `SampledDrafter`: one token at a time, greedy (argmax, q = None) or sampled from the warped
   draft distribution q, which it returns with the draft so that speculative sampling stays
   lossless (`sps`, and EESD's drafter).
@@ -15,7 +18,8 @@ Owns three things:
   probability proportional to beam weight x q(token | beam) (Gumbel top-W), and the new weights
   are those products, renormalised. After gamma steps the draft is the beam of largest weight,
   with the q of each of its tokens along its own path (`Draft.q_tokens`) for the joint rule.
-  All W beams of a step run in one forward, as a tree over scratch cache slots.
+  All W beams of a step run in one forward, as a tree over scratch cache slots (on the PyTorch
+  path: rows appended to the draft model's cache under a custom 4D attention mask, `torch_path`).
 
 Draft distributions use the request's temperature / top-k / top-p, the same warping as the
 target's p. Vocabularies: an auxiliary model must share the target's tokenizer (checked); its
@@ -31,7 +35,8 @@ from typing import Protocol, Sequence
 
 import torch
 
-from ..cache import StaticKV, Tree
+from .. import torch_path
+from ..cache import Tree
 from ..errors import ConfigError
 from ..sampling import DRAFT_STREAM, SamplingConfig, probabilities, sample
 from .base import EMPTY_DRAFT, HOST, Draft, Keep, keep_all
@@ -49,6 +54,10 @@ class DraftLM(Protocol):
 
     def extend(self, tokens: torch.Tensor, tree: Tree) -> torch.Tensor:
         """Logits [n, V_d] after each of `tokens` [n] placed by `tree` (scratch, uncommitted)."""
+
+    def end_draft(self) -> None:
+        """The draft is complete: what drafting left in a cache the target shares goes (called
+        before the target verifies it)."""
 
     def keep(self, m: int) -> None:
         """Commit the first m tokens of the last single-path extension (0 after beams)."""
@@ -78,15 +87,14 @@ def tree_for_beams(context_length: int, step: int, width: int, paths: list[list[
 
 
 class AuxLM:
-    """An auxiliary causal LM (a `Target`) as a draft model, with its own KV cache."""
+    """An auxiliary causal LM (a `Target`) as a draft model, with its own KV cache: its fast path
+    where it has one, else its PyTorch path (beams need a model `torch_path` can mask)."""
 
     def __init__(self, draft_target, target):
         check_same_tokenizer(draft_target, target)
-        if not draft_target.fast:
-            raise ConfigError(
-                f"the draft model {draft_target.name} has no fast forward path (Llama, Qwen2, Gemma 3 "
-                f"families, on the CPU), which model drafting needs"
-            )
+        if draft_target.device != target.device:
+            raise ConfigError(f"the draft model {draft_target.name} is on {draft_target.device}, the target on "
+                              f"{target.device}: load both on one device")
         self.model = draft_target.new_sequence()  # this request's own cache on the draft model
         self.device = draft_target.device
         self.vocab = None
@@ -112,7 +120,10 @@ class AuxLM:
         self.model.release()
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.model._head(hidden)  # [n, V_draft]
+        return self._widen(self.model._head(hidden))
+
+    def _widen(self, logits: torch.Tensor) -> torch.Tensor:
+        """The draft model's logits [n, V_draft] -> [n, V], the target's width."""
         if logits.shape[1] == self.vocab_size == self._real:
             return logits  # the same vocabulary, no padding rows: nothing to cut or mask
         full = logits.new_full((logits.shape[0], self.vocab_size), float("-inf"))  # [n, V]
@@ -121,26 +132,42 @@ class AuxLM:
 
     @torch.inference_mode()
     def sync(self, context: Sequence[int]) -> torch.Tensor:
-        cache = self.model.cache
-        cache.crop(min(cache.length, self._length))
+        fast = self.model._fast
+        self.model.crop(min(self.model.length, self._length))
         missing = torch.tensor(list(context[self._length:]), dtype=torch.long, device=self.device)
         # an id the draft model has no row for (only a target's padding rows can be such) is
         # shown to it as id 0: its drafts stay samples of the q it reports
         missing = torch.where(missing < self.model.vocab_size, missing, 0)
-        hidden = self.model._fast.hidden_states(missing, cache)  # appends, advances the length
-        self._length = cache.length
+        if fast is None:  # the PyTorch path: the draft sequence's own forward
+            logits = self._widen(self.model.forward(missing.tolist(), last_only=True))  # [1, V]
+        else:
+            hidden = fast.hidden_states(missing, self.model.cache)  # appends, advances the length
+            logits = self._logits(hidden[-1:])
+        self._length = self.model.length
         self._scratch_start = self._length
-        return self._logits(hidden[-1:])[0]
+        return logits[0]
 
     @torch.inference_mode()
     def extend(self, tokens: torch.Tensor, tree: Tree) -> torch.Tensor:
         fast = self.model._fast
+        if fast is None:  # rows appended to the draft model's cache; beams under a custom mask
+            if tree.slots is None:
+                return self._widen(self.model.forward(tokens.tolist()))
+            torch_path.parts(self.model.model, "beam drafting (mtad)")  # refuses a model it cannot mask
+            logits, _ = torch_path.through(self.model, self.model.cache, tokens, tree, logits=0)  # [W, V_draft]
+            return self._widen(logits)
         x = fast.run(fast.embed(tokens), int(tree.positions[0]), self.model.cache, tree=tree)
         return self._logits(fast.norm(x))
 
+    def end_draft(self) -> None:
+        pass  # its cache is its own: drafts are cut in `keep`
+
     def keep(self, m: int) -> None:
         self._length = self._scratch_start + m
-        self.model.cache.length = self._length
+        if self.model._fast is None:
+            self.model.crop(self._length)
+        else:
+            self.model.cache.length = self._length
 
 
 def close_lm(lm: DraftLM) -> None:
@@ -200,6 +227,7 @@ class SampledDrafter:
             logits = self.lm.extend(torch.tensor([token], device=self.lm.device),
                                     Tree.contiguous(position, 1, self.lm.device))[0]
             self._fed += 1
+        self.lm.end_draft()
         q = None
         if rows and rows[0] is not None:
             q = _full_rows(torch.stack(rows), self.lm)  # [k, vocab], zero outside the draft vocabulary
@@ -264,6 +292,7 @@ class BeamDrafter:
             paths = [paths[int(p)] + [slots[int(p)]] for p in parents]
             history_tokens = [history_tokens[int(p)] + [int(t)] for p, t in zip(parents, tokens)]
             history_q = [history_q[int(p)] + [float(x)] for p, x in zip(parents, token_q)]
+        self.lm.end_draft()
         self.lm.keep(0)
         best = int(torch.argmax(log_weights))
         chosen = _target_ids(torch.tensor(history_tokens[best], device=self.lm.device), self.lm).to(HOST)

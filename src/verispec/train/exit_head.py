@@ -11,8 +11,9 @@ forward KL bounds through Pinsker's inequality, and greedy acceptance follows fr
 mode. Held-out estimates are computed against the target's full-vocabulary distribution:
 greedy acceptance P(argmax q == argmax p) and sampled acceptance E[sum min(p, q)].
 
-Runs on the target's device (a GPU's through its PyTorch forward, the CPU's on the fast path)
-with a progress bar, checkpoints (`checkpoint.pt`: head, optimiser, step, draft
+Runs on the target's device: labelling on the fast path where the target has one (the CPU), else
+through the model's own PyTorch forward (any device; a forward hook on layer N reads the head's
+input, `torch_path`), and training wherever the labels' model lives, with a progress bar, checkpoints (`checkpoint.pt`: head, optimiser, step, draft
 vocabulary, settings) every `checkpoint_every` steps and at the end, and resumes from them
 (`resume=True`); the labelled corpus is cached as `labels.pt` next to the checkpoint so a resume
 does not relabel. Both files hold only tensors and plain values (dicts, lists, numbers, strings)
@@ -36,6 +37,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from .. import torch_path
 from ..drafters.early_exit import ExitHead, save_head
 from ..errors import ConfigError
 from .corpus import read_corpus, token_sequences
@@ -125,11 +127,9 @@ def _load_labels(path: Path, sequences: list[list[int]]) -> Labels:
 @torch.inference_mode()
 def label(target, sequences: list[list[int]], exit_layer: int, progress: Callable[[int], None] | None = None) -> Labels:
     """Run the frozen target over each sequence, keeping layer-N and final states (bfloat16, on
-    the host): on the fast path on the CPU, through the PyTorch forward on a GPU."""
-    if not target.fast and target.device.type != "cpu":
-        return _label_on_device(target, sequences, exit_layer, progress)
+    the host): on the fast path where the target has one, else through its PyTorch forward."""
     if not target.fast:
-        raise ConfigError("training an exit head needs the fast forward path (Llama, Qwen2 or Gemma 3)")
+        return _label_on_device(target, sequences, exit_layer, progress)
     fast = target._fast
     if not 1 <= exit_layer <= len(fast.layers):
         raise ConfigError(f"exit layer must be in 1..{len(fast.layers)}, got {exit_layer}")
@@ -147,21 +147,21 @@ def label(target, sequences: list[list[int]], exit_layer: int, progress: Callabl
 
 
 def _label_on_device(target, sequences: list[list[int]], exit_layer: int, progress) -> Labels:
-    """`label` through the model's own decoder (a GPU target): layer N's output is read with a
-    forward hook, the final states are the decoder's normed output."""
-    body = target.model.get_decoder()
-    if not 1 <= exit_layer <= len(body.layers):
-        raise ConfigError(f"exit layer must be in 1..{len(body.layers)}, got {exit_layer}")
+    """`label` through the model's own decoder (the PyTorch path, any device): layer N's output
+    is read with a forward hook, the final states are the decoder's normed output."""
+    parts = torch_path.parts(target.model, "training an exit head")
+    if not 1 <= exit_layer <= len(parts.layers):
+        raise ConfigError(f"exit layer must be in 1..{len(parts.layers)}, got {exit_layer}")
     captured: list[torch.Tensor] = []
-    hook = body.layers[exit_layer - 1].register_forward_hook(
+    hook = parts.layers[exit_layer - 1].register_forward_hook(
         lambda module, args, output: captured.append(output[0] if isinstance(output, tuple) else output))
     exits, finals = [], []
     try:
         for ids in sequences:
             captured.clear()
-            final = body(input_ids=torch.tensor([ids], device=target.device), use_cache=False).last_hidden_state[0]
-            exits.append(captured[0][0].to(torch.bfloat16).cpu())
-            finals.append(final.to(torch.bfloat16).cpu())
+            final = parts.body(input_ids=torch.tensor([ids], device=target.device), use_cache=False).last_hidden_state[0]
+            exits.append(captured[0][0].to(torch.bfloat16).cpu())  # [T, d]
+            finals.append(final.to(torch.bfloat16).cpu())  # [T, d]
             if progress is not None:
                 progress(1)
     finally:
