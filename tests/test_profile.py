@@ -10,7 +10,7 @@ from verispec.bench.profile import arithmetic_rate, format_profile, profile_targ
 from verispec.drafters.early_exit import ExitHead, PreparedHead
 
 
-@pytest.mark.parametrize("path", ["llama", "llama-blocks"])
+@pytest.mark.parametrize("path", ["llama", "llama-blocks", "llama-eager", "gemma3-eager"])
 def test_profile_reports_every_width_its_ratio_and_the_draft_step(path):
     target = helpers.make_target_for_path(path, seed=0)
     head = PreparedHead(target, ExitHead(target.model, 1, list(range(64))), quantize=False)
@@ -26,7 +26,10 @@ def test_profile_reports_every_width_its_ratio_and_the_draft_step(path):
     on_blocks = path == "llama-blocks"
     assert "EESD draft token" in text and len(text.splitlines()) == 6 + on_blocks
     assert "rejected ms" in text and f"{profile['rejected']['4']:12.2f}" in text.splitlines()[-2 - on_blocks]
-    assert target.cache.length == 24  # the context stays; the timed forwards were cropped
+    if target.fast:
+        assert target.cache.length == 24  # the context stays; the timed forwards were cropped
+    else:  # the PyTorch path: every layer holds the context, none a timed draft's rows
+        assert [int(layer.get_seq_length()) for layer in target.cache.layers] == [24] * len(target.cache.layers)
     assert bool(target.block_forms) == on_blocks and (profile["arithmetic"] is not None) == on_blocks
     if on_blocks:
         arithmetic = profile["arithmetic"]
@@ -38,6 +41,26 @@ def test_profile_reports_every_width_its_ratio_and_the_draft_step(path):
         assert arithmetic["row_ms"] == pytest.approx(arithmetic["row_multiply_adds"] / max(rates.values()) * 1e3,
                                                      abs=1e-3)  # rounded to microseconds
         assert text.splitlines()[-1].startswith(f"{target.numerics} products, multiply-adds/s: ")
+
+
+@pytest.mark.parametrize("path", ["llama", "llama-eager", "gemma3-eager"])
+def test_a_beam_step_is_timed_and_leaves_the_context_in_every_layer(path):
+    from verispec.bench.profile import draft_step_seconds
+
+    target = helpers.make_target_for_path(path, seed=0)
+    head = PreparedHead(target, ExitHead(target.model, 1, list(range(64))), quantize=False)
+    context = timing_context(24, target.vocab_size)
+    one, beams = (draft_step_seconds(target, head, context, repeats=2, width=w) for w in (1, 4))
+    assert one > 0 and beams > 0
+    if target.fast:
+        assert target.cache.length == 24
+    else:
+        assert [int(layer.get_seq_length()) for layer in target.cache.layers] == [24] * len(target.cache.layers)
+    # the target still continues the context as a fresh forward of it does
+    after = target.forward(context[:1], last_only=True)
+    target.reset()
+    expected = target.forward(context + context[:1], last_only=True)
+    assert torch.allclose(after, expected, atol=1e-4)
 
 
 def test_arithmetic_rate_restores_the_thread_count_when_a_product_fails(monkeypatch):

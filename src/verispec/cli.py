@@ -248,7 +248,7 @@ def generate(
     draft_model: Optional[str] = typer.Option(None, "--draft-model", help="Auxiliary draft model for sps and mtad (same tokenizer; default: the EESD exit head)."),
     beams: Optional[int] = typer.Option(None, help="mtad only: beam width W (default: 4)."),
     tau: Optional[float] = typer.Option(None, help="mtad only: joint-likelihood threshold (default: 0.5)."),
-    tree: Optional[int] = typer.Option(None, "--tree", help="anpd only: draft a tree of up to N tokens, branching where the n-gram tables offer several next tokens, verified in one forward (needs the fast path; default: 0, single-path drafts)."),
+    tree: Optional[int] = typer.Option(None, "--tree", help="anpd only: draft a tree of up to N tokens, branching where the n-gram tables offer several next tokens, verified in one forward (on the fast path, and on the PyTorch path for the families it can mask; elsewhere single paths, said once; default: 0, single-path drafts)."),
     span_min: Optional[int] = typer.Option(None, "--span-min", help="anpd only: copy what followed an earlier occurrence of the context's end preceded by at least N equal tokens (4..32; 0: off; default: 8)."),
     perplexity: bool = typer.Option(False, "--perplexity", help="Also score the generated tokens' perplexity under the target (temperature 1, no top-k/top-p)."),
     prompt_format: str = typer.Option("raw", help="raw: the prompt as given; chat: chat template or plain Q/A template."),
@@ -753,17 +753,16 @@ def profile(
         target = _load(model, dtype, fast, block_kernel, numerics, device, compile)
         if context + max(chosen) > target.max_length:
             _fail(f"--context {context} + width {max(chosen)} exceeds the model's context of {target.max_length}")
-        head = None
-        if target.fast:
-            from .errors import ModelLoadError
-            from .methods import prepared_exit_head
+        from .errors import ConfigError, ModelLoadError
+        from .methods import prepared_exit_head
 
-            try:
-                head = prepared_exit_head(target, exit_head)
-            except ModelLoadError as error:
-                if exit_head is not None:
-                    raise
-                err.print(f"no EESD draft step timed: {error}", highlight=False)
+        head = None
+        try:  # on either path: the PyTorch path's draft step runs through the model's own modules
+            head = prepared_exit_head(target, exit_head)
+        except (ModelLoadError, ConfigError) as error:
+            if exit_head is not None:
+                raise
+            err.print(f"no EESD draft step timed: {error}", highlight=False)
         if prefill > target.max_length:
             _fail(f"--prefill {prefill} exceeds the model's context of {target.max_length}")
         result = profile_target(target, context, chosen, head, repeats)

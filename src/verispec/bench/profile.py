@@ -68,16 +68,23 @@ def target_step_seconds(target, context: list[int], width: int = 1, repeats: int
     return median_time(step, repeats)
 
 
-def draft_step_seconds(target, prepared, context: list[int], repeats: int = 15) -> float:
-    """Median seconds of one EESD draft token (layers 1..N of the target, the head's layer, norm
-    and the draft-vocabulary projection) after `context`; `prepared`: a `PreparedHead`. On the
-    PyTorch path each timed draft token is also taken back out of both caches (a crop), as a
-    finished draft is."""
-    from ..drafters.early_exit import ExitHeadLM
+def draft_step_seconds(target, prepared, context: list[int], repeats: int = 15, width: int = 1) -> float:
+    """Median seconds of one EESD draft step (layers 1..N of the target, the head's layer, norm
+    and the draft-vocabulary projection) after `context`; `prepared`: a `PreparedHead`. width 1:
+    one draft token; width W: one step of MTAD's W beams (W rows at the same position, each
+    seeing the context and itself, placed as `BeamDrafter` places them). On the PyTorch path each
+    timed step is also taken back out of both caches (a crop), as a finished draft is.
+    Afterwards the target's cache holds `context` in every layer."""
     from ..cache import Tree
+    from ..drafters.early_exit import ExitHeadLM
+    from ..drafters.model import tree_for_beams
 
     device = target.device
-    token = torch.tensor([context[0]], device=device)
+    tokens = torch.tensor(context[:width], device=device)  # [W]
+    if width == 1:
+        tree = Tree.contiguous(len(context), 1, device)
+    else:
+        tree = tree_for_beams(len(context), 1, width, [[] for _ in range(width)], [], device)
     if not target.fast:
         from .. import torch_path
 
@@ -88,20 +95,28 @@ def draft_step_seconds(target, prepared, context: list[int], repeats: int = 15) 
         lm.sync(context)  # the head's cache and the target's first layers hold the context
 
         def step():
-            lm.extend(token, Tree.contiguous(len(context), 1, device))
+            lm.extend(tokens, tree)
             torch_path.crop_layers(target.cache, range(prepared.exit_layer), len(context))
             lm.keep(0)
 
-        return median_time(step, repeats)
+        seconds = median_time(step, repeats)
+        lm.end_draft()  # the last context token's rows leave layers 0..N-1 (the drafter ran them)
+        target.forward(context[-1:], last_only=True)  # every layer holds the context, as on the fast path
+        return seconds
     target.reset()
     target.forward(context, last_only=True)
     lm = ExitHeadLM(target, prepared)
     lm.begin(context)
     target.capture_exit(prepared.exit_layer)
     lm._head_length = len(context)
-    lm._cache.reserve(len(context) + 2)
+    lm._cache.reserve(len(context) + width + 1)
     lm._cache.length = len(context)
-    return median_time(lambda: lm.extend(token, Tree.contiguous(len(context), 1, device)), repeats)
+
+    def fast_step():
+        lm.extend(tokens, tree)  # scratch positions past the context, overwritten by the next call
+        lm.keep(0)
+
+    return median_time(fast_step, repeats)
 
 
 def arithmetic_rate(target, rows: int = 16, repeats: int = 5) -> dict | None:
