@@ -47,6 +47,7 @@ from ..engine import DecodeConfig, Logprobs
 from ..errors import VerispecError
 from ..methods import build, get_method
 from ..model import Target
+from ..runtime.openmp import release_thread_pool
 from ..stats import GenerationStats
 from ..text import TextAssembler
 
@@ -238,6 +239,9 @@ class Worker:
     def start(self) -> None:
         if self._thread is not None:
             return
+        # The calling thread (which loaded the target) stops computing: its OpenMP pool would
+        # put the worker's pool to sleep between parallel regions (runtime/openmp.py).
+        release_thread_pool()
         self._thread = threading.Thread(target=self._run, name="verispec-worker", daemon=True)
         self._thread.start()
 
