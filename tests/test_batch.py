@@ -272,3 +272,30 @@ def test_targets_without_paged_kv_serve_the_batch_one_at_a_time(path):
                 for method in ("ar", "pld")]
     results = generate_many(target, requests)
     assert [r.token_ids for r in results] == [solo(target, request) for request in requests]
+
+
+def test_the_row_cost_fit_sees_decode_steps_only():
+    """Prompt chunks' rows cost less each than decode and draft rows (they fill the kernel's tiles);
+    fitted together, they pulled the slope under a draft row's real cost and the batch verified
+    drafts that did not pay. Steps that carry a prompt chunk are left out of `RowCosts`."""
+    from verispec.api import BatchTextStream
+
+    target = int8_target("llama")
+    requests = [make_request(target, PROMPTS[1], "anpd", max_new_tokens=30),
+                make_request(target, PROMPTS[3], "ar", max_new_tokens=4)]  # 368 characters: chunks of 24 rows
+    stream = BatchTextStream(target, requests, max_rows=24)
+    engine = stream._engine
+    steps = []  # per forward: did it carry a prompt chunk?
+    forward, observe = target.forward_parts, engine.row_costs.observe
+    observed = []
+
+    def spy_forward(parts):
+        steps.append(any(part.logits != "all" for part in parts))
+        return forward(parts)
+
+    target.forward_parts = spy_forward
+    engine.row_costs.observe = lambda rows, seconds: (observed.append(len(steps)), observe(rows, seconds))
+    for _ in stream:
+        pass
+    assert any(steps) and not all(steps), "both kinds of step ran"
+    assert observed == [i + 1 for i, chunk in enumerate(steps) if not chunk]

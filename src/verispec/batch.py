@@ -304,7 +304,10 @@ class BatchEngine:
                 self._finish(job, "error", error)
             return [(job, []) for job, _, _ in plans]
         forward_s = time.perf_counter() - forward_started
-        self.row_costs.observe(self.last_rows, forward_s)
+        if all(draft is not None for _, draft, _ in plans):
+            # decode steps only: a prompt chunk's rows fill the kernel's tiles and cost less each
+            # than the draft rows this fit prices (with them, b came out at half a draft row's cost)
+            self.row_costs.observe(self.last_rows, forward_s)
         events = []
         for (job, draft, draft_s), part, logits in zip(plans, parts, results):
             share_s = forward_s * len(part.tokens) / self.last_rows  # this job's part of the forward
