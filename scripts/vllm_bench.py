@@ -199,7 +199,8 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=8, help="num_speculative_tokens")
     parser.add_argument("--rounds", type=int, default=1,
                         help="runs of every method and phase, interleaved; each one's fastest counts")
-    parser.add_argument("--phases", default=",".join(PHASES), help="one_stream, at_once or both")
+    parser.add_argument("--phases", default=",".join(PHASES),
+                        help="comma-separated: one_stream, at_once (default: both)")
     parser.add_argument("--add", action="store_true",
                         help="keep the runs already in --out (same settings) and add rounds after them")
     parser.add_argument("--memory-share", type=float, default=0.3,
@@ -211,6 +212,8 @@ def main() -> None:
     parser.add_argument("--phase", choices=PHASES, help=argparse.SUPPRESS)
     parser.add_argument("--prompts-file", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if not set(args.phases.split(",")) <= set(PHASES):
+        parser.error(f"--phases takes one_stream and/or at_once, comma-separated; got {args.phases!r}")
     if args.one:
         return run_one(args)
     if args.check:
