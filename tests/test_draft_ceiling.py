@@ -52,18 +52,18 @@ def _run(directory: Path, methods: list[str], draft_model=None) -> Path:
     (directory / "config.json").write_text(json.dumps({"settings": settings}))
     overall = {"ar": dict(new_tokens=100, target_forwards=100, drafted=0, accepted=0, speedup=1.0),
                "sps": dict(new_tokens=100, target_forwards=50, drafted=100, accepted=50, speedup=0.9),
-               "mtad/beams=2": dict(new_tokens=100, target_forwards=40, drafted=160, accepted=60, speedup=1.1)}
+               "mtad/constant:4/beams=2": dict(new_tokens=100, target_forwards=40, drafted=160, accepted=60, speedup=1.1)}
     (directory / "summary.json").write_text(json.dumps({"overall": overall}))
     return directory
 
 
 def test_rows_from_a_run_directory(tmp_path):
-    settings, summary = ceiling.read_run(_run(tmp_path / "run", ["ar", "sps", "mtad/beams=2"]))
+    settings, summary = ceiling.read_run(_run(tmp_path / "run", ["ar", "sps", "mtad/constant:4/beams=2"]))
     cost = {"verify": VERIFY, "draft": 0.2, "beam": {2: 0.3}}
     sps = ceiling.method_row("sps", settings, summary, cost, 8)
     assert (sps["tokens_per_forward"], sps["drafted_per_forward"], sps["acceptance"]) == (2.0, 2.0, 0.5)
     assert sps["model"] == pytest.approx(2.0 / (2 * 0.2 + 1.2))
-    mtad = ceiling.method_row("mtad/beams=2", settings, summary, cost, 8)
+    mtad = ceiling.method_row("mtad/constant:4/beams=2", settings, summary, cost, 8)
     # 4 tokens drafted each forward: one from the synced head, 3 beam steps of 2 rows
     assert mtad["model"] == pytest.approx(2.5 / (0.2 + 3 * 0.3 + 1.4))
     assert mtad["free_drafts"] == pytest.approx(2.5 / 1.4)

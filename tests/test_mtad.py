@@ -8,6 +8,7 @@ ALPHA = 1e-4 per test; seeds are fixed, so each test is deterministic.
 from __future__ import annotations
 
 import math
+import random
 from collections import Counter
 
 import pytest
@@ -15,10 +16,11 @@ import torch
 
 import helpers
 from verispec.acceptance import joint_likelihood
-from verispec.drafters.model import AuxLM, BeamDrafter, beam_step, check_same_tokenizer, tree_for_beams
+from verispec.bench.metrics import repeated_ngrams
+from verispec.drafters.model import AuxLM, BeamDrafter, OutputNgrams, beam_step, check_same_tokenizer, tree_for_beams
 from verispec.errors import ConfigError
 from verispec.cache import Tree
-from verispec.methods import MethodOptions, build
+from verispec.methods import MethodOptions, build, parse_variant
 from verispec.model import Target
 from verispec.sampling import SamplingConfig
 
@@ -222,3 +224,86 @@ def test_a_draft_model_with_another_tokenizer_is_refused(char_tokenizer):
     draft = Target(model, other_tokenizer, "draft")
     with pytest.raises(ConfigError, match="tokenizer"):
         check_same_tokenizer(draft, target)
+
+
+def test_output_ngrams_bans_exactly_the_tokens_that_would_repeat_an_ngram_of_the_output():
+    rng = random.Random(0)
+    for _ in range(400):
+        n = rng.choice([1, 2, 3, 4])
+        prompt = [rng.randrange(4) for _ in range(rng.randrange(0, 6))]
+        output = [rng.randrange(4) for _ in range(rng.randrange(0, 12))]
+        path = [rng.randrange(4) for _ in range(rng.randrange(0, 4))]
+        context = prompt + output
+        index = OutputNgrams(n)
+        index.begin(len(prompt))
+        index.update(context[: rng.randrange(len(prompt), len(context) + 1)])  # commits arrive in pieces
+        index.update(context)
+        seq = output + path  # brute force: every n-gram of the output and the path, none from the prompt
+        grams = {tuple(seq[i : i + n]) for i in range(len(seq) - n + 1)}
+        last = tuple(seq[len(seq) - n + 1 :]) if n > 1 else ()
+        expected = {t for t in range(4) if len(seq) >= n - 1 and last + (t,) in grams}
+        assert index.banned(context, path) == expected, (n, prompt, output, path)
+
+
+class LoopLM:
+    """A stub draft model that wants the next token of the cycle 0 1 2 after each token (q about
+    0.9), so that its likeliest beams repeat an output that already loops."""
+
+    vocab, vocab_size, device = None, 5, torch.device("cpu")
+
+    def begin(self, prompt): pass
+    def end_draft(self): pass
+    def keep(self, m): pass
+
+    def sync(self, context):
+        return self._logits([context[-1]])[0]
+
+    def extend(self, tokens, tree):
+        return self._logits(tokens.tolist())
+
+    @staticmethod
+    def _logits(last):  # [n, 5]
+        rows = torch.zeros(len(last), 5)
+        for i, token in enumerate(last):
+            rows[i, (token + 1) % 3] = 4.0
+        return rows
+
+
+LOOPING_OUTPUT = [0, 1, 2, 0, 1, 2, 0]
+
+
+def loop_drafts(no_repeat_ngram, seeds, top_k=0, k=6):
+    prompt = [4, 3]
+    drafts = []
+    for seed in range(seeds):
+        drafter = BeamDrafter(LoopLM(), 4, SamplingConfig(temperature=1.0, top_k=top_k, seed=seed), no_repeat_ngram)
+        drafter.begin(prompt)
+        drafts.append(drafter.propose(prompt + LOOPING_OUTPUT, k).tokens.tolist())
+    return drafts
+
+
+def test_beams_under_the_no_repeat_constraint_never_repeat_an_output_ngram():
+    free = loop_drafts(0, 20)
+    before = repeated_ngrams(LOOPING_OUTPUT)[0]
+    assert any(repeated_ngrams(LOOPING_OUTPUT + d)[0] > before for d in free)  # unconstrained beams loop
+    for n in (2, 3, 4):
+        for draft in loop_drafts(n, 20):
+            assert len(draft) == 6
+            assert repeated_ngrams(LOOPING_OUTPUT + draft, n)[0] == repeated_ngrams(LOOPING_OUTPUT, n)[0], (n, draft)
+
+
+def test_a_draft_ends_where_every_allowed_token_is_banned():
+    # top-k 1 leaves one candidate per beam: after "... 2 0" the loop wants 1, and "0 1" is in the output
+    assert loop_drafts(2, 1, top_k=1) == [[]]
+    assert loop_drafts(0, 1, top_k=1) == [[1, 2, 0, 1, 2, 0]]
+
+
+def test_mtad_no_repeat_ngram_is_a_validated_option(micro, micro_draft):
+    assert parse_variant("mtad/no_repeat_ngram=4")[2] == {"no_repeat_ngram": 4}
+    for bad in (-1, True, 2.0):
+        with pytest.raises(ConfigError, match="no_repeat_ngram"):
+            MethodOptions(no_repeat_ngram=bad)
+    options = MethodOptions(draft_model=str(micro_draft), no_repeat_ngram=3, tau=1e-30)
+    assert build("mtad", micro, options, SamplingConfig(temperature=1.0)).drafter._ngrams.n == 3
+    _, drafted, accepted = first_tokens(micro, "mtad", options, SamplingConfig(temperature=1.0), 10)
+    assert drafted > 0 and accepted == drafted

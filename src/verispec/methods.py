@@ -46,6 +46,7 @@ class MethodOptions:
     draft_model: "str | Target | None" = None  # sps / mtad: draft model, a path or a loaded Target (default: the EESD exit head)
     beams: int = 4  # mtad: beam width W
     tau: float = 0.5  # mtad: joint-likelihood threshold
+    no_repeat_ngram: int = 6  # mtad: beams may not repeat an n-gram of the output (0: off; see drafters.model)
     head_int8: bool = True  # EESD head: its layer on int8 forms (block-kernel targets), else float32
     ngram_memory: bool = True  # ANPD: also draft from earlier requests on the target (drafters.ngram)
     tree: int = 0  # ANPD: node budget of tree drafts, verified in one forward (0: single-path drafts)
@@ -70,6 +71,8 @@ class MethodOptions:
             raise ConfigError(f"beams must be an integer >= 1, got {self.beams!r}")
         if not isinstance(self.tau, (int, float)) or not self.tau > 0:
             raise ConfigError(f"tau must be > 0, got {self.tau!r}")
+        if isinstance(self.no_repeat_ngram, bool) or not isinstance(self.no_repeat_ngram, int) or self.no_repeat_ngram < 0:
+            raise ConfigError(f"no_repeat_ngram must be an integer >= 0 (0: off), got {self.no_repeat_ngram!r}")
         if self.draft_length is not None and (not isinstance(self.draft_length, int) or self.draft_length < 1):
             raise ConfigError(f"draft length must be an integer >= 1, got {self.draft_length!r}")
         if self.controller is not None:
@@ -166,7 +169,8 @@ METHODS: dict[str, Method] = {
         Method("sps", "speculative sampling with an auxiliary drafter (default: the EESD exit head)", True, 2,
                lambda target, options, sampling: SampledDrafter(draft_lm(target, options), sampling), draws=True),
         Method("mtad", "MTAD: beam-sampled drafts, joint-likelihood acceptance (approximate joint decoding)",
-               False, 4, lambda target, options, sampling: BeamDrafter(draft_lm(target, options), options.beams, sampling),
+               False, 2, lambda target, options, sampling: BeamDrafter(
+                   draft_lm(target, options), options.beams, sampling, options.no_repeat_ngram),
                make_rule=lambda options: verify_joint(options.tau), default_sampling=MTAD_SAMPLING, draws=True),
         Method("suffix", "SuffixDecoding: suffix trees over the prompt and earlier outputs (make suffix)", True, 24,
                lambda target, options, sampling: SuffixDrafter.for_target(target.attachments, options.suffix_config())),
@@ -187,7 +191,7 @@ def _flag(value: str) -> bool:
 _DEFAULT_OPTIONS = MethodOptions()
 
 SUFFIX_OPTIONS = {"max_tree_depth": int, "max_spec_factor": float, "min_token_prob": float, "max_cached_requests": int}
-VARIANT_OPTIONS = {"tau": float, "beams": int, "head_int8": _flag, "ngram_memory": _flag, "tree": int, "span_min": int,
+VARIANT_OPTIONS = {"tau": float, "beams": int, "no_repeat_ngram": int, "head_int8": _flag, "ngram_memory": _flag, "tree": int, "span_min": int,
                    **SUFFIX_OPTIONS}
 
 

@@ -18,6 +18,10 @@ Owns three things:
   probability proportional to beam weight x q(token | beam) (Gumbel top-W), and the new weights
   are those products, renormalised. After gamma steps the draft is the beam of largest weight,
   with the q of each of its tokens along its own path (`Draft.q_tokens`) for the joint rule.
+  With `no_repeat_ngram` n > 0, no beam may extend into an n-gram that the output (the tokens
+  after the prompt) or the beam itself already holds (`OutputNgrams`): beam search's
+  no-repeat-n-gram constraint (Paulus et al. 2018). Choosing the likeliest beam is mode-seeking,
+  and without it MTAD's drafts fall into loops that the joint rule then accepts.
   All W beams of a step run in one forward, as a tree over scratch cache slots (on the PyTorch
   path: rows appended to the draft model's cache under a custom 4D attention mask, `torch_path`).
 
@@ -250,19 +254,66 @@ class SampledDrafter:
         self._fed, self._synced = 0, False
 
 
+class OutputNgrams:
+    """The n-grams of a request's output (its tokens after the prompt), indexed as
+    (n-1)-gram -> the tokens that followed it, for the no-repeat constraint on beams. Pure:
+    `update` indexes what the committed context added since the last call."""
+
+    def __init__(self, n: int):
+        if n < 1:
+            raise ConfigError(f"no_repeat_ngram must be >= 1 (0: off), got {n}")
+        self.n = n
+        self._next: dict[tuple[int, ...], set[int]] = {}
+        self._start = self._indexed = 0  # output starts at _start; n-grams ending before _indexed are in
+
+    def begin(self, prompt_length: int) -> None:
+        self._next.clear()
+        self._start = self._indexed = prompt_length
+
+    def update(self, context: Sequence[int]) -> None:
+        """Index the n-grams of the output that end in context[_indexed:] (committed tokens)."""
+        first = max(self._indexed, self._start + self.n - 1)
+        for end in range(first, len(context)):
+            self._next.setdefault(tuple(context[end - self.n + 1 : end]), set()).add(context[end])
+        self._indexed = max(self._indexed, len(context))
+
+    def banned(self, context: Sequence[int], path: Sequence[int]) -> set[int]:
+        """Tokens that would repeat an n-gram if appended to context + path (path: a beam's draft
+        tokens, target ids), counting the n-grams of the output and of the path itself."""
+        tail = list(context[max(self._start, len(context) - self.n + 1):]) + list(path)
+        if len(tail) < self.n - 1:
+            return set()
+        key = tuple(tail[len(tail) - self.n + 1:])
+        banned = set(self._next.get(key, ()))
+        for end in range(max(self.n - 1, len(tail) - len(path)), len(tail)):  # n-grams ending in the path
+            if tuple(tail[end - self.n + 1 : end]) == key:
+                banned.add(tail[end])
+        return banned
+
+
 class BeamDrafter:
     """MTAD's beam-sampled drafts (see the module docstring)."""
 
-    def __init__(self, lm: DraftLM, width: int = 4, sampling: SamplingConfig = SamplingConfig()):
+    def __init__(self, lm: DraftLM, width: int = 4, sampling: SamplingConfig = SamplingConfig(),
+                 no_repeat_ngram: int = 0):
         if width < 1:
             raise ConfigError(f"beam width must be >= 1, got {width}")
         if sampling.greedy:
             raise ConfigError("beam sampling needs temperature > 0 (mtad samples; its default is 1)")
         self.lm, self.width, self.sampling = lm, width, sampling
+        self._ngrams = OutputNgrams(no_repeat_ngram) if no_repeat_ngram else None
         self._generator = sampling.generator(DRAFT_STREAM, lm.device)  # fresh per request unless seeded
 
     def begin(self, prompt: Sequence[int]) -> None:
         self.lm.begin(prompt)
+        if self._ngrams is not None:
+            self._ngrams.begin(len(prompt))
+
+    def _banned(self, context: Sequence[int], paths: list[list[int]]) -> list[set[int]] | None:
+        """Per beam (its draft tokens so far, draft-vocabulary indices): target ids it may not take."""
+        if self._ngrams is None:
+            return None
+        return [self._ngrams.banned(context, [_target_id(t, self.lm) for t in path]) for path in paths]
 
     def close(self) -> None:
         close_lm(self.lm)
@@ -271,10 +322,16 @@ class BeamDrafter:
     def propose(self, context: Sequence[int], k: int, keep: Keep = keep_all) -> Draft:
         if k <= 0 or not keep(0, None):
             return EMPTY_DRAFT  # no draft, no draft-model work: the next sync catches up
+        if self._ngrams is not None:
+            self._ngrams.update(context)
         q = probabilities(self.lm.sync(context).unsqueeze(0), self.sampling)  # [1, V_d]
-        beams = beam_step(torch.zeros(1, dtype=torch.float64, device=q.device), q, self.width, self._generator)
+        beams = beam_step(torch.zeros(1, dtype=torch.float64, device=q.device), q, self.width, self._generator,
+                          self._banned(context, [[]]), self.lm)
         # beams: (parent [W], token index [W], log weight [W], q of the token [W])
         parents, tokens, log_weights, token_q = beams
+        if not len(tokens):  # every token the draft model would take repeats the output
+            self.lm.end_draft()
+            return EMPTY_DRAFT
         paths = [[] for _ in range(len(tokens))]
         history_tokens = [[int(t)] for t in tokens]
         history_q = [[float(p)] for p in token_q]
@@ -288,7 +345,11 @@ class BeamDrafter:
             logits = self.lm.extend(_target_ids(tokens, self.lm), tree)  # [W, V_d]
             slots = tree.slots.tolist()  # the scratch slot each beam's newest token was written to
             q = probabilities(logits, self.sampling)  # [W, V_d]
-            parents, tokens, log_weights, token_q = beam_step(log_weights, q, self.width, self._generator)
+            step_beams = beam_step(log_weights, q, self.width, self._generator,
+                                   self._banned(context, history_tokens), self.lm)
+            if not len(step_beams[1]):  # every extension repeats the output: the draft ends here
+                break
+            parents, tokens, log_weights, token_q = step_beams
             paths = [paths[int(p)] + [slots[int(p)]] for p in parents]
             history_tokens = [history_tokens[int(p)] + [int(t)] for p, t in zip(parents, tokens)]
             history_q = [history_q[int(p)] + [float(x)] for p, x in zip(parents, token_q)]
@@ -304,18 +365,25 @@ class BeamDrafter:
         pass  # beams live in scratch slots; the next sync recomputes the committed tokens
 
 
-def beam_step(log_weights: torch.Tensor, q: torch.Tensor, width: int, generator: torch.Generator):
+def beam_step(log_weights: torch.Tensor, q: torch.Tensor, width: int, generator: torch.Generator,
+              banned: Sequence[set[int]] | None = None, lm: DraftLM | None = None):
     """Draw `width` distinct (beam, token) pairs without replacement, with probability
     proportional to weight[beam] * q[beam, token] (Gumbel top-k), and renormalise.
 
-    log_weights: [B] log beam weights; q: [B, V] draft probabilities.
-    Returns (parent [W], token [W], new log weights [W] (log-sum-exp 0), q of the token [W])."""
+    log_weights: [B] log beam weights; q: [B, V] draft probabilities; banned: per beam, target
+    ids it may not take (`lm` maps draft indices to them). Returns (parent [W], token [W], new
+    log weights [W] (log-sum-exp 0), q of the token [W]); fewer than `width` when fewer pairs
+    are allowed, none when none is."""
     vocab = q.shape[1]
     # Only pairs with q > 0 can be drawn (top-k leaves a few dozen of B * V), so the Gumbel keys
     # are drawn for those alone: the same law, without B * V logarithms per step.
     # log_weights are normalised (finite) and q > 0 on the support, so every joint is finite.
     flat_q = q.flatten()  # [B * V]
     support = torch.nonzero(flat_q > 0).squeeze(1)  # [S] flat indices
+    if banned is not None and any(banned):
+        ids = (support % vocab if lm is None else _target_ids(support % vocab, lm)).tolist()
+        allowed = [token not in banned[beam] for beam, token in zip((support // vocab).tolist(), ids)]
+        support = support[torch.tensor(allowed, dtype=torch.bool, device=support.device)]
     joint = log_weights[support // vocab] + torch.log(flat_q[support].double())  # [S]
     take = min(width, support.shape[0])
     uniform = torch.rand(joint.shape, generator=generator, dtype=torch.float64, device=joint.device).clamp_(1e-300, 1.0)
