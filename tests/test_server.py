@@ -340,6 +340,8 @@ LONG = "a" * 300  # the served model's context is 256 tokens (one per character)
     ("/v1/completions", {"prompt": "hi", "method": "nope/constant:4"}, 400, "method", "unknown_method"),
     ("/v1/completions", {"prompt": "hi", "method": "pld/constant:64"}, 400, "method", "invalid_value"),
     ("/v1/completions", {"prompt": "hi", "method": "mtad/beams=17"}, 400, "method", "invalid_value"),
+    ("/v1/completions", {"prompt": "hi", "method": "mtad/no_repeat_ngram=-1"}, 400, "method", "invalid_value"),
+    ("/v1/completions", {"prompt": "hi", "method": "mtad/no_repeat_ngram=six"}, 400, "method", "invalid_value"),
     ("/v1/completions", {"prompt": "hi", "method": "suffix/max_cached_requests=-1"}, 400, "method", "invalid_value"),
     ("/v1/completions", {"prompt": "hi", "method": "suffix/max_cached_requests=10001"}, 400, "method", "invalid_value"),
     ("/v1/completions", {"prompt": "hi", "method": "suffix/max_tree_depth=257"}, 400, "method", "invalid_value"),
