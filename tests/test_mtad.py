@@ -139,6 +139,20 @@ def test_beam_step_single_draw_follows_weight_times_q():
     assert pvalue > ALPHA
 
 
+def test_beam_step_draws_only_allowed_pairs_naming_banned_tokens_by_target_id():
+    class MappedLM:  # a draft vocabulary of 3 columns holding target ids 10, 11, 12
+        vocab, vocab_size = torch.tensor([10, 11, 12]), 20
+
+    q = torch.full((2, 3), 1 / 3)
+    log_weights = torch.log(torch.tensor([0.5, 0.5], dtype=torch.float64))
+    parents, tokens, new, _ = beam_step(log_weights, q, 6, torch.Generator().manual_seed(0),
+                                        [{11}, {10, 12}], MappedLM())
+    assert sorted(zip(parents.tolist(), tokens.tolist())) == [(0, 0), (0, 2), (1, 1)]
+    assert float(torch.logsumexp(new, 0)) == pytest.approx(0.0, abs=1e-12)
+    none = beam_step(log_weights, q, 6, torch.Generator(), [{10, 11, 12}, {10, 11, 12}], MappedLM())
+    assert len(none[0]) == 0
+
+
 def test_joint_rule_longest_passing_prefix_ties_and_l0():
     generator = torch.Generator().manual_seed(0)
     p = torch.tensor([[0.9, 0.1], [0.1, 0.9], [0.5, 0.5], [0.5, 0.5]])

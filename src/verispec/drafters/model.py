@@ -330,7 +330,7 @@ class BeamDrafter:
         # beams: (parent [W], token index [W], log weight [W], q of the token [W])
         parents, tokens, log_weights, token_q = beams
         if not len(tokens):  # every token the draft model would take repeats the output
-            self.lm.end_draft()
+            self._end_draft()
             return EMPTY_DRAFT
         paths = [[] for _ in range(len(tokens))]
         history_tokens = [[int(t)] for t in tokens]
@@ -353,13 +353,16 @@ class BeamDrafter:
             paths = [paths[int(p)] + [slots[int(p)]] for p in parents]
             history_tokens = [history_tokens[int(p)] + [int(t)] for p, t in zip(parents, tokens)]
             history_q = [history_q[int(p)] + [float(x)] for p, x in zip(parents, token_q)]
-        self.lm.end_draft()
-        self.lm.keep(0)
+        self._end_draft()
         best = int(torch.argmax(log_weights))
         chosen = _target_ids(torch.tensor(history_tokens[best], device=self.lm.device), self.lm).to(HOST)
         confidence = tuple(history_q[best])
         q_tokens = torch.tensor(history_q[best], dtype=torch.float32, device=self.lm.device)
         return Draft(chosen, q_tokens=q_tokens, confidence=confidence)
+
+    def _end_draft(self) -> None:
+        self.lm.end_draft()
+        self.lm.keep(0)  # no beam row is committed: the next sync recomputes the accepted tokens
 
     def commit(self, committed: Sequence[int], n_proposed: int) -> None:
         pass  # beams live in scratch slots; the next sync recomputes the committed tokens
@@ -380,10 +383,12 @@ def beam_step(log_weights: torch.Tensor, q: torch.Tensor, width: int, generator:
     # log_weights are normalised (finite) and q > 0 on the support, so every joint is finite.
     flat_q = q.flatten()  # [B * V]
     support = torch.nonzero(flat_q > 0).squeeze(1)  # [S] flat indices
-    if banned is not None and any(banned):
-        ids = (support % vocab if lm is None else _target_ids(support % vocab, lm)).tolist()
-        allowed = [token not in banned[beam] for beam, token in zip((support // vocab).tolist(), ids)]
-        support = support[torch.tensor(allowed, dtype=torch.bool, device=support.device)]
+    if banned is not None and any(banned):  # a few banned ids per beam; the support may be B * V
+        span = vocab if lm is None else lm.vocab_size  # past every target id
+        ids = support % vocab if lm is None else _target_ids(support % vocab, lm)  # [S] target ids
+        pairs = [beam * span + token for beam, tokens in enumerate(banned) for token in tokens]
+        forbidden = torch.isin((support // vocab) * span + ids, torch.tensor(pairs, device=support.device))
+        support = support[~forbidden]
     joint = log_weights[support // vocab] + torch.log(flat_q[support].double())  # [S]
     take = min(width, support.shape[0])
     uniform = torch.rand(joint.shape, generator=generator, dtype=torch.float64, device=joint.device).clamp_(1e-300, 1.0)
