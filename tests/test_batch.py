@@ -6,8 +6,7 @@ target's block pool): a mixed batch (prompt lengths across several KV blocks, me
 differ, greedy and seeded sampling, budgets that end early, requests that join late, prompts
 prefilled in chunks beside decoding rows) against each request run alone; a prompt's logits
 and keys bit for bit whether prefilled whole, in chunks, beside another sequence or from the
-prefix cache; the prefix cache on and off; a pool so small that sequences are preempted and
-recomputed; the API's errors in place, cancellation, and targets that cannot batch.
+prefix cache; the prefix cache on and off; a pool so small that requests wait for blocks; the API's errors in place, cancellation, and targets that cannot batch.
 """
 
 from __future__ import annotations
@@ -16,7 +15,7 @@ import pytest
 import torch
 
 import helpers
-from verispec.api import RequestDone, TextDelta, generate, generate_many, make_request, stream_many
+from verispec.api import BatchTextStream, RequestDone, TextDelta, generate, generate_many, make_request, stream_many
 from verispec.batch import BatchEngine
 from verispec.batch_forward import LAST, Part, forward_parts
 from verispec.errors import ConfigError, ModelLoadError
@@ -184,9 +183,9 @@ def test_the_prefix_cache_changes_nothing_but_the_work_and_never_writes_shared_b
                    for layer, before in zip(target.pool.keys, layers))
 
 
-def test_a_pool_too_small_for_everyone_preempts_and_still_gives_identical_outputs():
-    """Room for about three sequences: the engine waits, preempts and recomputes, evicting
-    cached blocks as it goes; outputs stay identical and every block comes back."""
+def test_a_pool_too_small_for_everyone_makes_requests_wait_and_still_gives_identical_outputs():
+    """Room for about three sequences: requests wait for blocks (evicting cached ones as they
+    go), none is refused or preempted; outputs stay identical and every block comes back."""
     target = int8_target("qwen2", seed=4)
     requests = [make_request(target, PROMPTS[i % len(PROMPTS)] + "xyz"[i % 3], method, max_new_tokens=70)
                 for i in range(6) for method in ("ar", "anpd")]
@@ -194,23 +193,27 @@ def test_a_pool_too_small_for_everyone_preempts_and_still_gives_identical_output
     fresh = int8_target("qwen2", seed=4)
     config = fresh.config
     per_block = block_bytes(config.num_hidden_layers, config.num_key_value_heads, fresh._fast.head_dim)
-    fresh.kv_budget_bytes = 12 * per_block
-    preempted = []
-    original = BatchEngine._preempt
-    BatchEngine._preempt = lambda self, job: (preempted.append(job.id), original(self, job))[1]
-    try:
-        results = generate_many(fresh, requests)
-    finally:
-        BatchEngine._preempt = original
-    assert [r.token_ids for r in results] == expected
-    assert preempted  # the pool really ran short
+    fresh.kv_memory = 12 * per_block
+    stream = BatchTextStream(fresh, requests)
+    most = [0]
+    original = stream._engine.step
+
+    def step():
+        most[0] = max(most[0], len(stream._engine.running))
+        return original()
+
+    stream._engine.step = step
+    for _ in stream:
+        pass
+    assert [r.token_ids for r in stream.results] == expected
+    assert most[0] < len(requests)  # the pool really ran short: some waited
     assert fresh.pool.used_blocks == 0
 
 
 def test_a_request_that_could_never_fit_is_refused_in_its_place():
     fresh = int8_target("llama")
     config = fresh.config
-    fresh.kv_budget_bytes = 3 * block_bytes(config.num_hidden_layers, config.num_key_value_heads, fresh._fast.head_dim)
+    fresh.kv_memory = 3 * block_bytes(config.num_hidden_layers, config.num_key_value_heads, fresh._fast.head_dim)
     requests = [make_request(fresh, "hello", "ar", max_new_tokens=10),
                 make_request(fresh, "hello", "ar", max_new_tokens=400)]
     results = generate_many(fresh, requests)

@@ -170,7 +170,7 @@ def test_a_long_prompt_does_not_stop_the_streams_in_flight(tokenizer):
 def test_a_kv_pool_too_small_for_everyone_makes_requests_wait_never_fail(tokenizer, reference):
     target = sh.int8_text_target(tokenizer)
     config = target.config
-    target.kv_budget_bytes = 10 * block_bytes(config.num_hidden_layers, config.num_key_value_heads,
+    target.kv_memory = 10 * block_bytes(config.num_hidden_layers, config.num_key_value_heads,
                                               target._fast.head_dim)
     server = sh.RunningServer(target, ServerSettings(model_id=MODEL_ID, max_queue=64, max_tokens_limit=120,
                                                      max_sequences=16))
@@ -186,8 +186,6 @@ def test_a_kv_pool_too_small_for_everyone_makes_requests_wait_never_fail(tokeniz
         assert metric(server, "verispec_generations_total", method="anpd", outcome="error") == 0
         sh.wait_until(lambda: idle(server))
         assert target.pool.used_blocks == 0
-        huge = httpx.post(server.url + "/v1/completions", json={"prompt": "a" * 100, "max_tokens": 120})
-        assert huge.status_code == 400 and huge.json()["error"]["code"] == "kv_memory_exceeded"
     finally:
         server.stop()
 

@@ -2,12 +2,15 @@
 
 Owns `BatchEngine`, which runs the decode loops of many requests (`Job`s) in steps. Each step:
 
-1. admit waiting jobs, first come first served, while there are sequence slots and KV blocks
-   for their prompts (a prompt that starts with cached blocks shares them: `kv_pool`);
+1. admit waiting jobs, first come first served, while there are sequence slots and the KV pools
+   can cover each one's whole need (`scheduler`: a request's claim is its prompt, its token
+   budget and a draft model's scratch rows; a prompt that starts with cached blocks shares them:
+   `kv_pool`);
 2. every decoding job drafts as `engine.decode` does (`engine.next_draft`: its own drafter,
    controller and method); the drafts are then cut together for the step's best expected
    tokens per second (`control.allocate_drafts`: a draft row costs more when the forward is
-   already wide), and the verify rows (chains or trees) join the step's forward;
+   already wide), and to what each job's claim holds, and the verify rows (chains or trees)
+   join the step's forward;
 3. waiting prompts are prefilled in chunks in the same forward, within a row budget
    (`max_rows`), so a long prompt never stalls the sequences already decoding;
 4. one forward of the target runs all those rows (`batch_forward.forward_parts`): every row's
@@ -19,16 +22,19 @@ So a request's output is the one it gives alone, whatever else runs: greedy outp
 token, and seeded sampled outputs of `ar` and the deterministic drafters too (one draw from the
 job's own generator per committed token, whatever the draft lengths).
 
-When KV memory runs out mid-run, the most recently admitted job is preempted: its blocks go back
-(its full ones to the prefix cache) and it waits at the head of the queue; on its return its
-context is recomputed (the same bits: the C layers are batch-invariant) and it goes on where it
-stopped. A request that could never fit the pool is refused when submitted (`PoolExhausted`).
+KV memory never runs out mid-run: a job starts only once its whole claim is covered
+(`scheduler`), so nothing is preempted, and a request that fits the pool alone always
+completes. A request that could never fit is refused when submitted (`PoolExhausted`, with the
+reason). Nothing raises out of a step: a job whose drafter, rule or forward fails ends with its
+error (a failed shared forward is retried with each job alone, so only the job it fails for
+ends), its blocks given back, and the others go on.
 
 Exact batching needs a target whose sequences page their KV in its block pool
 (`Target.pages_kv`: the fast path's C layers with int8 numerics). Methods that draft with a
 model (`eesd`, `sps`, `mtad`: `Method.draws`) run unbatched beside the batch, one
-`engine.decode` step per batch step on a sequence of their own. A target without paged KV
-(float32 numerics, transformers' forward, a GPU) serves its jobs one at a time, in order.
+`engine.decode` step per batch step on a sequence of their own, admitted by the same rule. A
+target without paged KV (float32 numerics, transformers' forward, a GPU) serves its jobs one at
+a time, in order.
 """
 
 from __future__ import annotations
@@ -42,14 +48,16 @@ from typing import Iterator
 
 import torch
 
+from . import scheduler
 from .batch_forward import ALL, LAST, NONE, Part, prepare
+from .cache import Tree
 from .control import RowCosts, allocate_drafts
 from .drafters.base import EMPTY_DRAFT
 from .engine import (DecodeConfig, Logprobs, Recipe, apply_stops, close_drafter, decode, next_draft, settle,
                      verify_tokens)
 from .errors import ConfigError
 from .runtime.kv_pool import PoolExhausted
-from .runtime.rows import BLOCK
+from .scheduler import Claim, PoolCounts
 from .sequence import TargetSequence
 from .stats import GenerationStats
 
@@ -62,10 +70,25 @@ DEFAULT_MAX_SEQUENCES = 64
 _ids = itertools.count(1)
 
 
+@dataclass
+class Holding:
+    """A job's claim on one pool (`scheduler.Claim`) and the sequence whose blocks fill it."""
+
+    claim: Claim
+    sequence: TargetSequence
+
+    def refresh(self) -> Claim:
+        """The claim, with the blocks its sequence holds now."""
+        cache = self.sequence.cache
+        self.claim.held = len(cache.blocks) if getattr(self.sequence, "paged", False) and cache is not None else 0
+        return self.claim
+
+
 @dataclass(eq=False)
 class Job:
     """One request in the batch: the per-sequence state (its tokens, its KV sequence, its
-    method's drafter, controller and rule, its sampling generator, its stats)."""
+    method's drafter, controller and rule, its sampling generator, its stats) and its claims on
+    the KV pools it writes (`holdings`)."""
 
     prompt: list[int]
     recipe: Recipe
@@ -76,8 +99,8 @@ class Job:
     state: str = WAITING
     context: list[int] = field(default_factory=list)  # the prompt, then every committed token
     sequence: TargetSequence | None = None
+    holdings: list[Holding] = field(default_factory=list)
     generator: torch.Generator | None = None
-    first_token: bool = True  # its prefill ends with the first token (False: a preempted job's recompute)
     logprobs: Logprobs | None = None  # where the committed tokens' log-probabilities go, if wanted
     error: BaseException | None = None
     finish_reason: str = ""  # "eos", "length", "cancelled", "error"
@@ -89,10 +112,9 @@ class Job:
         return self.state == DONE
 
     @property
-    def prefill_to(self) -> int:
-        """Positions its cache must hold before it decodes: the prompt (its last token yields the
-        first new one), or after a preemption every committed token but the last."""
-        return len(self.context) if self.first_token else len(self.context) - 1
+    def positions(self) -> int:
+        """The most positions its target sequence may hold (its claim there)."""
+        return self.holdings[0].claim.positions
 
 
 class BatchEngine:
@@ -114,31 +136,58 @@ class BatchEngine:
         self.waiting: collections.deque[Job] = collections.deque()
         self.running: list[Job] = []
         self.last_rows = 0  # rows of the last step's shared forward
+        self._failed: list[Job] = []  # jobs that ended while being admitted (the next step reports them)
 
     # -- jobs in and out -------------------------------------------------------------------------
+    def refusal(self, prompt_tokens: int, max_new_tokens: int) -> str | None:
+        """Why a request of this size could never run on this target's KV pool, or None (the
+        check `submit` makes; the server asks it before queueing)."""
+        if not self.batches:
+            return None
+        pool = self.target.pool
+        claim = Claim(pool, scheduler.kv_positions(prompt_tokens, max_new_tokens), pool.block)
+        return scheduler.never_fits([claim], {pool: self._counts(pool)})
+
     def submit(self, prompt: list[int], recipe: Recipe, config: DecodeConfig, stats: GenerationStats,
                draws: bool = False, sequence: TargetSequence | None = None) -> Job:
         """Queue a request (its prompt ids, a fresh recipe, its decode config and stats); `draws`:
         its method drafts with a model (runs unbatched); `sequence`: the target sequence its
         recipe was built on (a drafter that runs the target's layers drafts in it), else a new
         one. Refuses a prompt that is empty, too long for the model, or could never fit the KV
-        pool."""
+        pools (`PoolExhausted`, with the reason)."""
         if not prompt:
             raise ConfigError("the prompt is empty: at least one token is needed")
         if len(prompt) + config.max_new_tokens > self.target.max_length:
             raise ConfigError(f"prompt ({len(prompt)} tokens) + max_new_tokens ({config.max_new_tokens}) exceeds the "
                               f"model's context of {self.target.max_length} tokens")
-        if self.batches:
-            # its longest cache: prompt + output, and a verify's scratch rows past it
-            need = -(-(len(prompt) + config.max_new_tokens + 2 * BLOCK) // BLOCK)
-            if need > self.target.pool.blocks:
-                raise PoolExhausted(f"a request of {len(prompt)} prompt tokens and up to {config.max_new_tokens} new "
-                                    f"ones needs {need} blocks of KV memory; the pool has {self.target.pool.blocks}")
+        sequence = sequence or self.target.new_sequence()
+        holdings = self._holdings(len(prompt), config.max_new_tokens, recipe, sequence) if self.batches else []
+        claims = [holding.claim for holding in holdings]
+        why = scheduler.never_fits(claims, {claim.pool: self._counts(claim.pool) for claim in claims})
+        if why is not None:
+            raise PoolExhausted(f"this request can never fit the KV memory: {why}; lower its max_new_tokens, or give "
+                                f"the model more KV memory (kv_memory)")
         stats.prompt_tokens = len(prompt)
         job = Job(list(prompt), recipe, config, stats, batched=self.batches and not draws, context=list(prompt),
-                  sequence=sequence or self.target.new_sequence())
+                  sequence=sequence, holdings=holdings)
         self.waiting.append(job)
         return job
+
+    def _holdings(self, prompt_tokens: int, max_new_tokens: int, recipe: Recipe, sequence) -> list[Holding]:
+        """A job's claims: its target sequence's positions, then those of the drafter's own
+        sequences (a draft model's: `kv_claims`) that live in a block pool."""
+        pool = self.target.pool
+        holdings = [Holding(Claim(pool, scheduler.kv_positions(prompt_tokens, max_new_tokens), pool.block), sequence)]
+        claims_of = getattr(recipe.drafter, "kv_claims", None)
+        for draft_sequence, positions in (claims_of(prompt_tokens, max_new_tokens) if claims_of else ()):
+            if draft_sequence.pages_kv:
+                draft_pool = draft_sequence.pool
+                holdings.append(Holding(Claim(draft_pool, positions, draft_pool.block), draft_sequence))
+        return holdings
+
+    @staticmethod
+    def _counts(pool) -> PoolCounts:
+        return PoolCounts(pool.blocks, pool.free_blocks, pool.block)
 
     def cancel(self, job: Job, reason: str = "cancelled") -> None:
         """End `job` now (waiting or running): its blocks go back, its drafter is closed."""
@@ -157,85 +206,118 @@ class BatchEngine:
         return len(self.waiting) + len(self.running)
 
     def _finish(self, job: Job, reason: str, error: BaseException | None = None) -> None:
+        """`job` ends: out of the batch, its drafter closed, every block of its sequences given
+        back (whatever fails on the way, the job ends)."""
         if job in self.running:
             self.running.remove(job)
         job.state, job.finish_reason, job.error = DONE, reason, error
         job.stats.stop_reason = job.stats.stop_reason or reason
-        if job._steps is not None:
-            job._steps.close()  # an unbatched job's loop closes its drafter
-        else:
-            close_drafter(job.recipe.drafter)
-        if job.sequence is not None:
-            job.sequence.release()
+        try:
+            if job._steps is not None:
+                job._steps.close()  # an unbatched job's loop closes its drafter
+            else:
+                close_drafter(job.recipe.drafter)
+        except Exception:  # noqa: BLE001 - a drafter that fails to close still gives its blocks back
+            log.exception("job %s: its drafter failed to close", job.id)
+        for holding in job.holdings or [Holding(None, job.sequence)]:
+            if holding.sequence is not None:
+                holding.sequence.release()
 
     # -- one step ------------------------------------------------------------------------------
     def step(self) -> list[tuple[Job, list[int]]]:
         """Run one step of every running job (see the module docstring); returns the tokens each
         job committed in it, in job order, including jobs that ended (`Job.done`: then
-        `finish_reason`, and `error` for one that failed; its last tokens may be empty)."""
-        self.admit()
+        `finish_reason`, and `error` for one that failed; its last tokens may be empty). Never
+        raises: a failure ends the jobs it concerns."""
         events: list[tuple[Job, list[int]]] = []
-        batched = [job for job in self.running if job.batched]
-        if batched:
-            events += self._shared_step(batched)
-        for job in [job for job in self.running if not job.batched]:
-            events.append((job, self._own_step(job)))
-            if not self.batches:
-                break  # a target without paged KV: one job at a time
+        try:
+            self.admit()
+            events += [(job, []) for job in self._failed]
+            batched = [job for job in self.running if job.batched]
+            if batched:
+                events += self._shared_step(batched)
+            for job in [job for job in self.running if not job.batched]:
+                events.append((job, self._own_step(job)))
+                if not self.batches:
+                    break  # a target without paged KV: one job at a time
+        except Exception as error:  # noqa: BLE001 - a bug in the engine's own bookkeeping
+            log.exception("a batch step failed: its jobs end with the error")
+            seen = {id(job) for job, _ in events}
+            for job in [*self.running, *self.waiting]:
+                self.cancel(job, "error")
+                job.error = error
+                if id(job) not in seen:
+                    events.append((job, []))
+        finally:
+            self._failed = []
         return events
 
     def admit(self) -> None:
-        """Move waiting jobs to running, in order, while there is room (sequences, and free
-        blocks for the prompt beyond what the prefix cache holds, with a block to spare per
-        running job for its next verify). A job that cannot start with nothing else running
-        never will (blocks held outside the engine): it ends with `PoolExhausted`."""
+        """Move waiting jobs to running, first come first served, while there are sequence slots
+        and every pool can cover the head job's claim on top of what the running jobs may still
+        take (`scheduler.admissible`). A job that cannot start with nothing else running never
+        will (blocks held outside the engine): it ends with `PoolExhausted`."""
         while self.waiting and len(self.running) < self.max_sequences:
             job = self.waiting[0]
             if job.batched and self._twin_prefilling(job):
                 return  # it starts from the twin's blocks once they are cached (n choices of one prompt)
-            if job.batched:
-                if not self._start_batched(job):
-                    if not self.running:
-                        self.waiting.popleft()
-                        self._finish(job, "error", PoolExhausted(
-                            f"KV memory exhausted: job {job.id} needs {job.prefill_to} positions, "
-                            f"{self.target.pool.free_blocks} blocks of {BLOCK} are free"))
-                        continue
-                    return
-            elif not self.batches and self.running:
+            if not self.batches and self.running:
                 return  # one at a time
+            if self.batches and not self._fits(job):
+                if self.running:
+                    return  # it waits for blocks
+                self.waiting.popleft()
+                pools = ", ".join(f"{pool.free_blocks} of {pool.blocks}" for pool in {h.claim.pool for h in job.holdings})
+                self._fail_admission(job, PoolExhausted(
+                    f"KV memory held outside the batch: job {job.id} needs {job.holdings[0].claim.blocks} blocks, "
+                    f"{pools} are free"))
+                continue
             self.waiting.popleft()
+            try:
+                self._start(job)
+            except Exception as error:  # noqa: BLE001 - a drafter that cannot begin fails its job only
+                self._fail_admission(job, error)
+                continue
             job.admitted_at = time.perf_counter()
             job.state = PREFILL if job.batched else DECODE
             self.running.append(job)
 
+    def _fail_admission(self, job: Job, error: BaseException) -> None:
+        self._finish(job, "error", error)
+        self._failed = [*self._failed, job]
+
+    def _fits(self, job: Job) -> bool:
+        """Whether every pool can give `job` its claim now (`scheduler.admissible`). Its start
+        shares the cached blocks its prompt begins with (batched jobs: exactly those
+        `start_from_cache` takes; unbatched ones are counted as sharing none, which can only
+        over-count)."""
+        running = [holding.refresh() for other in self.running for holding in other.holdings]
+        costs: dict = {}
+        for index, holding in enumerate(job.holdings):
+            claim = holding.claim
+            busy = claim.pool.shared_busy(job.prompt) if index == 0 and job.batched else 0
+            costs[claim.pool] = costs.get(claim.pool, 0) + scheduler.admission_cost(claim, busy)
+        return scheduler.admissible(costs, running, {pool: self._counts(pool) for pool in costs})
+
     def _twin_prefilling(self, job: Job) -> bool:
         """Whether a running job is still prefilling the same prompt (its blocks will be shared)."""
-        prompt = job.context[: job.prefill_to]
-        return any(other.state == PREFILL and other.prefill_to == len(prompt) and other.context[: other.prefill_to] == prompt
-                   for other in self.running if other.batched)
+        return any(other.state == PREFILL and other.prompt == job.prompt for other in self.running if other.batched)
 
-    def _start_batched(self, job: Job) -> bool:
-        """Give `job` a paged sequence starting from the cached blocks of its context, if the
-        pool can hold the rest of its prefill; False (nothing taken) if not. The first time, its
-        drafter begins and its sampling generator is made (a preempted job keeps both)."""
-        sequence = job.sequence
-        sequence.reset()
-        sequence.cache.start_from_cache(job.context[: job.prefill_to])
-        need = -(-(job.prefill_to + 1) // BLOCK) - len(sequence.cache.blocks) + len(self.running)
-        if need > self.target.pool.free_blocks:
-            sequence.release()
-            return False
-        if job.generator is None:
-            job.generator = job.config.sampling.generator(device=self.target.device)
-            job.recipe.drafter.begin(job.context)
-        return True
+    def _start(self, job: Job) -> None:
+        """A batched job's paged sequence, starting from the cached blocks of its prompt; its
+        sampling generator and its drafter's start (an unbatched job's decode loop does both)."""
+        if not job.batched:
+            return
+        job.sequence.reset()
+        job.sequence.cache.start_from_cache(job.prompt)
+        job.generator = job.config.sampling.generator(device=self.target.device)
+        job.recipe.drafter.begin(job.context)
 
     def _own_step(self, job: Job) -> list[int]:
         """One `engine.decode` step of an unbatched job on its own sequence."""
-        if job._steps is None:
-            job._steps = decode(job.sequence, job.recipe, job.prompt, job.config, job.stats, job.logprobs)
         try:
+            if job._steps is None:
+                job._steps = decode(job.sequence, job.recipe, job.prompt, job.config, job.stats, job.logprobs)
             committed = next(job._steps)
         except StopIteration:
             committed = []
@@ -252,64 +334,51 @@ class BatchEngine:
         started = time.perf_counter()
         decoding = [job for job in jobs if job.state == DECODE]
         prefilling = any(job.state == PREFILL for job in jobs)
-        # draft rows each decoding job may use: the budget shared, a quarter kept for prompt chunks
-        budget = self.max_rows * 3 // 4 if prefilling else self.max_rows
-        share = max(0, budget // max(1, len(decoding)) - 1)
-        for job in decoding:  # blocks for the longest verify first: preempt while they are missing
-            if job.state == DECODE:
-                self._reserve(job, job.sequence.length + 2 * (self._room(job, share) + 1))
+        share = scheduler.row_share(self.max_rows, len(decoding), prefilling)
         drafted = []  # (job, its uncut draft, seconds spent drafting)
+        events: list[tuple[Job, list[int]]] = []
         for job in decoding:
-            if job.state != DECODE:
-                continue  # preempted
             drafted_at = time.perf_counter()
             drafter, controller, _ = job.recipe
+            room = scheduler.draft_room(share, job.config.max_new_tokens - job.stats.new_tokens)
             try:
-                draft = next_draft(drafter, controller, job.context, self._room(job, share), True, cut=False)
+                draft = next_draft(drafter, controller, job.context, room, True, cut=False)
             except Exception as error:  # noqa: BLE001 - a drafter's failure ends its job only
                 self._finish(job, "error", error)
+                events.append((job, []))
                 continue
             drafted.append((job, draft, time.perf_counter() - drafted_at))
         lengths = self._cut_drafts(drafted, prefilling)
         parts, plans = [], []
         for (job, draft, draft_s), length in zip(drafted, lengths):
-            draft = draft.prefix(length)
+            draft = self._within_claim(job, draft.prefix(length))
             tokens, parents = verify_tokens(job.context, draft)
             parts.append(Part(job.sequence, tokens, parents, ALL))
             plans.append((job, draft, draft_s))
         budget = self.max_rows - sum(len(part.tokens) for part in parts)
         for job in [job for job in self.running if job.batched and job.state == PREFILL]:
-            chunk = min(job.prefill_to - job.sequence.length, budget)
+            chunk = min(len(job.prompt) - job.sequence.length, budget)
             if chunk <= 0:
                 break
             end = job.sequence.length + chunk
-            part = Part(job.sequence, job.context[job.sequence.length : end],
-                        logits=LAST if end == job.prefill_to and job.first_token else NONE)
-            try:
-                prepare(part)
-            except PoolExhausted:
-                break  # it waits for blocks (first come first served: no later prompt goes first)
-            parts.append(part)
+            parts.append(Part(job.sequence, job.prompt[job.sequence.length : end],
+                              logits=LAST if end == len(job.prompt) else NONE))
             plans.append((job, None, 0.0))
             budget -= chunk
         self.last_rows = sum(len(part.tokens) for part in parts)
         if not parts:
-            return []
+            return events
         forward_started = time.perf_counter()
-        try:
-            results = self.target.forward_parts(parts)
-        except Exception as error:  # noqa: BLE001 - a failed forward ends the jobs in it, not the engine
-            log.exception("a batched forward failed")
-            for job, _, _ in plans:
-                self._finish(job, "error", error)
-            return [(job, []) for job, _, _ in plans]
+        results = self._forward(parts, plans)
         forward_s = time.perf_counter() - forward_started
-        if all(draft is not None for _, draft, _ in plans):
+        if all(draft is not None for _, draft, _ in plans) and None not in results:
             # decode steps only: a prompt chunk's rows fill the kernel's tiles and cost less each
             # than the draft rows this fit prices (with them, b came out at half a draft row's cost)
             self.row_costs.observe(self.last_rows, forward_s)
-        events = []
         for (job, draft, draft_s), part, logits in zip(plans, parts, results):
+            if job.done:  # its forward failed
+                events.append((job, []))
+                continue
             share_s = forward_s * len(part.tokens) / self.last_rows  # this job's part of the forward
             try:
                 committed = self._settle(job, draft, part, logits, share_s, draft_s)
@@ -324,6 +393,41 @@ class BatchEngine:
             if draft is not None:
                 job.stats.decode_s += elapsed
         return events
+
+    def _forward(self, parts: list[Part], plans: list) -> list:
+        """The step's forward over every part; where it fails, each part again alone, so that
+        only the jobs whose own rows fail end (with the error). Sequences move only when their
+        forward succeeds (`forward_parts`), so a retry starts from where they were. Returns the
+        logits of each part (None for a prompt chunk that is not its last, or a failed part)."""
+        try:
+            for part in parts:
+                prepare(part)  # blocks inside the job's claim: never short (`scheduler`)
+            return self.target.forward_parts(parts)
+        except Exception as error:  # noqa: BLE001 - a failed forward ends the jobs it fails for, not the engine
+            if len(parts) == 1:
+                log.exception("a batched forward failed")
+                self._finish(plans[0][0], "error", error)
+                return [None]
+            log.warning("a batched forward of %d parts failed (%r): each part runs alone", len(parts), error)
+        results = []
+        for part, (job, _, _) in zip(parts, plans):
+            try:
+                results.append(self.target.forward_parts([part])[0])
+            except Exception as error:  # noqa: BLE001
+                log.exception("job %s: its forward failed", job.id)
+                self._finish(job, "error", error)
+                results.append(None)
+        return results
+
+    def _within_claim(self, job: Job, draft):
+        """`draft`, cut until its verify stays inside the job's claim: a chain always does (its
+        room keeps it within the token budget); a tree's scratch slots may not, near its end."""
+        if draft.parents is None:
+            return draft
+        start = job.sequence.length
+        while len(draft) and not scheduler.fits(start + Tree.span([-1, *(draft.parents + 1).tolist()]), job.positions):
+            draft = draft.prefix(len(draft) - 1)
+        return draft
 
     def _cut_drafts(self, drafted: list, prefilling: bool) -> list[int]:
         """How much of each job's draft to verify: jointly, for the step's best expected tokens
@@ -346,30 +450,21 @@ class BatchEngine:
         lengths = allocate_drafts(confidences, costs, pending)
         return [len(draft) if draft.drawn else n for (_, draft, _), n in zip(drafted, lengths)]
 
-    @staticmethod
-    def _room(job: Job, share: int) -> int:
-        """Most draft tokens `job` may verify this step: its share of the rows, and never past
-        its token budget (a step commits the drafts and one token more)."""
-        return min(share, job.config.max_new_tokens - job.stats.new_tokens - 1)
-
     def _settle(self, job: Job, draft, part: Part, logits, verify_s: float, draft_s: float) -> list[int] | None:
         """Accept and commit `job`'s part of the forward; returns its committed tokens (None for a
         prompt chunk that is not its last)."""
         _, controller, rule = job.recipe
         sampling = job.config.sampling
         if draft is None:  # a prompt chunk
-            if job.sequence.length < job.prefill_to:
+            if job.sequence.length < len(job.prompt):
                 return None
             job.sequence.cache.cache_full_blocks()  # its prompt's blocks, for jobs that share them
-            if not job.first_token:  # a preempted job's context is back: it decodes on
-                job.state = DECODE
-                return None
             committed = [rule(EMPTY_DRAFT, logits, sampling, job.generator).next_token]
             rows = [0]
             job.recipe.drafter.commit(committed, 0)
             job.stats.target_forwards += 1
             job.stats.prefill_s = time.perf_counter() - job.admitted_at
-            job.first_token, job.state = False, DECODE
+            job.state = DECODE
         else:
             verdict = rule(draft, logits, sampling, job.generator)
             committed = settle(job.sequence, job.recipe.drafter, draft, verdict, len(job.context))
@@ -385,27 +480,3 @@ class BatchEngine:
             job.stats.stop_reason = reason
             self._finish(job, reason)
         return committed
-
-    def _reserve(self, job: Job, positions: int) -> bool:
-        """Blocks for `positions` of `job`'s sequence, preempting the most recently admitted
-        batched job (`job` itself if it is the newest) while the pool is short; False if `job`
-        was preempted."""
-        while True:
-            try:
-                job.sequence.cache.reserve(positions)
-                return True
-            except PoolExhausted:
-                victim = max((other for other in self.running if other.batched), key=lambda other: other.admitted_at)
-                self._preempt(victim)
-                if victim is job:
-                    return False
-
-    def _preempt(self, job: Job) -> None:
-        """Take `job`'s KV memory back (its full blocks stay in the prefix cache) and queue it
-        first; it recomputes its context when it returns."""
-        log.info("KV memory full: job %s preempted (%d positions), it will recompute them", job.id, len(job.context))
-        job.sequence.release()
-        self.running.remove(job)
-        job.state = WAITING
-        self.waiting.appendleft(job)
-

@@ -679,7 +679,7 @@ def serve(
         kv_bytes = None if kv_memory is None else parse_bytes(kv_memory)
         sock = _listen(host, port)
         target = _load(model, dtype, fast, block_kernel, numerics, device, compile)
-        target.kv_budget_bytes, target.prefix_cache = kv_bytes, prefix_cache
+        target.kv_memory, target.prefix_cache = kv_bytes, prefix_cache
         if target.pages_kv:
             target.pool  # noqa: B018 - made now: a budget too small for one block is refused before serving
         if not ngram_memory:  # for every request, whatever method it asks for

@@ -52,12 +52,12 @@ from .device import (
     AUTO_MAP, STATIC_CACHE_TOKENS, CompiledStep, default_dtype, model_device, resolve_device, spread_over_devices,
 )
 from . import lazy_rows
-from .errors import ModelLoadError
+from .errors import ConfigError, ModelLoadError
 from .lazy_rows import LazyRows
 from .paths import cache_root
 from .runtime import blockmm
 from .runtime.fastpath import BLOCK_KERNEL_MAX_ROWS, FastDecoder
-from .runtime.kv_pool import BlockPool, default_budget_bytes
+from .runtime.kv_pool import BlockPool, default_budget_bytes, parse_bytes
 from .runtime.linear import BlockLinear, Linear
 from .sequence import TargetSequence
 
@@ -191,6 +191,7 @@ def load(
     numerics: str = "int8",
     device: str | torch.device = "auto",
     compile: bool = False,
+    kv_memory: int | str | None = None,
 ) -> "Target":
     """Load a causal LM as a `Target`.
 
@@ -212,8 +213,13 @@ def load(
     torch.compile with CUDA graphs over a static KV cache of `STATIC_CACHE_TOKENS` positions,
     which then bounds prompt + output); falls back to the plain forward with a message where it
     cannot. A ConfigError on the CPU.
+    kv_memory: the KV memory shared by the requests decoded together (`generate_many`, the
+    server), in bytes or as a size ('512MiB', '2GiB'); None: a quarter of the memory available,
+    at most 2 GiB. A request that could never fit it is refused; others wait for room.
     """
     resolve_dtype(dtype)  # a bad dtype is refused before anything is read
+    if isinstance(kv_memory, str):
+        parse_bytes(kv_memory)  # a bad size too
     if numerics not in blockmm.NUMERICS:
         raise ModelLoadError(f"unsupported numerics {numerics!r}; choose one of {', '.join(blockmm.NUMERICS)}")
     placement = resolve_device(device, compile)  # "cpu", "cuda:N" or "auto-map"; a missing GPU is refused here
@@ -255,6 +261,7 @@ def load(
     if placement == "cpu" and fast and block_kernel and gguf_path is not None and loaded.dtype == torch.float32:
         blocks = _gguf_blocks(gguf_path, Path(source), loaded, numerics)
     target = Target(loaded, tokenizer, name=name, fast=fast, blocks=blocks, numerics=numerics)
+    target.kv_memory = kv_memory
     if compile:
         target.compile_decode_step()
     return target
@@ -363,7 +370,7 @@ class Target:
         self._fast = None
         self.attachments: dict = {}  # things built once per target (e.g. prepared exit heads)
         self._pool: BlockPool | None = None  # paged KV memory, made at first use (`pool`)
-        self.kv_budget_bytes: int | None = None  # its size (None: `kv_pool.default_budget_bytes()`)
+        self._kv_memory: int | None = None  # its size in bytes (None: `kv_pool.default_budget_bytes()`)
         self._prefix_cache = True
         self.device = model_device(model)  # where input ids go and logits come back
         self._step: CompiledStep | None = None  # the compiled CUDA decode step (`compile_decode_step`)
@@ -513,12 +520,33 @@ class Target:
         return fast is not None and self._step is None and fast.runs_in_c(range(len(fast.layers)), BLOCK_KERNEL_MAX_ROWS + 1)
 
     @property
+    def kv_memory(self) -> int | None:
+        """Bytes of KV memory for this target's paged sequences (None: the default,
+        `kv_pool.default_budget_bytes()`: a quarter of the memory available, at most 2 GiB)."""
+        return self._kv_memory
+
+    @kv_memory.setter
+    def kv_memory(self, value: int | str | None) -> None:
+        """Set it in bytes or as a size ('512MiB', '2GB'); the pool is made anew at its next use,
+        so no request may hold blocks (a ConfigError otherwise)."""
+        size = value if value is None or (isinstance(value, int) and not isinstance(value, bool)) else None
+        if value is not None and size is None:
+            size = parse_bytes(str(value)) if isinstance(value, str) else -1
+        if size is not None and size <= 0:
+            raise ConfigError(f"kv_memory must be a positive number of bytes or a memory size, got {value!r}")
+        if self._pool is not None:
+            if self._pool.used_blocks:
+                raise ConfigError("the KV memory cannot change while requests hold blocks of it")
+            self._pool = None
+        self._kv_memory = size
+
+    @property
     def pool(self) -> BlockPool:
-        """The block pool of this target's paged sequences, made at first use with the budget
-        `kv_budget_bytes` (default: `kv_pool.default_budget_bytes()`)."""
+        """The block pool of this target's paged sequences, made at first use with `kv_memory`
+        bytes."""
         if self._pool is None:
             fast = self._fast
-            budget = self.kv_budget_bytes or default_budget_bytes()
+            budget = self._kv_memory or default_budget_bytes()
             self._pool = BlockPool.for_budget(len(fast.layers), fast.kv_heads, fast.head_dim, budget, fast.dtype,
                                               prefix_cache=self._prefix_cache)
         return self._pool

@@ -42,6 +42,7 @@ import torch
 from .. import torch_path
 from ..cache import Tree
 from ..errors import ConfigError
+from ..scheduler import kv_positions
 from ..sampling import DRAFT_STREAM, SamplingConfig, probabilities, sample
 from .base import EMPTY_DRAFT, HOST, Draft, Keep, keep_all
 
@@ -116,6 +117,11 @@ class AuxLM:
         self._length = 0  # committed positions in the draft model's cache
         self._scratch_start = 0
 
+    @property
+    def sequence(self):
+        """The draft model's sequence this request drafts in (its KV cache)."""
+        return self.model
+
     def begin(self, prompt: Sequence[int]) -> None:
         self.model.reset()
         self._length = 0
@@ -174,6 +180,13 @@ class AuxLM:
             self.model.cache.length = self._length
 
 
+def lm_claims(lm: DraftLM, positions: int) -> list:
+    """[(the draft model's sequence, positions)] where the draft LM keeps a cache of its own
+    (`AuxLM`), else [] (an exit head drafts in the target's own sequence)."""
+    sequence = getattr(lm, "sequence", None)
+    return [] if sequence is None else [(sequence, positions)]
+
+
 def close_lm(lm: DraftLM) -> None:
     """End a request's draft model: give back what its sequence holds (`AuxLM.close`)."""
     close = getattr(lm, "close", None)
@@ -193,6 +206,11 @@ def check_same_tokenizer(draft_target, target) -> None:
         )
 
 
+# The longest draft of beams: each step past the first writes up to `width` rows in scratch slots
+# of the draft model's cache, so this bounds what a request claims there (`BeamDrafter.kv_claims`).
+MAX_BEAM_DRAFT = 16
+
+
 class SampledDrafter:
     """Drafts one token at a time from a `DraftLM`: argmax under greedy decoding, else a sample
     from the warped draft distribution q (returned with the draft)."""
@@ -209,6 +227,11 @@ class SampledDrafter:
 
     def close(self) -> None:
         close_lm(self.lm)
+
+    def kv_claims(self, prompt_tokens: int, max_new_tokens: int) -> list:
+        """(sequence, positions) the draft model's cache may hold for a request of this size (a
+        draft of k tokens extends the context by k - 1, within the token budget)."""
+        return lm_claims(self.lm, kv_positions(prompt_tokens, max_new_tokens))
 
     @torch.inference_mode()
     def propose(self, context: Sequence[int], k: int, keep: Keep = keep_all) -> Draft:
@@ -318,8 +341,15 @@ class BeamDrafter:
     def close(self) -> None:
         close_lm(self.lm)
 
+    def kv_claims(self, prompt_tokens: int, max_new_tokens: int) -> list:
+        """(sequence, positions) the draft model's cache may hold for a request of this size:
+        the context, and the scratch slots of up to MAX_BEAM_DRAFT steps of `width` beams."""
+        scratch = (self.width - 1) * (MAX_BEAM_DRAFT - 1)
+        return lm_claims(self.lm, kv_positions(prompt_tokens, max_new_tokens, scratch))
+
     @torch.inference_mode()
     def propose(self, context: Sequence[int], k: int, keep: Keep = keep_all) -> Draft:
+        k = min(k, MAX_BEAM_DRAFT)
         if k <= 0 or not keep(0, None):
             return EMPTY_DRAFT  # no draft, no draft-model work: the next sync catches up
         if self._ngrams is not None:

@@ -107,16 +107,18 @@ class PrefixCache:
     def cached(self, block: int) -> bool:
         return block in self._nodes
 
-    def match(self, tokens: Sequence[int]) -> list[int]:
-        """The blocks holding the longest run of whole blocks that `tokens` starts with."""
+    def match(self, tokens: Sequence[int], count: bool = True) -> list[int]:
+        """The blocks holding the longest run of whole blocks that `tokens` starts with (`count`:
+        a real query, counted in `queried_tokens`/`hit_tokens`; False for a look ahead)."""
         node, found = self._root, []
         for start in range(0, len(tokens) - BLOCK + 1, BLOCK):
             node = node.children.get(tuple(tokens[start : start + BLOCK]))
             if node is None:
                 break
             found.append(node.block)
-        self.queried_tokens += len(tokens)
-        self.hit_tokens += len(found) * BLOCK
+        if count:
+            self.queried_tokens += len(tokens)
+            self.hit_tokens += len(found) * BLOCK
         return found
 
     def insert(self, parent: int | None, tokens: Sequence[int], block: int) -> int:
@@ -181,6 +183,7 @@ class BlockPool:
         if blocks < 1:
             raise PoolExhausted(f"a KV pool needs at least one block of {BLOCK} positions")
         self.blocks = blocks
+        self.block = BLOCK  # positions a block holds
         self.block_bytes = block_bytes(layers, kv_heads, head_dim, dtype)
         self.keys = [torch.empty(kv_heads, blocks * BLOCK, head_dim, dtype=dtype) for _ in range(layers)]
         self.values = [torch.empty(kv_heads, blocks * BLOCK, head_dim, dtype=dtype) for _ in range(layers)]
@@ -213,6 +216,17 @@ class BlockPool:
 
     def references(self, block: int) -> int:
         return self._refs[block]
+
+    def shared_busy(self, tokens: Sequence[int]) -> int:
+        """Of the cached blocks a new sequence of `tokens` would go on sharing
+        (`PagedKV.start_from_cache`: a last block that is all cached is copied, not shared), how
+        many a sequence holds already: blocks its start takes nothing for (`scheduler`)."""
+        if not self.prefix_cache:
+            return 0
+        found = self.prefix.match(tokens, count=False)
+        if found and len(found) * BLOCK == len(tokens):
+            found = found[:-1]
+        return sum(1 for block in found if self._refs[block] > 0)
 
     # -- handing blocks out and back -----------------------------------------------------------
     def allocate(self, count: int) -> list[int]:

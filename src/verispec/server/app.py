@@ -29,8 +29,9 @@ between them: a client that goes away cancels its jobs (a waiting job leaves the
 running one leaves the batch at the next step). A request with `n` > 1 is n jobs (choice i
 samples with seed + i when a seed is given), whose prompt blocks are shared; `logprobs` are the
 target's own log-probabilities of the committed tokens, from the rows that chose them.
-A request that alone would take more than half of the KV pool is refused (400,
-"kv_memory_exceeded").
+A request that could never fit the KV memory (its prompt and max_tokens, in the batch engine's
+own reckoning) is refused (400, "kv_memory_exceeded"); any other waits for room. A request that
+names no max_tokens gets what the context and the KV memory leave, up to the server's limit.
 
 Timeout (`request_timeout`, counted from arrival, queue wait included): a request that times
 out while still waiting gets 503 (code "timeout"); one that is generating stops at its next step
@@ -69,7 +70,6 @@ from ..text import encode_messages, encode_prompt
 from .metrics import ServerMetrics
 from .schemas import ChatCompletionRequest, CompletionRequest
 from ..batch import DEFAULT_MAX_ROWS
-from ..runtime.rows import BLOCK
 from .worker import (DEFAULT_MAX_SEQUENCES, DONE, QUEUED, Delta, Event, Failed, Finished, Job, QueueFull, QueueTimeout,
                      Started, Worker, WorkerStopped)
 
@@ -522,23 +522,26 @@ def create_app(target: Target, settings: ServerSettings | None = None) -> FastAP
         """The library request; max_tokens (>= 1 by the schema) is checked against the server's
         limit and the room the prompt leaves in the context."""
         room = target.max_length - len(ids)
+        if pool is not None:  # nor more than the KV memory holds
+            room = min(room, pool.blocks * pool.block - len(ids))
         if max_tokens is None:
             max_tokens = min(settings.max_tokens_limit, room)
+            if max_tokens < 1:
+                raise _invalid(f"the {prompt_param} ({len(ids)} tokens) leaves no room to generate in this server's KV "
+                               f"memory ({pool.blocks} blocks of {pool.block} positions)", param=prompt_param,
+                               code="kv_memory_exceeded")
         elif max_tokens > settings.max_tokens_limit:
             raise _invalid(f"{budget_param} ({max_tokens}) exceeds this server's limit of "
                            f"{settings.max_tokens_limit}", param=budget_param)
-        elif max_tokens > room:
+        elif max_tokens > target.max_length - len(ids):
             raise _invalid(
                 f"this model's context is {target.max_length} tokens, but {len(ids) + max_tokens} were requested "
                 f"({len(ids)} in the {prompt_param}, {max_tokens} for the completion); lower {budget_param}",
                 param=budget_param, code="context_length_exceeded")
-        if pool is not None:  # one request may not take the whole KV pool
-            blocks = -(-(len(ids) + max_tokens + 2 * BLOCK) // BLOCK) * (body.n or 1)
-            if blocks > pool.blocks // 2:
-                raise _invalid(f"this request needs {blocks} blocks of KV memory ({len(ids)} prompt tokens, up to "
-                               f"{max_tokens} new ones{f', {body.n} choices' if (body.n or 1) > 1 else ''}); one "
-                               f"request may take at most half of this server's {pool.blocks}; lower {budget_param}",
-                               param=budget_param, code="kv_memory_exceeded")
+        refusal = worker.engine.refusal(len(ids), max_tokens)  # the batch engine's own check: it could never run
+        if refusal is not None:
+            raise _invalid(f"this request can never fit this server's KV memory: {refusal}; lower {budget_param}",
+                           param=budget_param, code="kv_memory_exceeded")
         temperature = 1.0 if body.temperature is None else body.temperature
         top_p = 1.0 if body.top_p is None else body.top_p
         top_k = 0 if body.top_k is None else body.top_k

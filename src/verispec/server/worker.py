@@ -315,7 +315,9 @@ class Worker:
                     self._step()
             except BaseException:  # never let one request take the worker down
                 log.error("unexpected error in the worker\n%s", traceback.format_exc())
-                for job in self._waiting + self._running:
+                for job in self._waiting + self._running:  # they leave the engine too, their blocks freed
+                    if job._engine_job is not None:
+                        self.engine.cancel(job._engine_job, "error")
                     self._fail(job, RuntimeError("the worker failed"), user_error=False)
 
     def _hand_over(self, job: Job) -> None:
