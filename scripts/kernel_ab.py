@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 from verispec.bench.profile import timing_context
-from verispec.model import load
+from verispec.loading import load
 from verispec.runtime import blockmm
 from verispec.runtime.linear import BlockLinear
 from verispec.runtime.native_layer import NativeLayer, _bind
@@ -50,7 +50,7 @@ def main() -> None:
     args = parser.parse_args()
     kernels = {str(folder): build(folder) for folder in args.builds}
     target = load()
-    built = list(target._fast._on_kernel)  # every BlockLinear and NativeLayer of the fast path
+    built = list(target.decoder._on_kernel)  # every BlockLinear and NativeLayer of the fast path
     layers = [o for o in built if isinstance(o, NativeLayer)]
     linears = [o for o in built if isinstance(o, BlockLinear)]
     assert layers and linears, "the default model should run on the block kernel"

@@ -16,7 +16,7 @@ import json
 import time
 
 from verispec import acceptance, api
-from verispec.model import load
+from verispec.loading import load
 from verispec.bench.datasets import resolve_dataset
 
 

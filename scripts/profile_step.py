@@ -73,7 +73,7 @@ def classify(name: str, shapes, vocab: int, hidden: int) -> str:
 @contextmanager
 def native_layers(target: Target, on: bool):
     """Run `target`'s block-kernel layers in C (on) or as PyTorch operators (off)."""
-    fast = target._fast
+    fast = target.decoder
     if fast is None:  # the eager path has no layers of its own
         yield
         return
@@ -90,7 +90,7 @@ def weight_bytes(target: Target) -> int:
     total = sum(p.numel() * p.element_size() for p in target.model.parameters())
     if target.block_kernel_summary != "off":
         total += sum(form.nbytes - module.weight.numel() * module.weight.element_size()
-                     for module, form in target._fast.blocks.items())
+                     for module, form in target.decoder.blocks.items())
     return total
 
 

@@ -32,7 +32,7 @@ from verispec import lazy_rows
 from verispec.bench.datasets import encode_question, load_dataset
 from verispec.control import CostModel, best_draft_length
 from verispec.drafters.ngram import AnpdDrafter, NgramConfig, shared_memory
-from verispec.model import load
+from verispec.loading import load
 
 WIDTHS = (1, 2, 4, 8, 16, 32)
 VARIANTS = {  # label -> (NgramConfig, memory across requests)

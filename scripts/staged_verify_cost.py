@@ -10,7 +10,7 @@ from __future__ import annotations
 import statistics
 
 from verispec.bench.profile import median_time, timing_context
-from verispec.model import load
+from verispec.loading import load
 
 
 def main() -> None:

@@ -17,7 +17,7 @@ import torch
 import helpers
 from verispec.api import BatchTextStream, RequestDone, TextDelta, generate, generate_many, make_request, stream_many
 from verispec.batch import BatchEngine
-from verispec.batch_forward import LAST, Part, forward_parts
+from verispec.batch_forward import LAST, Part
 from verispec.errors import ConfigError, ModelLoadError
 from verispec.methods import MethodOptions
 from verispec.model import Target
@@ -141,7 +141,7 @@ def test_a_prompts_logits_and_keys_are_the_same_bits_however_it_is_prefilled(arc
     one, other = target.new_sequence(), target.new_sequence()
     one.reset(), other.reset()
     other.forward(prompt[:40])
-    together = forward_parts(target, [Part(other, prompt[40:50]), Part(one, prompt, logits=LAST)])
+    together = target.forward_parts([Part(other, prompt[40:50]), Part(one, prompt, logits=LAST)])
     assert torch.equal(together[1], whole[0])
     assert all(torch.equal(a, b) for a, b in zip(keys_of(one), whole[1]))
     one.release(), other.release()
@@ -192,7 +192,7 @@ def test_a_pool_too_small_for_everyone_makes_requests_wait_and_still_gives_ident
     expected = [solo(target, request) for request in requests]
     fresh = int8_target("qwen2", seed=4)
     config = fresh.config
-    per_block = block_bytes(config.num_hidden_layers, config.num_key_value_heads, fresh._fast.head_dim)
+    per_block = block_bytes(config.num_hidden_layers, config.num_key_value_heads, fresh.decoder.head_dim)
     fresh.kv_memory = 12 * per_block
     stream = BatchTextStream(fresh, requests)
     most = [0]
@@ -213,7 +213,7 @@ def test_a_pool_too_small_for_everyone_makes_requests_wait_and_still_gives_ident
 def test_a_request_that_could_never_fit_is_refused_in_its_place():
     fresh = int8_target("llama")
     config = fresh.config
-    fresh.kv_memory = 3 * block_bytes(config.num_hidden_layers, config.num_key_value_heads, fresh._fast.head_dim)
+    fresh.kv_memory = 3 * block_bytes(config.num_hidden_layers, config.num_key_value_heads, fresh.decoder.head_dim)
     requests = [make_request(fresh, "hello", "ar", max_new_tokens=10),
                 make_request(fresh, "hello", "ar", max_new_tokens=400)]
     results = generate_many(fresh, requests)

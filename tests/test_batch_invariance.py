@@ -25,7 +25,7 @@ WIDTHS = (2, 3, 4, 5, 8, 13, 16, 31, 64)
 def int8_target(arch: str, seed: int = 0) -> Target:
     model = helpers.make_model(helpers.make_config(arch), seed)
     target = Target(model, None, name=f"tiny-{arch}-int8", fast=True, blocks=helpers.blockify(model), numerics="int8")
-    assert target.numerics == "int8" and target._fast.native_layers == len(target._fast.layers)
+    assert target.numerics == "int8" and target.decoder.native_layers == len(target.decoder.layers)
     return target
 
 
@@ -82,13 +82,13 @@ def test_fp32_numerics_differ_at_wide_widths_and_switching_back_restores_int8(ar
     sequence = tokens(CONTEXT + 16, seed=3)
     prompt, rest = sequence[:CONTEXT], sequence[CONTEXT:]
     int8_single = one_at_a_time(target, prompt, rest)
-    target._fast.numerics = "fp32"
+    target.decoder.numerics = "fp32"
     assert target.numerics == "fp32"
     single = one_at_a_time(target, prompt, rest)
     assert not torch.equal(single, int8_single)
     target.crop(CONTEXT)
     assert not torch.equal(target.forward(rest), single)
-    target._fast.numerics = "int8"
+    target.decoder.numerics = "int8"
     target.reset()  # the prompt's keys too were computed in the numerics of their forward
     target.forward(prompt)
     assert torch.equal(target.forward(rest), int8_single)
@@ -121,7 +121,7 @@ def test_a_tree_of_drafts_does_not_depend_on_threads(arch):
     """Trees (beams side by side in scratch slots): the same bits at 1, 2 and 3 threads (and the
     bits of the same tokens run contiguously: tests/test_tree_drafts.py)."""
     target = int8_target(arch, seed=5)
-    fast = target._fast
+    fast = target.decoder
     context = 90
     ids, drafts = torch.tensor(tokens(context, 5)), torch.tensor(tokens(12, 6))
     tree = _tree(context, 3, 4)
@@ -174,7 +174,7 @@ def test_the_portable_build_gives_the_simd_builds_logits(arch, monkeypatch):
         assert found is not None, why
         monkeypatch.setitem(blockmm._state, "kernel", (found, None))
         target = int8_target(arch, seed=8)
-        assert target._fast._kernel.isa == variant
+        assert target.decoder.kernel_isa == variant
         def run():
             target.reset()
             prompt = target.forward(sequence[:60])  # 60 rows: the prompt runs in C too

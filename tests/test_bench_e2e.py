@@ -252,7 +252,7 @@ def test_a_malformed_dataset_names_file_and_line(tmp_path):
 
 
 def test_perplexity_matches_a_token_by_token_reference(tiny_model):
-    from verispec.model import load
+    from verispec.loading import load
     from verispec.score import perplexity
 
     target = load(str(tiny_model), "float32")

@@ -170,7 +170,7 @@ def test_lm_head_float32_form_is_packed_only_for_wide_inputs():
 
     model = helpers.make_model(helpers.make_config("llama"), seed=5)
     target = Target(model, None, fast=True, blocks=helpers.blockify(model))
-    head = target._head
+    head = target.head
     target.reset()
     target.forward(list(range(3, 3 + BLOCK_KERNEL_MAX_ROWS)))  # at most the kernel's width: the kernel
     assert head.dense._packed is None
@@ -178,7 +178,7 @@ def test_lm_head_float32_form_is_packed_only_for_wide_inputs():
     wide = head(hidden)  # [65, vocab] on the float32 form
     assert head.dense._packed is not None
     assert torch.equal(wide, Linear(model.get_output_embeddings().weight, None)(hidden))
-    layer = target._fast.layers[0].qkv  # layer linears keep packing at load (every long prompt uses them)
+    layer = target.decoder.layers[0].qkv  # layer linears keep packing at load (every long prompt uses them)
     assert layer.dense._packed is not None
 
 
@@ -229,7 +229,7 @@ def test_quantize_blocks_approximates_within_half_a_step():
 def test_auto_dtype_prefers_float32_for_a_block_kernel_model(monkeypatch, tmp_path):
     """'auto' is float32 for a model the block kernel runs, whatever the CPU; for any other model
     it is bfloat16 only where the CPU has native bf16 units."""
-    from verispec import model as model_module
+    from verispec import loading as model_module
     from verispec.errors import ModelLoadError
 
     for native in (True, False):

@@ -46,7 +46,8 @@ from verispec.drafters.model import AuxLM, BeamDrafter, SampledDrafter
 from verispec.engine import Recipe
 from verispec.errors import ConfigError
 from verispec.methods import MethodOptions, build
-from verispec.model import Target, load, resolve_dtype
+from verispec.model import Target
+from verispec.loading import load, resolve_dtype
 from verispec.sampling import SamplingConfig
 
 TEST_DEVICE = os.environ.get("VERISPEC_TEST_DEVICE", "cpu")
@@ -258,13 +259,13 @@ def test_compiled_step_on_cuda_equals_the_plain_forward(tiny_dirs):
     available("cuda")
     plain = load(str(tiny_dirs["llama"]), "float32", device="cuda")
     compiled = load(str(tiny_dirs["llama"]), "float32", device="cuda", compile=True)
-    assert compiled._step is not None and compiled.max_length == 256
+    assert compiled.backend.step is not None and compiled.max_length == 256
     for seed in (0, 1):
         ids = prompt(plain.vocab_size, seed)
         reference = verispec.generate(plain, ids, "ar", max_new_tokens=NEW_TOKENS).token_ids
         for method in ("ar", "pld", "anpd"):
             assert verispec.generate(compiled, ids, method, max_new_tokens=NEW_TOKENS).token_ids == reference, method
-    assert compiled._step._compiled is not None  # it did not fall back
+    assert compiled.backend.step._compiled is not None  # it did not fall back
 
 
 # -- no tensor of a request on a hard-coded device ------------------------------------------------
@@ -399,13 +400,13 @@ def test_static_cache_step_equals_the_dynamic_cache_path(arch):
         # sampled: the same draws as the dynamic path (same seed, same device)
         assert (helpers.run(static, build("anpd", static, sampling=SAMPLED), ids, 16, SAMPLED)[0]
                 == helpers.run(plain, build("anpd", plain, sampling=SAMPLED), ids, 16, SAMPLED)[0])
-    assert static._step._compiled is not None  # every one-token step ran the compiled function
+    assert static.backend.step._compiled is not None  # every one-token step ran the compiled function
 
 
 def test_a_failing_compiled_call_falls_back_and_keeps_the_cache_right(capfd):
     model = helpers.make_model(helpers.make_config("llama", init=0.1, max_positions=128), seed=0)
     plain, static = Target(model, None, fast=False), _compiled_target(model)
-    step = static._step
+    step = static.backend.step
 
     def half_done(ids):  # writes the cache (advancing its lengths), then fails
         step._one_token(ids)
@@ -424,7 +425,7 @@ def test_the_fast_path_is_not_compiled_and_sliding_window_models_are(capfd, llam
     assert CompiledStep.unsupported(model) is None  # its sliding layers are full-length in the static cache
     assert not llama_target.compile_decode_step(mode=None, backend="eager")
     assert "the target runs the CPU fast path" in capfd.readouterr().err
-    assert llama_target._step is None
+    assert getattr(llama_target.backend, "step", None) is None
 
 
 def test_exit_head_labels_through_the_pytorch_forward_match_the_fast_path(llama_target):

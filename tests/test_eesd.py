@@ -347,11 +347,11 @@ def test_int8_head_drafts_match_the_float_head_closely():
         lm.begin(prompt)
         target.forward(prompt[:-1])
         lm.sync(prompt)
-        target._fast.use_native = native
+        target.decoder.use_native = native
         try:
             logits[quantize, native] = lm.extend(torch.tensor([prompt[0], prompt[1]]), Tree.contiguous(len(prompt), 2))
         finally:
-            target._fast.use_native = True
+            target.decoder.use_native = True
     reference = logits[False, True]
     assert torch.allclose(logits[True, True], logits[True, False], rtol=1e-5, atol=1e-5)
     error = (logits[True, True] - reference).abs().max() / reference.abs().max()

@@ -12,7 +12,7 @@ from verispec.runtime.fastpath import FusedNorm
 @pytest.mark.parametrize("arch", helpers.FAST_ARCHITECTURES)
 def test_every_norm_of_the_fast_path_is_fused_and_bit_identical(tiny_targets, arch):
     target = tiny_targets[arch]
-    fast = target._fast
+    fast = target.decoder
     layer = target.model.get_decoder().layers[0]
     wrapped = fast.layers[0]
     assert isinstance(fast.norm, FusedNorm) and isinstance(wrapped.input_norm, FusedNorm)

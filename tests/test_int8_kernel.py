@@ -340,7 +340,7 @@ def test_c_layers_multiply_unsigned_codes_as_the_kernel_does(arch):
             module.weight.copy_(form.dequantize())
             blocks[module] = form
     target = Target(model, None, fast=True, blocks=blocks, numerics="int8")
-    fast = target._fast
+    fast = target.decoder
     assert fast.native_layers == len(fast.layers)
     first = fast.layers[0]
     assert [linear.blocks.packed.code_bias for linear in (first.qkv, first.o, first.gate_up, first.down)] == [16, 0, 16, 32]
@@ -395,7 +395,7 @@ def test_forced_variant_the_cpu_cannot_run_is_refused_with_a_message(fresh_kerne
 
 
 def test_a_broken_compiler_gives_a_reason_and_the_fast_path_keeps_float32(fresh_kernel_state, capsys, tmp_path):
-    from verispec import model as model_module
+    from verispec import loading as model_module
 
     fresh_kernel_state.setenv("CC", str(tmp_path / "no-such-cc"))
     fresh_kernel_state.setenv("XDG_CACHE_HOME", str(tmp_path))  # nothing cached: it must compile
@@ -409,7 +409,7 @@ def test_a_broken_compiler_gives_a_reason_and_the_fast_path_keeps_float32(fresh_
 def test_fp32_numerics_on_a_portable_build_keep_pytorch_linears(fresh_kernel_state, capsys, tmp_path):
     """Float32 activations on the portable scalar loop would be slower than PyTorch's float32
     linears: the blocks are not used, with a message."""
-    from verispec import model as model_module
+    from verispec import loading as model_module
 
     fresh_kernel_state.setenv(blockmm.ISA_ENV, "portable")
     model = helpers.make_model(helpers.make_config("llama"), seed=2)

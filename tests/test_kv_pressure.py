@@ -36,7 +36,7 @@ def int8_target(arch: str = "llama", seed: int = 0, blocks: int | None = None, *
                     numerics="int8")
     if blocks is not None:
         target.kv_memory = blocks * block_bytes(target.config.num_hidden_layers, target.config.num_key_value_heads,
-                                                target._fast.head_dim)
+                                                target.decoder.head_dim)
     return target
 
 
@@ -192,7 +192,7 @@ def test_a_step_that_raises_leaves_nothing_behind_in_the_worker(where):
 def test_the_library_sizes_the_kv_memory():
     """`Target.kv_memory` (and `verispec.load(kv_memory=...)`) sets the pool: bytes or a size."""
     target = int8_target(seed=5)
-    per_block = block_bytes(target.config.num_hidden_layers, target.config.num_key_value_heads, target._fast.head_dim)
+    per_block = block_bytes(target.config.num_hidden_layers, target.config.num_key_value_heads, target.decoder.head_dim)
     target.kv_memory = f"{9 * per_block}B"
     assert target.pool.blocks == 9
     with pytest.raises(Exception, match="memory size"):
@@ -212,7 +212,7 @@ def test_the_server_queues_what_fits_and_refuses_only_what_never_can(tmp_path):
     target = sh.int8_text_target(tokenizer)
     reference = sh.int8_text_target(tokenizer)
     target.kv_memory = 3 * block_bytes(target.config.num_hidden_layers, target.config.num_key_value_heads,
-                                       target._fast.head_dim)
+                                       target.decoder.head_dim)
     server = sh.RunningServer(target, ServerSettings(model_id="m", max_queue=16, max_tokens_limit=300))
     try:
         prompt = ("so it goes, " * 8)[:BLOCK]

@@ -109,8 +109,8 @@ def test_a_lazy_tree_forward_gives_the_whole_trees_bits_and_runs_the_rest_only_w
     whole = target.forward_tree(ids, parents)  # [10, vocab]
     assert isinstance(whole, torch.Tensor) and target.length == 30
     rows_run: list[int] = []
-    run = target._fast.run
-    monkeypatch.setattr(target._fast, "run", lambda x, *a, **k: rows_run.append(x.shape[0]) or run(x, *a, **k))
+    run = target.decoder.run
+    monkeypatch.setattr(target.decoder, "run", lambda x, *a, **k: rows_run.append(x.shape[0]) or run(x, *a, **k))
     lazy = target.forward_tree(ids, parents, lazy=True)
     assert isinstance(lazy, LazyRows) and lazy.shape == whole.shape
     assert rows_run == [lazy_rows.FIRST]
@@ -140,7 +140,7 @@ def count_head_rows(target, monkeypatch) -> list[int]:
     call = BlockLinear.__call__
 
     def counting(self, x):
-        if self is target._head:
+        if self is target.head:
             calls.append(x.shape[0])
         return call(self, x)
 

@@ -21,7 +21,7 @@ KEY_CHUNK = 64  # keys per attention task in kernels/decoder_layer.c
 
 def _run(target, chunks: list[list[int]], native: bool) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Logits of each chunk fed in turn, and the keys of every layer afterwards."""
-    target._fast.use_native = native
+    target.decoder.use_native = native
     target.reset()
     logits = [target.forward(chunk) for chunk in chunks]
     length = target.cache.length
@@ -33,7 +33,7 @@ def _run(target, chunks: list[list[int]], native: bool) -> tuple[list[torch.Tens
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_native_layer_matches_the_pytorch_layer(arch, seed):
     target = make_target_for_path(f"{arch}-blocks", seed=seed)
-    fast = target._fast
+    fast = target.decoder
     assert fast.native_layers == len(fast.layers), why_not(fast.layers[0], blockmm.kernel()[0], fast.heads,
                                                            fast.kv_heads, fast.head_dim)
     generator = torch.Generator().manual_seed(seed)
@@ -53,7 +53,7 @@ def test_native_layer_matches_the_pytorch_layer(arch, seed):
 
 def test_native_layer_leaves_its_input_alone():
     target = make_target_for_path("gemma3-blocks")
-    fast = target._fast
+    fast = target.decoder
     assert fast.use_native and fast.native_layers == len(fast.layers)  # so run() below goes through C
     cache = fast.new_cache(16)
     x = torch.randn(3, target.config.hidden_size, generator=torch.Generator().manual_seed(0))
@@ -72,8 +72,8 @@ def test_recognise_activation():
 
 def test_layers_without_block_forms_keep_the_pytorch_path():
     target = make_target_for_path("llama")  # float32 fast path, no block forms
-    assert target._fast.native_layers == 0
-    blocks = make_target_for_path("llama-blocks")._fast
+    assert target.decoder.native_layers == 0
+    blocks = make_target_for_path("llama-blocks").decoder
     layer = blocks.layers[0]
     dense = type(layer)(**{**layer.__dict__, "down": Linear(torch.zeros(64, 128), None), "native": None})
     kernel = blockmm.kernel()[0]
@@ -102,7 +102,7 @@ def test_wide_chunks_use_the_pytorch_layer(monkeypatch):
     target.forward(list(range(5)) * ((BLOCK_KERNEL_MAX_ROWS + 10) // 5))  # wider than the kernel takes
     assert calls == []
     target.forward([1, 2, 3])
-    assert calls == [(3, len(target._fast.layers))]  # all layers in one C call
+    assert calls == [(3, len(target.decoder.layers))]  # all layers in one C call
 
 
 def _beam_tree(context: int, beams: int, depth: int) -> Tree:
@@ -125,7 +125,7 @@ def _beam_tree(context: int, beams: int, depth: int) -> Tree:
 def test_native_layer_on_a_tree_of_drafts_matches(arch, threads):
     """Beam drafts placed side by side in scratch slots (a tree), past the sliding window."""
     target = make_target_for_path(f"{arch}-blocks", seed=4)
-    fast = target._fast
+    fast = target.decoder
     assert fast.native_layers == len(fast.layers)  # so the native run below really is C
     context, beams, depth = 2 * SLIDING_WINDOW + 1, 3, 4
     ids = torch.randint(0, target.vocab_size, (context,), generator=torch.Generator().manual_seed(4))
@@ -163,7 +163,7 @@ def test_bad_arguments_are_refused_not_computed():
     tree path that does not end at the row's own slot, a path of the wrong length, a block
     table entry outside the pool."""
     target = make_target_for_path("llama-blocks")
-    fast: FastDecoder = target._fast
+    fast: FastDecoder = target.decoder
     layer = fast.layers[0].native
     cache = fast.new_cache(4)  # one block of 64 positions
     x = torch.zeros(2, target.config.hidden_size)
@@ -201,7 +201,7 @@ def test_attention_split_over_threads_matches(threads):
     over the threads as separate tasks, then merged: past two chunk boundaries (and the sliding
     window), at 1, 3 and 5 threads, the C layers must match the PyTorch layers."""
     target = make_target_for_path("gemma3-blocks", seed=3)
-    assert target._fast.native_layers == len(target._fast.layers)
+    assert target.decoder.native_layers == len(target.decoder.layers)
     count = max(2 * KEY_CHUNK, 2 * SLIDING_WINDOW) + 3  # keys in three chunks at the last steps
     tokens = torch.randint(0, target.vocab_size, (count,), generator=torch.Generator().manual_seed(3))
     chunks = [[t] for t in tokens.tolist()]  # a one-token prompt, then one token at a time
@@ -220,7 +220,7 @@ def test_wide_heads_and_large_groups_match(threads):
     config = make_config("llama", num_attention_heads=6, num_key_value_heads=1, head_dim=80)
     model = make_model(config, seed=7)
     target = Target(model, None, fast=True, blocks=blockify(model))
-    assert target._fast.native_layers == len(target._fast.layers)
+    assert target.decoder.native_layers == len(target.decoder.layers)
     tokens = torch.randint(0, target.vocab_size, (40,), generator=torch.Generator().manual_seed(7)).tolist()
     chunks = [tokens[:19], *[[t] for t in tokens[19:23]], tokens[23:28], tokens[28:29], tokens[29:]]
     _assert_native_matches_on(target, chunks, threads)
@@ -238,7 +238,7 @@ def test_all_layers_in_one_call_equal_one_call_per_layer(arch, monkeypatch):
     """`run_layers` (the whole forward in one C call) against the layers called one by one: bit
     for bit, for prompts, one-token steps past the window, chunks and a tree of drafts."""
     target = make_target_for_path(f"{arch}-blocks", seed=6)
-    fast = target._fast
+    fast = target.decoder
     assert fast.native_layers == len(fast.layers)
     tokens = torch.randint(0, target.vocab_size, (2 * SLIDING_WINDOW + 9,), generator=torch.Generator().manual_seed(6))
     cut = [0, 5, 6, 2 * SLIDING_WINDOW, 2 * SLIDING_WINDOW + 1, len(tokens)]
@@ -260,7 +260,7 @@ def test_all_layers_in_one_call_equal_one_call_per_layer(arch, monkeypatch):
 
 def test_run_layers_refuses_bad_arguments():
     target = make_target_for_path("llama-blocks")
-    fast = target._fast
+    fast = target.decoder
     cache = fast.new_cache(4)
     layers = [layer.native for layer in fast.layers]
     rope = [(torch.zeros(2, fast.head_dim), torch.zeros(2, fast.head_dim))] * len(layers)

@@ -102,11 +102,11 @@ def test_drafts_from_earlier_requests_keep_the_output(real_target):
 @contextmanager
 def fp32_numerics(target):
     """The target's block kernel on float32 activations for the duration (int8 again after)."""
-    target._fast.numerics = "fp32"
+    target.decoder.numerics = "fp32"
     try:
         yield target
     finally:
-        target._fast.numerics = "int8"
+        target.decoder.numerics = "int8"
 
 
 def test_fast_path_is_used_and_eager_path_agrees(real_target):
@@ -143,11 +143,11 @@ def test_block_kernel_covers_every_linear_and_keeps_the_output(real_target):
         for method in ("ar", "anpd"):
             blocks_ids = verispec.generate(real_target, PROMPT, method=method, max_new_tokens=32).token_ids
             assert blocks_ids == verispec.generate(dense, PROMPT, method=method, max_new_tokens=32).token_ids, method
-            real_target._fast.use_native = False  # the same block-kernel layers in PyTorch instead of one C call
+            real_target.decoder.use_native = False  # the same block-kernel layers in PyTorch instead of one C call
             try:
                 python_ids = verispec.generate(real_target, PROMPT, method=method, max_new_tokens=32).token_ids
             finally:
-                real_target._fast.use_native = True
+                real_target.decoder.use_native = True
             assert blocks_ids == python_ids, method
 
 
@@ -178,7 +178,7 @@ def test_auto_dtype_runs_the_default_model_on_the_block_kernel(monkeypatch):
     """On a CPU with native bf16 (faked here), 'auto' still loads the default GGUF model in float32
     on the block kernel, which is several times faster than bf16 there (model.py), and without
     the block kernel it loads bf16."""
-    from verispec import model as model_module
+    from verispec import loading as model_module
 
     monkeypatch.setattr(model_module, "cpu_has_native_bf16", lambda: True)
     auto = verispec.load(None)

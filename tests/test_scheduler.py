@@ -26,7 +26,8 @@ from hypothesis import strategies as st
 
 from verispec import scheduler
 from verispec.batch import BatchEngine
-from verispec.batch_forward import ALL, LAST, prepare
+from verispec.backends import PagedBackend
+from verispec.batch_forward import ALL, LAST
 from verispec.cache import Tree
 from verispec.engine import DecodeConfig
 from verispec.methods import MethodOptions, build
@@ -80,21 +81,44 @@ def test_a_steps_rows_are_shared_and_kept_within_the_budget():
 
 # -- a stand-in target over a real block pool ------------------------------------------------------
 
-class FakeTarget:
-    """What the batch engine uses of a target, with a real `BlockPool` (one layer, one key/value
-    head of one float per position) and a "model" whose next token after token t at position p
-    is (t + p) % (VOCAB - 1), or EOS where (t * 7 + p) % 97 == 0 and `eos` is on."""
+class FakeBackend(PagedBackend):
+    """The paged backend over a real `BlockPool` (one layer, one key/value head of one float per
+    position) whose "model" is its target's `next_token`: no decoder, no C layers."""
 
-    pages_kv = True
+    def forward_parts(self, parts):
+        """What `PagedBackend.forward_parts` does to each sequence, with the stand-in's logits."""
+        target = self.target
+        target.forwards += 1
+        results = []
+        for part in parts:
+            tree, _ = self.prepare(part)
+            state, cache = part.sequence.state, part.sequence.cache
+            rows = range(len(part.tokens)) if part.logits == ALL else [len(part.tokens) - 1] if part.logits == LAST else []
+            logits = torch.full((len(rows), VOCAB), -1.0)
+            for out, row in enumerate(rows):
+                logits[out, target.next_token(part.tokens[row], int(tree.positions[row]))] = 1.0
+            if part.parents is None:
+                cache.note_tokens(cache.length, list(part.tokens))
+                cache.length += len(part.tokens)
+            else:
+                state.tree = (cache.length, tree.slots.tolist(), list(part.tokens))
+            results.append(logits if rows else None)
+        return results
+
+
+class FakeTarget:
+    """What the batch engine uses of a target, over `FakeBackend`: the next token after token t
+    at position p is (t + p) % (VOCAB - 1), or EOS where (t * 7 + p) % 97 == 0 and `eos` is on."""
+
     device = torch.device("cpu")
     name = "fake"
     verifies_trees = True
+    pages_kv = True
     tokenizer = None
-    _step = None
-    _fast = True  # TargetSequence: "a fast-path target" (its cache is the paged one)
 
     def __init__(self, blocks: int, eos: bool = False, max_length: int = 4096):
         self.pool = BlockPool(layers=1, kv_heads=1, head_dim=1, blocks=blocks)
+        self.backend = FakeBackend(self, None, lambda: self.pool)
         self.max_length, self.eos = max_length, eos
         self.vocab_size = VOCAB
         self.attachments: dict = {}
@@ -103,29 +127,13 @@ class FakeTarget:
     def new_sequence(self) -> TargetSequence:
         return TargetSequence(self)
 
+    def forward_parts(self, parts):
+        return self.backend.forward_parts(parts)
+
     def next_token(self, token: int, position: int) -> int:
         if self.eos and (token * 7 + position) % 97 == 0:
             return EOS
         return (token + position) % (VOCAB - 1)
-
-    def forward_parts(self, parts):
-        """What `batch_forward.forward_parts` does to each sequence, with this target's logits."""
-        self.forwards += 1
-        results = []
-        for part in parts:
-            tree, _ = prepare(part)
-            sequence, cache = part.sequence, part.sequence.cache
-            rows = range(len(part.tokens)) if part.logits == ALL else [len(part.tokens) - 1] if part.logits == LAST else []
-            logits = torch.full((len(rows), VOCAB), -1.0)
-            for out, row in enumerate(rows):
-                logits[out, self.next_token(part.tokens[row], int(tree.positions[row]))] = 1.0
-            if part.parents is None:
-                cache.note_tokens(cache.length, list(part.tokens))
-                cache.length += len(part.tokens)
-            else:
-                sequence._tree_slots, sequence._tree_ids = (cache.length, tree.slots.tolist()), list(part.tokens)
-            results.append(logits if rows else None)
-        return results
 
 
 def alone(target: FakeTarget, prompt: list[int], max_new: int) -> list[int]:

@@ -171,7 +171,7 @@ def test_a_kv_pool_too_small_for_everyone_makes_requests_wait_never_fail(tokeniz
     target = sh.int8_text_target(tokenizer)
     config = target.config
     target.kv_memory = 10 * block_bytes(config.num_hidden_layers, config.num_key_value_heads,
-                                              target._fast.head_dim)
+                                              target.decoder.head_dim)
     server = sh.RunningServer(target, ServerSettings(model_id=MODEL_ID, max_queue=64, max_tokens_limit=120,
                                                      max_sequences=16))
     try:

@@ -226,7 +226,7 @@ def test_the_first_layers_alone_give_a_full_forwards_residual_and_leave_the_cach
         states = t.model(input_ids=torch.tensor([context + [5, 6]]), output_hidden_states=True).hidden_states
     t.reset()
     t.forward(context)
-    residual, _ = torch_path.through(t, t.cache, torch.tensor([5, 6]), torch_path.contiguous(len(context), 2, "cpu"),
+    residual, _ = torch_path.through(t.model, t.decoder_body, t.head, t.cache, torch.tensor([5, 6]), torch_path.contiguous(len(context), 2, "cpu"),
                                      stop_after=1)
     close(residual, states[1][0, -2:])
     torch_path.crop_layers(t.cache, range(1), len(context))

@@ -51,7 +51,7 @@ def int8_target(arch: str, seed: int = 0) -> Target:
     """A tiny block-exact target whose whole forward (chunks up to 64 rows) runs in C, int8."""
     model = helpers.make_model(helpers.make_config(arch), seed)
     target = Target(model, None, name=f"tiny-{arch}-int8", fast=True, blocks=helpers.blockify(model), numerics="int8")
-    assert target._fast.native_layers == len(target._fast.layers)
+    assert target.decoder.native_layers == len(target.decoder.layers)
     return target
 
 
@@ -152,7 +152,7 @@ def test_beam_placements_equal_contiguous_runs_bit_for_bit():
     from verispec.drafters.model import tree_for_beams
 
     target = int8_target("gemma3", seed=3)
-    fast = target._fast
+    fast = target.decoder
     context, width = 62, 3
     ids = torch.tensor(tokens(context, 3))
     beams = [tokens(3, 10 + b) for b in range(width)]
@@ -181,7 +181,7 @@ def test_beam_steps_of_different_widths_are_placed_without_overlap_and_run_exact
     from verispec.drafters.model import tree_for_beams
 
     target = int8_target("gemma3", seed=3)
-    fast = target._fast
+    fast = target.decoder
     context = 62
     ids = torch.tensor(tokens(context, 3))
     cache = fast.new_cache(128)
@@ -214,12 +214,12 @@ def test_tree_rows_match_linear_verification_on_the_pytorch_layers(path):
     over every slot and a mask: the same math, to float32 rounding (no placement could give
     linear-verify bits there: a row's attention output depends on the other rows of its call)."""
     target = helpers.make_target_for_path(path, seed=2)
-    target._fast.use_native = False
+    target.decoder.use_native = False
     try:
         ids = tokens(len(PARENTS), seed=7)
         tree, linear = tree_and_linear(target, tokens(23, 6), ids, PARENTS)
     finally:
-        target._fast.use_native = True
+        target.decoder.use_native = True
     for row, reference in enumerate(linear):
         assert (tree[row] - reference).abs().max().item() <= 1e-5 * max(reference.abs().max().item(), 1.0), row
         assert argmax(tree[row]) == argmax(reference), row
@@ -229,7 +229,7 @@ def test_a_tree_whose_rows_do_not_see_their_whole_path_is_refused():
     """The C attention reads a row's keys as consecutive positions ending at its own (its path);
     a mask that hides an ancestor cannot be read so and is refused, not computed."""
     target = int8_target("llama", seed=1)
-    fast = target._fast
+    fast = target.decoder
     cache = fast.new_cache(64)
     fast.hidden_states(torch.tensor(tokens(10, 1)), cache)
     tree = Tree.of_parents(10, [-1, 0, 0, 2])

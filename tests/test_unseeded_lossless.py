@@ -31,7 +31,8 @@ from verispec.drafters.early_exit import ExitHead, save_head
 from verispec.engine import Recipe
 from verispec.errors import ConfigError
 from verispec.methods import MethodOptions, build
-from verispec.model import Target, load
+from verispec.model import Target
+from verispec.loading import load
 from verispec.sampling import SamplingConfig, probabilities
 
 pytestmark = pytest.mark.long

@@ -16,7 +16,8 @@ if TYPE_CHECKING:  # what type checkers and editors see; at run time each name l
     from .errors import ConfigError, ModelLoadError, VerispecError
     from .hf_generate import transformers_generate
     from .methods import METHODS, MethodOptions, method_names
-    from .model import Target, load
+    from .model import Target
+    from .loading import load
     from .sampling import SamplingConfig
     from .stats import GenerationStats
 
@@ -29,7 +30,7 @@ _EXPORTS = {
     "ConfigError": "errors", "ModelLoadError": "errors", "VerispecError": "errors",
     "transformers_generate": "hf_generate",
     "METHODS": "methods", "MethodOptions": "methods", "method_names": "methods",
-    "Target": "model", "load": "model",
+    "Target": "model", "load": "loading",
     "SamplingConfig": "sampling",
     "GenerationStats": "stats",
 }

@@ -105,7 +105,7 @@ class Job:
     error: BaseException | None = None
     finish_reason: str = ""  # "eos", "length", "cancelled", "error"
     admitted_at: float = 0.0
-    _steps: Iterator[list[int]] | None = None  # an unbatched job's decode loop
+    steps: Iterator[list[int]] | None = None  # an unbatched job's decode loop
 
     @property
     def done(self) -> bool:
@@ -213,8 +213,8 @@ class BatchEngine:
         job.state, job.finish_reason, job.error = DONE, reason, error
         job.stats.stop_reason = job.stats.stop_reason or reason
         try:
-            if job._steps is not None:
-                job._steps.close()  # an unbatched job's loop closes its drafter
+            if job.steps is not None:
+                job.steps.close()  # an unbatched job's loop closes its drafter
             else:
                 close_drafter(job.recipe.drafter)
         except Exception:  # noqa: BLE001 - a drafter that fails to close still gives its blocks back
@@ -316,16 +316,16 @@ class BatchEngine:
     def _own_step(self, job: Job) -> list[int]:
         """One `engine.decode` step of an unbatched job on its own sequence."""
         try:
-            if job._steps is None:
-                job._steps = decode(job.sequence, job.recipe, job.prompt, job.config, job.stats, job.logprobs)
-            committed = next(job._steps)
+            if job.steps is None:
+                job.steps = decode(job.sequence, job.recipe, job.prompt, job.config, job.stats, job.logprobs)
+            committed = next(job.steps)
         except StopIteration:
             committed = []
         except Exception as error:  # noqa: BLE001 - one job's failure must not end the others
             self._finish(job, "error", error)
             return []
         if job.stats.stop_reason:
-            job._steps.close()
+            job.steps.close()
             self._finish(job, job.stats.stop_reason)
         return committed
 

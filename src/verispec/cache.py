@@ -193,6 +193,22 @@ class StaticKV:
         self.length = start + len(slots)
 
 
+def tree_layout(parents: Sequence[int]) -> tuple[list[int], set[int]]:
+    """Each row's depth (0 for a -1 row) and the rows of the primary branch (row 0, then
+    each row's first child), for `Tree.of_parents` and `Tree.span`."""
+    depth: list[int] = []
+    first_child: dict[int, int] = {}
+    for i, parent in enumerate(parents):
+        assert -1 <= parent < i, f"row {i}: parent {parent} is not an earlier row"
+        depth.append(0 if parent < 0 else depth[parent] + 1)
+        first_child.setdefault(parent, i)
+    primary, row = {0}, 0
+    while row in first_child:
+        row = first_child[row]
+        primary.add(row)
+    return depth, primary
+
+
 @dataclass(frozen=True)
 class Tree:
     """Where a chunk's tokens sit: their logical positions (for rotary embeddings and windows),
@@ -230,7 +246,7 @@ class Tree:
         order. A row's ancestors then always hold lower slots than it, in position order, as the
         C layer requires (`native_layer`). Rows see the whole cache, their ancestors and
         themselves. Its tensors are on `device` (the cache's)."""
-        depth, primary = Tree._layout(parents)
+        depth, primary = tree_layout(parents)
         scratch = length + max(depth) + 1  # past every position the tree holds
         slots = []
         for i in range(len(parents)):
@@ -257,26 +273,10 @@ class Tree:
         return Tree(positions, slot_tensor, visible, slot_positions, length, tuple(paths))
 
     @staticmethod
-    def _layout(parents: Sequence[int]) -> tuple[list[int], set[int]]:
-        """Each row's depth (0 for a -1 row) and the rows of the primary branch (row 0, then
-        each row's first child), for `of_parents`."""
-        depth: list[int] = []
-        first_child: dict[int, int] = {}
-        for i, parent in enumerate(parents):
-            assert -1 <= parent < i, f"row {i}: parent {parent} is not an earlier row"
-            depth.append(0 if parent < 0 else depth[parent] + 1)
-            first_child.setdefault(parent, i)
-        primary, row = {0}, 0
-        while row in first_child:
-            row = first_child[row]
-            primary.add(row)
-        return depth, primary
-
-    @staticmethod
     def span(parents: Sequence[int]) -> int:
         """Slots past the cache that `of_parents` places a tree of these parents in: its
         deepest position, then a scratch slot per row off the primary branch."""
-        depth, primary = Tree._layout(parents)
+        depth, primary = tree_layout(parents)
         return max(depth) + 1 + len(parents) - len(primary)
 
     def rows(self, begin: int, end: int) -> "Tree":

@@ -124,7 +124,7 @@ def _fail(message: str, code: int = 2) -> None:
 
 def _load(model: Optional[str], dtype: str, fast: bool = True, block_kernel: bool = True, numerics: str = "int8",
           device: str = "auto", compile: bool = False):
-    from .model import load
+    from .loading import load
 
     _quiet_transformers()
     return load(model, dtype, fast=fast, block_kernel=block_kernel, numerics=numerics, device=device, compile=compile)
@@ -138,7 +138,7 @@ def _check_device(device: str, compile: bool = False) -> str:
     return resolve_device(device, compile)
 
 
-def _check_numerics(numerics: str) -> None:
+def check_numerics(numerics: str) -> None:
     from .runtime.blockmm import NUMERICS
 
     if numerics not in NUMERICS:
@@ -269,7 +269,7 @@ def generate(
             _fail("the prompt is empty")
         for text in stop:
             checked_text(text, "--stop")
-        _check_numerics(numerics)
+        check_numerics(numerics)
         _check_device(device, compile)
         mtad_knobs = {name: value for name, value in (("beams", beams), ("tau", tau)) if value is not None}
         name, options = with_settings(method, MethodOptions(
@@ -400,7 +400,7 @@ def bench(
     from .engine import DecodeConfig
     from .methods import MethodOptions, parse_variant
     from .device import describe
-    from .model import resolve_dtype, runs_on_block_kernel
+    from .loading import resolve_dtype, runs_on_block_kernel
     from .sampling import SamplingConfig
 
     command = shlex.join(["verispec", *sys.argv[1:]])
@@ -409,7 +409,7 @@ def bench(
         if resume and out_dir is None:
             _fail("--resume needs --out DIR: the directory of the run to continue")
         method_names, peer_names = _names(methods), _names(peers)
-        _check_numerics(numerics)
+        check_numerics(numerics)
         placement = _check_device(device, compile)
         for name in method_names:
             parse_variant(name)
@@ -563,13 +563,13 @@ def info(
     from . import __version__
     from .methods import METHODS
     from .device import spread_over_devices
-    from .model import cpu_has_native_bf16
+    from .loading import cpu_has_native_bf16
     from .paths import cache_root
 
     from .bench.report import kernel_info
     from .device import describe
 
-    _check_numerics(numerics)
+    check_numerics(numerics)
     try:
         _check_device(device)
         target = _load(model, dtype, fast, block_kernel, numerics, device)
@@ -648,7 +648,7 @@ def serve(
     prefix_cache: bool = typer.Option(True, "--prefix-cache/--no-prefix-cache", help="Keep computed prompt blocks for later requests that start with them (outputs are identical either way)."),
 ) -> None:
     """Serve the model over an OpenAI-compatible HTTP API: requests are decoded together in a continuous batch."""
-    from .model import resolve_dtype
+    from .loading import resolve_dtype
     from .server import ServerSettings, create_app, default_model_id
     from .server.app import served_method
     from .text import checked_text
@@ -656,7 +656,7 @@ def serve(
     try:
         # Everything that needs no model is checked before the model is loaded.
         served_method(method)
-        _check_numerics(numerics)
+        check_numerics(numerics)
         _check_device(device, compile)
         for option, value in (("--api-key", api_key), ("--model-id", model_id)):
             if value is not None:
@@ -730,7 +730,7 @@ def profile(
     from .bench.report import kernel_info, machine_info
 
     try:
-        _check_numerics(numerics)
+        check_numerics(numerics)
         try:
             chosen = sorted({int(w) for w in _names(widths)})
         except ValueError:

@@ -28,15 +28,12 @@ import sys
 import torch
 
 from .errors import ConfigError
+from .notices import notice
 
 AUTO_MAP = "auto-map"
 DEVICE_CHOICES = "auto | cpu | cuda | cuda:N | auto-map"
 STATIC_CACHE_TOKENS = 4096  # positions of the compiled step's static KV cache (prompt + output)
 _PATTERN = re.compile(r"^(auto|cpu|cuda|cuda:\d+|auto-map)$")
-
-
-def _log(message: str) -> None:
-    print(f"[verispec] {message}", file=sys.stderr, flush=True)
 
 
 def check_device(device: "str | torch.device") -> str:
@@ -144,7 +141,7 @@ class CompiledStep:
         try:
             self._compiled = torch.compile(self._one_token, mode=mode, backend=backend, dynamic=False)
         except Exception as error:  # e.g. a Python that TorchDynamo does not support
-            _log(f"decode step not compiled ({type(error).__name__}: {_first_line(error)}); running it uncompiled")
+            notice(f"decode step not compiled ({type(error).__name__}: {_first_line(error)}); running it uncompiled")
             self._compiled = None
 
     @staticmethod
@@ -179,7 +176,7 @@ class CompiledStep:
             except Exception as error:  # compilation or graph capture failed: run uncompiled from now on
                 from .cache import set_static_length
 
-                _log(f"compiled decode step failed ({type(error).__name__}: {_first_line(error)}); running it uncompiled")
+                notice(f"compiled decode step failed ({type(error).__name__}: {_first_line(error)}); running it uncompiled")
                 self._compiled = None
                 set_static_length(self.cache, self.length)  # whatever the failed call wrote is not committed
         keep = 1 if last_only else 0

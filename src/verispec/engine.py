@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Iterator, NamedTuple, Sequence
+from typing import Callable, Iterator, NamedTuple, Protocol, Sequence
 
 import torch
 
@@ -31,8 +31,20 @@ from .errors import ConfigError
 from .sampling import SamplingConfig
 from .stats import GenerationStats
 
-if TYPE_CHECKING:  # the loop needs only the Target interface (reset, forward, crop, device, trees)
-    from .model import Target
+
+class Target(Protocol):
+    """What the loop needs of a target (a `model.Target`, or one of its sequences)."""
+
+    device: torch.device
+    verifies_trees: bool
+    max_length: int
+
+    def reset(self) -> None: ...
+    def forward(self, tokens: Sequence[int], last_only: bool = False, lazy: bool = False): ...
+    def forward_tree(self, tokens: Sequence[int], parents: Sequence[int], lazy: bool = False): ...
+    def keep_path(self, rows: Sequence[int]) -> None: ...
+    def crop(self, length: int) -> None: ...
+
 
 # A rule gets the target's logits [k+1, vocab] as a tensor, or as `lazy_rows.LazyRows` if it says
 # it reads rows in order and stops at a rejection (an attribute `reads_rows_in_order = True`).

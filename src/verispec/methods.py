@@ -22,7 +22,8 @@ from .drafters.ngram import AnpdDrafter, NgramConfig, PromptLookupDrafter
 from .drafters.suffix import SuffixConfig, SuffixDrafter
 from .engine import Recipe, Rule
 from .errors import ConfigError, ModelLoadError, UnknownMethodError
-from .model import DEFAULT_MODEL_NAME, Target, load
+from .model import Target
+from .loading import DEFAULT_MODEL_NAME, load
 from .runtime.fastpath import BLOCK_KERNEL_MAX_ROWS
 from .sampling import SamplingConfig
 

@@ -1,6 +1,6 @@
 """The PyTorch path's machinery: what verispec runs through a transformers model's own modules.
 
-Owns, for targets that run transformers' forward (`Target._fast is None`: any device, with a
+Owns, for targets that run transformers' forward (`backends.TorchBackend`: any device, with a
 DynamicCache or the compiled CUDA step's StaticCache):
 - which decoder-only models can be taken apart (`parts`, `unsupported`): the decoder's layer
   list, final norm and rotary module, found by structure, and each layer's attention kind and
@@ -21,7 +21,7 @@ DynamicCache or the compiled CUDA step's StaticCache):
   0..N-1, `crop_layers`) and a tree's accepted path gathered to the next positions of every
   layer (`keep_rows`), for DynamicCache and StaticCache layers alike (`cache.py` builds them
   so that every layer can be rolled back).
-`sequence.TargetSequence` calls it from its PyTorch-path branches, the drafters for their drafts.
+`backends.TorchBackend` calls it for a sequence's forwards, the drafters for their drafts.
 
 Numerics: the model's own modules compute every row, so a position's logits are those of a
 plain forward up to floating-point rounding, which differs with the shape of the call (PyTorch's
@@ -45,17 +45,14 @@ import inspect
 import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterator, Sequence
+from typing import Iterator, Sequence
 
 import torch
 
 from .cache import Tree, set_static_length
 from .errors import ConfigError
-from .runtime.linear import Linear, _mkldnn_packing_available
+from .runtime.linear import Linear, mkldnn_packing_available
 
-if TYPE_CHECKING:
-    from .model import Target
-    from .sequence import TargetSequence
 
 # model_type -> the family's name, as tested on tiny random models through this path
 # (tests/test_torch_path.py): greedy eesd, sps and trees equal ar, sampled methods pass the
@@ -251,7 +248,7 @@ def _linears(root: torch.nn.Module) -> list[torch.nn.Linear]:
         linears = _LINEARS[root] = [
             module for module in root.modules()
             if type(module) is torch.nn.Linear and module.weight.device.type == "cpu"
-            and _mkldnn_packing_available(module.weight.dtype)]
+            and mkldnn_packing_available(module.weight.dtype)]
     return linears
 
 
@@ -296,17 +293,16 @@ def _output(output) -> torch.Tensor:
     return output[0] if isinstance(output, tuple) else output
 
 
-def through(owner, cache, ids: torch.Tensor, tree: Tree, *, stop_after: int | None = None, capture: int = 0,
-            logits: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Run `ids` [n] placed by `tree` (contiguous or appended rows) through the model of `owner`
-    (a Target or a sequence) over `cache`, appending the rows' keys and values to it.
+def through(model, body, head, cache, ids: torch.Tensor, tree: Tree, *, stop_after: int | None = None,
+            capture: int = 0, logits: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Run `ids` [n] placed by `tree` (contiguous or appended rows) through `model` (its decoder
+    `body`) over `cache`, appending the rows' keys and values to it.
 
     Returns (out, captured): with `stop_after` = N, out is the residual stream after layers
     0..N-1 [n, d] (the other layers neither run nor grow); else with `logits` (0: every row,
-    1: the last) out is logits [n or 1, vocab], from the target's own LM head where it has one
-    (`Target._head`), else from the model's forward; else the final-normed states [n, d].
+    1: the last) out is logits [n or 1, vocab], from `head` where one is given (the target's own
+    LM head, `Target.head`), else from the model's forward; else the final-normed states [n, d].
     captured: the residual stream after `capture` layers [n, d] (0: None)."""
-    model = owner.model
     found = parts(model) if (stop_after or capture or tree.slots is not None) else None
     hooks, kept = [], []
     if capture:
@@ -319,17 +315,18 @@ def through(owner, cache, ids: torch.Tensor, tree: Tree, *, stop_after: int | No
         hooks.append(found.layers[stop_after - 1].register_forward_hook(stop))
     mask = None
     if tree.slots is not None:
-        mask = attention_mask(model, cache, tree, range(stop_after) if stop_after else None, owner.dtype)
+        mask = attention_mask(model, cache, tree, range(stop_after) if stop_after else None,
+                              next(model.parameters()).dtype)
     inputs = dict(input_ids=ids.unsqueeze(0), position_ids=tree.positions.unsqueeze(0), attention_mask=mask,
                   cache=cache, use_cache=True)
     try:
-        with packed_linears(owner._body, ids.shape[0]):
-            if logits is not None and owner._head is None and not stop_after:
+        with packed_linears(body, ids.shape[0]):
+            if logits is not None and head is None and not stop_after:
                 out = model(**inputs, logits_to_keep=logits).logits[0]  # [n or 1, vocab]
             else:
-                out = owner._body(**inputs).last_hidden_state[0]  # [n, d]
+                out = body(**inputs).last_hidden_state[0]  # [n, d]
                 if logits is not None and not stop_after:
-                    out = owner._head(out[-1:] if logits == 1 else out)
+                    out = head(out[-1:] if logits == 1 else out)
     except _Stop as stopped:
         out = stopped.output  # [n, d]
     finally:
@@ -416,69 +413,6 @@ def keep_rows(cache, start: int, m: int, rows: Sequence[int]) -> None:
         set_static_length(cache, start + len(rows))  # a static cache's length tensors, in place
 
 
-# -- a target sequence's PyTorch-path forwards (called by `sequence.TargetSequence`) -----------------
-
-def _append(seq: "TargetSequence", ids: torch.Tensor, tree: Tree, capture: int, logits: int | None):
-    """`through` over the sequence's cache; the compiled step's cache advances its length."""
-    target = seq.target
-    step = target._step
-    out, captured = through(target, seq.cache if step is None else step.cache, ids, tree, capture=capture,
-                            logits=logits)
-    if step is not None:
-        step.length += ids.shape[0]
-    return out, captured
-
-
-def forward(seq: "TargetSequence", ids: torch.Tensor, last_only: bool) -> torch.Tensor:
-    """`TargetSequence.forward` on the PyTorch path: ids [1, n] appended -> logits [n or 1, vocab].
-    The compiled step runs it unless exit states are captured (hooks do not run in a CUDA graph)."""
-    target = seq.target
-    if target._step is not None and not seq._capture_layer:
-        return target._ready(target._step.forward(ids, last_only))
-    start = seq.length
-    out, captured = _append(seq, ids[0], contiguous(start, ids.shape[1], target.device), seq._capture_layer,
-                            1 if last_only else 0)
-    _keep_capture(seq, start, captured)
-    return target._ready(out)
-
-
-def hidden_states(seq: "TargetSequence", ids: torch.Tensor) -> torch.Tensor:
-    """`TargetSequence.hidden_states` on the PyTorch path: ids [1, n] -> final-normed [n, d]."""
-    start = seq.length
-    out, captured = _append(seq, ids[0], contiguous(start, ids.shape[1], seq.target.device), seq._capture_layer, None)
-    _keep_capture(seq, start, captured)
-    return out
-
-
-def _keep_capture(seq: "TargetSequence", start: int, captured: torch.Tensor | None) -> None:
-    if captured is not None:
-        seq._trim_captures(start)
-        seq._captures.append((start, captured))
-
-
-def forward_tree(seq: "TargetSequence", tokens: Sequence[int], parents: Sequence[int]) -> torch.Tensor:
-    """`TargetSequence.forward_tree` on the PyTorch path: the rows appended in row order, each at
-    its depth's position under a custom mask -> logits [m, vocab]; `keep_tree` keeps a path."""
-    target = seq.target
-    parts(target.model, "tree verification")
-    start = seq.length
-    tree = append_tree(start, parents, target.device)
-    ids = torch.tensor(list(tokens), dtype=torch.long, device=target.device)  # [m]
-    seq._tree_slots, seq._tree_ids = (start, list(range(len(tokens)))), list(tokens)
-    out, _ = _append(seq, ids, tree, 0, 0)
-    return target._ready(out)
-
-
-def keep_tree(seq: "TargetSequence", rows: Sequence[int]) -> None:
-    """`TargetSequence.keep_path` on the PyTorch path: `rows` become the next positions."""
-    start, slots = seq._tree_slots
-    target = seq.target
-    keep_rows(target._step.cache if target._step is not None else seq.cache, start, len(slots), rows)
-    if target._step is not None:
-        target._step.length = start + len(rows)
-    seq._tree_slots = None
-
-
-def verifies_trees(target: "Target") -> bool:
-    """Whether `target` (on the PyTorch path) can verify a tree in one forward."""
-    return unsupported(target.model) is None
+def verifies_trees(model) -> bool:
+    """Whether `model` (on the PyTorch path) can verify a tree in one forward."""
+    return unsupported(model) is None

@@ -118,7 +118,7 @@ def _generate_runner(target: Target, settings: PeerSettings, extra: dict | None 
 
 
 def _assisted(target: Target, settings: PeerSettings) -> PeerRun:
-    from ..model import load
+    from ..loading import load
 
     draft = load(settings.draft_model, settings.dtype, device=target.device)  # generate() needs both on one device
     extra: dict = {"assistant_model": draft.model}
@@ -131,7 +131,7 @@ def _llamacpp(target: Target, settings: PeerSettings, prompt_lookup: bool) -> Pe
     """llama.cpp (llama-cpp-python, an optional dependency) on the GGUF file the target came
     from: the embedded default's, or a --model given as .gguf. Its own tokenizer; greedy or
     sampled per the flags; torch's thread count. Target forwards are not visible (None)."""
-    from ..model import DEFAULT_MODEL_NAME, embedded_default_path
+    from ..loading import DEFAULT_MODEL_NAME, embedded_default_path
 
     if target.name == DEFAULT_MODEL_NAME:
         gguf = embedded_default_path()

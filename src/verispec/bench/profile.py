@@ -108,9 +108,7 @@ def draft_step_seconds(target, prepared, context: list[int], repeats: int = 15, 
     lm = ExitHeadLM(target, prepared)
     lm.begin(context)
     target.capture_exit(prepared.exit_layer)
-    lm._head_length = len(context)
-    lm._cache.reserve(len(context) + width + 1)
-    lm._cache.length = len(context)
+    lm.assume_head_cache(len(context), width + 1)
 
     def fast_step():
         lm.extend(tokens, tree)  # scratch positions past the context, overwritten by the next call
@@ -219,7 +217,7 @@ def batched_decode(target, sequences: Sequence[int] = DEFAULT_SEQUENCES, context
     `context_length` distinct tokens, one row each per step, `batch_forward.forward_parts`):
     {"context", "ms": {"n": ms per step}, "tokens_per_s": {"n": n / step}, "ratios": {"n": rate
     over 1 sequence's}, "kv_bytes_per_token"}. The sequences are released afterwards."""
-    from ..batch_forward import Part, forward_parts
+    from ..batch_forward import Part
     from ..runtime.rows import BLOCK
 
     counts = sorted(set(int(n) for n in sequences) | {1})
@@ -235,7 +233,7 @@ def batched_decode(target, sequences: Sequence[int] = DEFAULT_SEQUENCES, context
             chosen = live[:n]
 
             def step():
-                forward_parts(target, [Part(sequence, [3 + i]) for i, sequence in enumerate(chosen)])
+                target.forward_parts([Part(sequence, [3 + i]) for i, sequence in enumerate(chosen)])
                 for sequence in chosen:
                     sequence.crop(sequence.length - 1)  # the same positions every time
 

@@ -170,7 +170,7 @@ class ModelFiles:
 
     def gguf(self) -> Path:
         if self.argument is None:
-            from ..model import embedded_default_path
+            from ..loading import embedded_default_path
 
             return embedded_default_path()
         path = Path(self.argument).expanduser()
@@ -185,10 +185,10 @@ class ModelFiles:
         (converted once and cached; reused as is when it exists)."""
         if self.argument is not None and Path(self.argument).expanduser().is_dir():
             return Path(self.argument).expanduser()
-        from ..model import _converted_gguf_dir
+        from ..loading import converted_gguf_dir
         from ..paths import cache_root
 
-        return _converted_gguf_dir(self.gguf(), cache_root())
+        return converted_gguf_dir(self.gguf(), cache_root())
 
     def vllm_dir(self, folder: Path) -> Path:
         """`transformers_dir()` as vLLM can load it: a folder of links to its files without the

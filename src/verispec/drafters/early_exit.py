@@ -103,7 +103,7 @@ class ExitHead(torch.nn.Module):
         # out of this module's parameters, state dict and dtype casts.
         object.__setattr__(self, "_output", output)
         object.__setattr__(self, "_model", model)
-        self._rotary_args = (parts.kinds[self.init_layer],) if parts.rotary_takes_kind else ()
+        self.rotary_args = (parts.kinds[self.init_layer],) if parts.rotary_takes_kind else ()
         self._window = parts.windows[self.init_layer]
         for parameter in self.parameters():
             parameter.requires_grad_(True)
@@ -123,7 +123,7 @@ class ExitHead(torch.nn.Module):
             visible &= key > query - self._window
         mask = torch.zeros(length, length, dtype=hidden.dtype, device=hidden.device).masked_fill(~visible, float("-inf"))
         out = torch_path.call_layer(self.layer, self._model, hidden, mask[None, None].expand(batch, 1, -1, -1),
-                                    self._rotary_args)  # [B, T, d]
+                                    self.rotary_args)  # [B, T, d]
         return self.norm(out) @ self.output_rows().to(hidden.dtype).T  # [B, T, V_d]
 
     def spec(self, model, name: str, training: dict | None = None) -> ExitHeadSpec:
@@ -192,7 +192,7 @@ class PreparedHead:
         self.norm = head.norm
         self.vocab = head.vocab  # [V_d]
         if target.fast:
-            self.layer = target._fast.wrap_layer(head.layer, quantize=quantize)
+            self.layer = target.decoder.wrap_layer(head.layer, quantize=quantize)
             self.project = target.output_rows_linear(head.vocab)  # hidden [n, d] -> [n, V_d]
         else:
             torch_path.parts(target.model, "eesd")  # a model it cannot take apart is refused here
@@ -213,47 +213,55 @@ class ExitHeadLM:
         self.vocab = prepared.vocab  # [V_d]
         self.vocab_size = target.vocab_size
         self.device = target.device
-        self._fast = target._fast
+        self.decoder = target.decoder
         self._layer, self._project, self._norm = prepared.layer, prepared.project, prepared.norm
         self._cache = None  # the head's own: a one-layer StaticKV (fast path), a DynamicCache (PyTorch path)
         self._head_length = 0  # positions 0.. with valid head keys/values
         # PyTorch path: the head's layer is a copy of target layer `_index` (its cache slot and kind)
         self._index = prepared.head.init_layer
-        self._rotary_kind = prepared.head._rotary_args
+        self._rotary_kind = prepared.head.rotary_args
         self._scratch: int | None = None  # draft rows in the target's layers 0..N-1 from this position on
 
     def begin(self, prompt: Sequence[int]) -> None:
         self.target.capture_exit(self.exit_layer)
-        if self._fast is None:
+        if self.decoder is None:
             self._cache = new_cache(self.target.model)
             self._scratch = None
         elif self._cache is None:
-            self._cache = self._fast.new_cache(layers=1)
+            self._cache = self.decoder.new_cache(layers=1)
         else:
             self._cache.crop(0)
         self._head_length = 0
+
+    def assume_head_cache(self, length: int, room: int) -> None:
+        """Treat the head's cache as holding positions 0..length-1, with room for `room` more
+        (a timing of draft steps past a context, `bench.profile`; fast path only)."""
+        self._head_length = length
+        self._cache.reserve(length + room)
+        self._cache.length = length
 
     def _head(self, residual: torch.Tensor, start: int, tree: Tree | None = None,
               last_only: bool = False) -> torch.Tensor:
         """Head layer over residual [m, d] (filling the head cache for all m) -> draft logits
         [m, V_d], or [1, V_d] for the last row only."""
-        if self._fast is None:
+        if self.decoder is None:
             placed = tree if tree is not None else torch_path.contiguous(start, residual.shape[0], self.device)
             out = torch_path.run_layer(self._layer, self.target.model, residual, placed, self._cache, self._index,
                                        self._rotary_kind)  # [m, d]
         else:
-            out = self._fast.run_layer(self._layer, residual, start, self._cache, tree=tree)  # [m, d]
+            out = self.decoder.run_layer(self._layer, residual, start, self._cache, tree=tree)  # [m, d]
         return self._project(self._norm(out[-1:] if last_only else out))
 
     def _first_layers(self, tokens: torch.Tensor, tree: Tree) -> torch.Tensor:
         """Layers 0..N-1 of the target for draft tokens [m] placed by `tree`, in the target's
         cache (scratch rows past the committed positions) -> the residual stream [m, d]."""
-        if self._fast is None:
+        if self.decoder is None:
             if self._scratch is None:
                 self._scratch = int(tree.positions.min())
-            residual, _ = torch_path.through(self.target, self.target.cache, tokens, tree, stop_after=self.exit_layer)
+            residual, _ = torch_path.through(self.target.model, self.target.decoder_body, self.target.head,
+                                             self.target.cache, tokens, tree, stop_after=self.exit_layer)
             return residual
-        return self._fast.run(self._fast.embed(tokens), int(tree.positions[0]), self.target.cache, range(self.exit_layer),
+        return self.decoder.run(self.decoder.embed(tokens), int(tree.positions[0]), self.target.cache, range(self.exit_layer),
                               tree=tree if tree.slots is not None else None)
 
     @torch.inference_mode()
@@ -282,7 +290,7 @@ class ExitHeadLM:
 
     def keep(self, m: int) -> None:
         self._head_length += m
-        if self._fast is None:
+        if self.decoder is None:
             torch_path.crop_layers(self._cache, [self._index], self._head_length)
         else:
             self._cache.length = self._head_length

@@ -130,7 +130,7 @@ class AuxLM:
         self.model.release()
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self._widen(self.model._head(hidden))
+        return self._widen(self.model.head(hidden))
 
     def _widen(self, logits: torch.Tensor) -> torch.Tensor:
         """The draft model's logits [n, V_draft] -> [n, V], the target's width."""
@@ -142,7 +142,7 @@ class AuxLM:
 
     @torch.inference_mode()
     def sync(self, context: Sequence[int]) -> torch.Tensor:
-        fast = self.model._fast
+        fast = self.model.decoder
         self.model.crop(min(self.model.length, self._length))
         missing = torch.tensor(list(context[self._length:]), dtype=torch.long, device=self.device)
         # an id the draft model has no row for (only a target's padding rows can be such) is
@@ -159,12 +159,13 @@ class AuxLM:
 
     @torch.inference_mode()
     def extend(self, tokens: torch.Tensor, tree: Tree) -> torch.Tensor:
-        fast = self.model._fast
+        fast = self.model.decoder
         if fast is None:  # rows appended to the draft model's cache; beams under a custom mask
             if tree.slots is None:
                 return self._widen(self.model.forward(tokens.tolist()))
             torch_path.parts(self.model.model, "beam drafting (mtad)")  # refuses a model it cannot mask
-            logits, _ = torch_path.through(self.model, self.model.cache, tokens, tree, logits=0)  # [W, V_draft]
+            logits, _ = torch_path.through(self.model.model, self.model.decoder_body, self.model.head, self.model.cache,
+                                             tokens, tree, logits=0)  # [W, V_draft]
             return self._widen(logits)
         x = fast.run(fast.embed(tokens), int(tree.positions[0]), self.model.cache, tree=tree)
         return self._logits(fast.norm(x))
@@ -174,7 +175,7 @@ class AuxLM:
 
     def keep(self, m: int) -> None:
         self._length = self._scratch_start + m
-        if self.model._fast is None:
+        if self.model.decoder is None:
             self.model.crop(self._length)
         else:
             self.model.cache.length = self._length

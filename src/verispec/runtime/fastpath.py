@@ -39,7 +39,7 @@ import torch.nn.functional as F
 
 from ..cache import StaticKV, Tree
 from .gguf_blocks import BlockWeights, quantize_blocks
-from .linear import BlockLinear, FusedNorm, Linear, _check_numerics, _mkldnn_packing_available  # noqa: F401 - re-exported
+from .linear import BlockLinear, FusedNorm, Linear, check_numerics, mkldnn_packing_available  # noqa: F401 - re-exported
 from .native_layer import NativeLayer, run_layers
 from .rows import Rows
 
@@ -107,7 +107,7 @@ class FastDecoder:
         `numerics` ("int8" or "fp32", see `blockmm`; changeable later through `numerics`)."""
         reason = self.supports(model)
         assert reason is None, reason
-        _check_numerics(numerics)
+        check_numerics(numerics)
         self.config = model.config
         self.blocks = blocks if (blocks and kernel is not None) else {}  # the forms actually in use
         self._kernel = kernel
@@ -170,7 +170,7 @@ class FastDecoder:
 
     @numerics.setter
     def numerics(self, value: str) -> None:
-        _check_numerics(value)
+        check_numerics(value)
         self._numerics = value
         for part in self._on_kernel:
             part.numerics = value
@@ -194,6 +194,11 @@ class FastDecoder:
         linear = BlockLinear(blocks, dense, self._kernel, BLOCK_KERNEL_MAX_ROWS, self._numerics)
         self._on_kernel.add(linear)
         return linear
+
+    @property
+    def kernel_isa(self) -> str | None:
+        """The block kernel's instruction-set build ("avx512vnni", ..., "portable"), or None."""
+        return None if self._kernel is None else self._kernel.isa
 
     @property
     def native_layers(self) -> int:

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 _PACK_HINT = 16  # oneDNN packs for this batch size; measured fastest across widths 1..16
 
 
-def _mkldnn_packing_available(dtype: torch.dtype) -> bool:
+def mkldnn_packing_available(dtype: torch.dtype) -> bool:
     return dtype == torch.float32 and torch.backends.mkldnn.is_available()
 
 
@@ -26,7 +26,7 @@ class Linear:
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, lazy: bool = False):
         self.weight, self.bias = weight.detach(), None if bias is None else bias.detach()
-        self._packable = _mkldnn_packing_available(weight.dtype)
+        self._packable = mkldnn_packing_available(weight.dtype)
         self._packed = None
         if not lazy:
             self._pack()
@@ -83,7 +83,7 @@ class FusedNorm:
         return module
 
 
-def _check_numerics(value: str) -> None:
+def check_numerics(value: str) -> None:
     """Refuse numerics other than `blockmm.NUMERICS`."""
     from .blockmm import NUMERICS  # blockmm builds C at first use: imported when needed
 

@@ -123,8 +123,8 @@ class NativeLayer:
     """One fast-path layer as a C call. Build with `of`; call with the residual stream."""
 
     def __init__(self, struct: _CLayer, keep: list, function, linears: list):
-        self._struct, self._keep = struct, keep
-        self._run_many = function  # decoder_layers
+        self.struct, self.keep = struct, keep
+        self.run_many = function  # decoder_layers
         self._linears = linears
         self._described: dict = {}  # numerics -> the 4 _CLinear structs of that weight layout
 
@@ -138,9 +138,9 @@ class NativeLayer:
                 weights = b.packed if numerics == "int8" else b
                 form_arguments = weights.kernel_form if numerics == "int8" else (-1, 0, 0)
                 bias = linear.dense.bias
-                structs.append(_CLinear(_pointer(weights.codes, self._keep), _pointer(weights.scales, self._keep),
-                                        _pointer(weights.offsets, self._keep),
-                                        _pointer(None if bias is None else bias.float(), self._keep),
+                structs.append(_CLinear(_pointer(weights.codes, self.keep), _pointer(weights.scales, self.keep),
+                                        _pointer(weights.offsets, self.keep),
+                                        _pointer(None if bias is None else bias.float(), self.keep),
                                         b.codes.shape[0], b.codes.shape[1], b.block, *form_arguments))
             self._described[numerics] = structs
         return self._described[numerics]
@@ -167,13 +167,13 @@ class NativeLayer:
     @property
     def numerics(self) -> str:
         """"int8" or "fp32": how the layer's linears multiply (settable)."""
-        return next(name for name, value in NUMERICS.items() if value == self._struct.numerics)
+        return next(name for name, value in NUMERICS.items() if value == self.struct.numerics)
 
     @numerics.setter
     def numerics(self, value: str) -> None:
         for i, linear in enumerate(self._describe(value)):
-            self._struct.linear[i] = linear
-        self._struct.numerics = NUMERICS[value]
+            self.struct.linear[i] = linear
+        self.struct.numerics = NUMERICS[value]
 
     def __call__(self, x: torch.Tensor, rows: Rows, cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor,
                  values: torch.Tensor) -> torch.Tensor:
@@ -211,8 +211,8 @@ def run_layers(layers: list[NativeLayer], x: torch.Tensor, rows: Rows, rope: lis
     assert all(k.is_contiguous() and k.dtype == torch.float32 for k in keys + values)
     assert all(k.shape[1] == rows.pool_blocks * BLOCK for k in keys + values), "pools of the rows' size"
     described, sequences = rows.c_struct()
-    structs = (ctypes.c_void_p * len(layers))(*[ctypes.addressof(layer._struct) for layer in layers])
-    status = layers[0]._run_many(structs, len(layers), out.data_ptr(), n, ctypes.addressof(described), sequences,
+    structs = (ctypes.c_void_p * len(layers))(*[ctypes.addressof(layer.struct) for layer in layers])
+    status = layers[0].run_many(structs, len(layers), out.data_ptr(), n, ctypes.addressof(described), sequences,
                                  _pointers([c for c, _ in cos_sin]), _pointers([s for _, s in cos_sin]),
                                  _pointers(keys), _pointers(values), torch.get_num_threads())
     if status != 0:

@@ -157,21 +157,21 @@ class Job:
     id: int = field(default_factory=lambda: next(_ids))
     state: str = QUEUED
     cancel_reason: str | None = None
-    _cancel: threading.Event = field(default_factory=threading.Event, repr=False)
+    cancel_flag: threading.Event = field(default_factory=threading.Event, repr=False)
     # the worker thread's own
-    _engine_job: EngineJob | None = field(default=None, repr=False)
-    _assembler: TextAssembler | None = field(default=None, repr=False)
-    _parts: list = field(default_factory=list, repr=False)
-    _started: float = 0.0
-    _last_text: float = 0.0
-    _first_text: float = 0.0
-    _logprobs_sent: int = 0
+    engine_job: EngineJob | None = field(default=None, repr=False)
+    assembler: TextAssembler | None = field(default=None, repr=False)
+    parts: list = field(default_factory=list, repr=False)
+    started: float = 0.0
+    last_text: float = 0.0
+    first_text: float = 0.0
+    logprobs_sent: int = 0
 
     @property
     def cancelled(self) -> bool:
-        return self._cancel.is_set()
+        return self.cancel_flag.is_set()
 
-    def _emit(self, event: Event) -> None:
+    def emit(self, event: Event) -> None:
         try:
             self.notify(event)
         except Exception:  # a listener that went away (closed event loop) must not stop the worker
@@ -230,7 +230,7 @@ class Worker:
         with self._lock:
             ahead = self.queue_length + len(self._running)
             recent = list(self.recent_run_s)
-            started = [job._started for job in self._running]
+            started = [job.started for job in self._running]
         mean = sum(recent) / len(recent) if recent else (time.monotonic() - min(started) if started else 0.0)
         at_once = self.max_sequences if self.engine.batches else 1
         return -(-ahead // at_once) * mean
@@ -256,7 +256,7 @@ class Worker:
             self._lock.notify_all()
         for job in waiting:
             job.state = DONE
-            job._emit(Failed(WorkerStopped("the server is shutting down"), user_error=False))
+            job.emit(Failed(WorkerStopped("the server is shutting down"), user_error=False))
         if self._thread is not None:
             self._thread.join(timeout)
 
@@ -284,16 +284,16 @@ class Worker:
                     self._inbox.remove(job)
                 job.state = DONE
                 job.cancel_reason = reason
-                job._cancel.set()  # the thread takes it out of the engine's queue
+                job.cancel_flag.set()  # the thread takes it out of the engine's queue
                 self._lock.notify()
                 return True
         self._set_cancel(job, reason)
         return False
 
     def _set_cancel(self, job: Job, reason: str) -> None:
-        if not job._cancel.is_set():
+        if not job.cancel_flag.is_set():
             job.cancel_reason = reason
-            job._cancel.set()
+            job.cancel_flag.set()
             with self._lock:
                 self._lock.notify()
 
@@ -316,8 +316,8 @@ class Worker:
             except BaseException:  # never let one request take the worker down
                 log.error("unexpected error in the worker\n%s", traceback.format_exc())
                 for job in self._waiting + self._running:  # they leave the engine too, their blocks freed
-                    if job._engine_job is not None:
-                        self.engine.cancel(job._engine_job, "error")
+                    if job.engine_job is not None:
+                        self.engine.cancel(job.engine_job, "error")
                     self._fail(job, RuntimeError("the worker failed"), user_error=False)
 
     def _hand_over(self, job: Job) -> None:
@@ -332,13 +332,13 @@ class Worker:
         try:
             sequence = self.target.new_sequence()
             recipe = build(request.method, sequence, request.options, request.sampling)
-            job._assembler = TextAssembler(self.target.tokenizer, request.stop)
+            job.assembler = TextAssembler(self.target.tokenizer, request.stop)
             config = DecodeConfig(request.max_new_tokens, request.sampling, self.target.eos_token_ids)
-            job._engine_job = self.engine.submit(list(request.prompt_ids), recipe, config,
+            job.engine_job = self.engine.submit(list(request.prompt_ids), recipe, config,
                                                  GenerationStats(method=request.method),
                                                  draws=get_method(request.method).draws, sequence=sequence)
             if job.logprobs is not None:
-                job._engine_job.logprobs = Logprobs(job.logprobs)
+                job.engine_job.logprobs = Logprobs(job.logprobs)
         except VerispecError as error:
             self._fail(job, error, user_error=True)
             return
@@ -353,33 +353,33 @@ class Worker:
         now = time.monotonic()
         for job in list(self._waiting):
             if job.cancelled:  # answered by `cancel` already: no event
-                self.engine.cancel(job._engine_job, job.cancel_reason or "cancelled")
+                self.engine.cancel(job.engine_job, job.cancel_reason or "cancelled")
                 self._waiting.remove(job)
             elif job.deadline is not None and now >= job.deadline:
-                self.engine.cancel(job._engine_job, "timeout")
+                self.engine.cancel(job.engine_job, "timeout")
                 self._waiting.remove(job)
                 self._fail(job, QueueTimeout(f"the request timed out after {now - job.created:.3g} s waiting in "
                                              f"the queue"), user_error=False)
         for job in list(self._running):
             if job.cancelled:
-                self.engine.cancel(job._engine_job, job.cancel_reason or "cancelled")
+                self.engine.cancel(job.engine_job, job.cancel_reason or "cancelled")
                 self._end(job, job.cancel_reason or "cancelled")
             elif job.deadline is not None and now >= job.deadline:
-                self.engine.cancel(job._engine_job, "timeout")
+                self.engine.cancel(job.engine_job, "timeout")
                 self._end(job, "timeout")
 
     def _step(self) -> None:
-        by_engine_job = {id(job._engine_job): job for job in self._waiting + self._running}
+        byengine_job = {id(job.engine_job): job for job in self._waiting + self._running}
         self.engine.admit()
         for engine_job in self.engine.running:  # joined the batch now
-            job = by_engine_job.get(id(engine_job))
+            job = byengine_job.get(id(engine_job))
             if job is not None and job.state == QUEUED:
                 self._begin(job)
         started = time.perf_counter()
         events = self.engine.step()
         self.observer.step(self.engine.last_rows, len(self.engine.running), time.perf_counter() - started)
         for engine_job, committed in events:
-            job = by_engine_job.get(id(engine_job))
+            job = byengine_job.get(id(engine_job))
             if job is None or job.state == DONE:
                 continue  # cancelled while it was joining: it leaves at the next step
             if job.state == QUEUED:  # joined and ended in one step
@@ -393,12 +393,12 @@ class Worker:
             job.state = RUNNING
             self._waiting.remove(job)
             self._running.append(job)
-        job._started = time.monotonic()
-        job._emit(Started(job._started - job.created))
+        job.started = time.monotonic()
+        job.emit(Started(job.started - job.created))
 
     def _deliver(self, job: Job, committed: list[int]) -> None:
         """A job's tokens of this step: its text so far as a Delta, its end as Finished or Failed."""
-        engine_job, assembler = job._engine_job, job._assembler
+        engine_job, assembler = job.engine_job, job.assembler
         if committed:
             kept_before = len(assembler.ids)
             delta = assembler.push(committed)
@@ -406,19 +406,19 @@ class Worker:
             if job.logprobs is not None:  # the entries of this step's tokens that a stop string left
                 kept = len(assembler.ids) - kept_before
                 entries = engine_job.logprobs.entries
-                logprobs = tuple(entries[job._logprobs_sent : job._logprobs_sent + kept])
-                job._logprobs_sent += len(committed)
+                logprobs = tuple(entries[job.logprobs_sent : job.logprobs_sent + kept])
+                job.logprobs_sent += len(committed)
             if delta or logprobs:
                 now = time.monotonic()
-                if not job._parts and delta:
-                    job._first_text = now
+                if not job.parts and delta:
+                    job.first_text = now
                     self.observer.first_token(now - job.created)
                 elif delta:
-                    self.observer.chunk_gap(now - job._last_text)
+                    self.observer.chunk_gap(now - job.last_text)
                 if delta:
-                    job._parts.append(delta)
-                    job._last_text = now
-                job._emit(Delta(delta, tuple(assembler.ids[kept_before:]), logprobs))
+                    job.parts.append(delta)
+                    job.last_text = now
+                job.emit(Delta(delta, tuple(assembler.ids[kept_before:]), logprobs))
             if assembler.stopped and not engine_job.done:
                 engine_job.stats.stop_reason = "stop"
                 self.engine.cancel(engine_job, "stop")
@@ -433,37 +433,37 @@ class Worker:
 
     def _end(self, job: Job, reason: str) -> None:
         """Finished: the text so far (the held-back tail too, unless cut short), its stats."""
-        engine_job, assembler = job._engine_job, job._assembler
+        engine_job, assembler = job.engine_job, job.assembler
         if reason not in ("cancelled", "timeout"):
             tail = assembler.finish()
             if tail:
-                if not job._parts:
-                    job._first_text = time.monotonic()
-                    self.observer.first_token(job._first_text - job.created)
-                job._parts.append(tail)
-                job._last_text = time.monotonic()
-                job._emit(Delta(tail))
+                if not job.parts:
+                    job.first_text = time.monotonic()
+                    self.observer.first_token(job.first_text - job.created)
+                job.parts.append(tail)
+                job.last_text = time.monotonic()
+                job.emit(Delta(tail))
         stats = engine_job.stats
         stats.new_tokens = min(stats.new_tokens, len(assembler.ids))
         stats.stop_reason = reason if reason in ("cancelled", "timeout") else stats.stop_reason or reason
-        if not job._parts:
+        if not job.parts:
             self.observer.first_token(time.monotonic() - job.created)  # ended without any text
         elif stats.new_tokens > 1:
-            self.observer.per_output_token((job._last_text - job._first_text) / (stats.new_tokens - 1))
-        result = GenerationResult(assembler.text if reason not in ("cancelled", "timeout") else "".join(job._parts),
+            self.observer.per_output_token((job.last_text - job.first_text) / (stats.new_tokens - 1))
+        result = GenerationResult(assembler.text if reason not in ("cancelled", "timeout") else "".join(job.parts),
                                   list(assembler.ids), list(job.request.prompt_ids), stats)
         logprobs = tuple(engine_job.logprobs.entries[: len(assembler.ids)]) if job.logprobs is not None else ()
         self.observer.finished(stats, reason)
         self._leave(job)
         with self._lock:
-            self.recent_run_s.append(time.monotonic() - (job._started or job.created))
-        job._emit(Finished(result, "".join(job._parts), reason, job._started - job.created if job._started else 0.0,
+            self.recent_run_s.append(time.monotonic() - (job.started or job.created))
+        job.emit(Finished(result, "".join(job.parts), reason, job.started - job.created if job.started else 0.0,
                            logprobs))
 
     def _fail(self, job: Job, error: BaseException, user_error: bool) -> None:
         self.observer.failed(job.request.method, user_error)
         self._leave(job)
-        job._emit(Failed(error, user_error=user_error))
+        job.emit(Failed(error, user_error=user_error))
 
     def _leave(self, job: Job) -> None:
         """`job` is done: out of the waiting or running list."""

@@ -130,7 +130,7 @@ def label(target, sequences: list[list[int]], exit_layer: int, progress: Callabl
     the host): on the fast path where the target has one, else through its PyTorch forward."""
     if not target.fast:
         return _label_on_device(target, sequences, exit_layer, progress)
-    fast = target._fast
+    fast = target.decoder
     if not 1 <= exit_layer <= len(fast.layers):
         raise ConfigError(f"exit layer must be in 1..{len(fast.layers)}, got {exit_layer}")
     exits, finals = [], []
