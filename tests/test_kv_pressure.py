@@ -294,3 +294,33 @@ def test_random_mixes_on_a_real_model_equal_their_solo_outputs(drafting):
         assert target.pool.used_blocks == 0
 
     check()
+
+
+@pytest.mark.long
+def test_a_small_soak_under_a_few_blocks_loses_nothing():
+    """`verispec.bench.soak` (what scripts/soak_kv.py runs on the real model) against the tiny
+    model's server with 4 blocks of KV memory: 80 mixed requests from 6 clients (n up to 4,
+    prompts of 64 * k tokens and others, stops, streaming, clients that disconnect, requests
+    that can never fit): nothing lost, no 5xx, every reproducible output equal to its solo one,
+    no block held at the end."""
+    from verispec.bench import soak
+    from verispec.server import ServerSettings
+
+    tokenizer = helpers.char_tokenizer()
+    target = sh.int8_text_target(tokenizer, max_positions=512)
+    target.kv_memory = 4 * block_bytes(target.config.num_hidden_layers, target.config.num_key_value_heads,
+                                       target.decoder.head_dim)
+    server = sh.RunningServer(target, ServerSettings(model_id="m", max_queue=256, max_tokens_limit=256,
+                                                     max_sequences=4, request_timeout=0))
+    try:
+        requests = soak.plan(80, len(tokenizer), 4 * BLOCK, ["ar", "pld", "anpd", "anpd/tree=8"], seed=3,
+                             max_prompt=160)
+        assert any(r.never_fits for r in soak.plan(300, len(tokenizer), 4 * BLOCK, ["ar"], seed=3))
+        result = soak.run(server.url, requests, concurrency=6, idle=lambda: server.worker.engine.idle)
+        summary = result.summary()
+        assert summary["lost"] == 0 and summary["server_errors"] == 0, summary["lost_examples"]
+        assert summary["served"] + summary["refused"] + summary["disconnected"] == 80
+        assert summary["solo_checked"] > 20 and summary["solo_equal"] == summary["solo_checked"]
+        assert summary["kv_blocks_in_use_at_end"] == 0
+    finally:
+        server.stop()

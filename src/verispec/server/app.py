@@ -360,7 +360,7 @@ def create_app(target: Target, settings: ServerSettings | None = None) -> FastAP
     """An OpenAI-compatible app serving `target`. Its worker thread (the only user of `target`)
     starts and stops with the app's lifespan."""
     settings = settings or ServerSettings()
-    pool = target.pool if target.pages_kv else None
+    pool = target.pool if target.pages_kv else None  # the KV memory of the batch (its size is set before serving)
     metrics = ServerMetrics(
         queue_length=lambda: worker.queue_length, busy=lambda: float(worker.busy), running=lambda: worker.running,
         kv_blocks=lambda: (pool.used_blocks, pool.blocks) if pool is not None else (0, 0),
@@ -414,7 +414,7 @@ def create_app(target: Target, settings: ServerSettings | None = None) -> FastAP
     # -- info routes ---------------------------------------------------------------------------
     def model_card() -> dict:
         return {"id": settings.model_id, "object": "model", "created": created, "owned_by": "verispec",
-                "verispec": {"name": target.name, "max_length": target.max_length,
+                "verispec": {"name": target.name, "max_length": target.max_length, "vocab_size": target.vocab_size,
                              "default_method": settings.default_method}}
 
     @app.get("/v1/models")
