@@ -402,7 +402,7 @@ def test_a_broken_compiler_gives_a_reason_and_the_fast_path_keeps_float32(fresh_
     found, why = blockmm.kernel()
     assert found is None and "could not build the block kernel" in why
     model = helpers.make_model(helpers.make_config("llama"), seed=2)
-    assert model_module._gguf_blocks(tmp_path / "m.gguf", tmp_path, model) is None
+    assert model_module._gguf_blocks(tmp_path / "m.gguf", model) is None
     assert "block kernel not used: could not build" in capsys.readouterr().err
 
 
@@ -413,7 +413,7 @@ def test_fp32_numerics_on_a_portable_build_keep_pytorch_linears(fresh_kernel_sta
 
     fresh_kernel_state.setenv(blockmm.ISA_ENV, "portable")
     model = helpers.make_model(helpers.make_config("llama"), seed=2)
-    assert model_module._gguf_blocks(tmp_path / "m.gguf", tmp_path, model, "fp32") is None
+    assert model_module._gguf_blocks(tmp_path / "m.gguf", model, "fp32") is None
     assert "portable build" in capsys.readouterr().err
 
 

@@ -24,7 +24,7 @@ def test_profile_reports_every_width_its_ratio_and_the_draft_step(path):
     assert all(ms > 0 for ms in profile["rejected"].values())
     text = format_profile(profile)
     on_blocks = path == "llama-blocks"
-    assert "EESD draft token" in text and len(text.splitlines()) == 6 + on_blocks
+    assert "EESD draft token" in text and len(text.splitlines()) == 7 + on_blocks  # the weights-read line too
     assert "rejected ms" in text and f"{profile['rejected']['4']:12.2f}" in text.splitlines()[-2 - on_blocks]
     if target.fast:
         assert target.cache.length == 24  # the context stays; the timed forwards were cropped

@@ -1,13 +1,12 @@
 """The real embedded default model (Gemma 3 270M), end to end.
 
-Marked `slow` but not skipped: CI runs it. The first load ever converts the GGUF file and caches
-the result under ~/.cache/verispec (about 2 minutes); later loads take seconds. The model is
-loaded once for the module.
+Marked `slow` but not skipped: CI runs it. The default load runs the GGUF file's own blocks (a few
+seconds; the tokenizer is converted once and cached); `dequantized` loads the same file through
+transformers (float32 weights, the block kernel's exact int8 forms; about 40 s), the reference
+the GGUF runtime is compared with. Each is loaded once for the module.
 """
 
 from __future__ import annotations
-
-from contextlib import contextmanager
 
 import pytest
 import torch
@@ -35,12 +34,37 @@ def real_target():
         torch.set_num_threads(threads)
 
 
+@pytest.fixture(scope="module")
+def dequantized():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        yield verispec.load(None, dtype="float32", numerics="fp32")
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_default_model_loads(real_target):
     assert real_target.tokenizer is not None
     assert real_target.dtype == torch.float32
     assert real_target.vocab_size >= 262_144
     assert real_target.eos_token_ids
 
+
+def test_the_default_model_runs_its_gguf_blocks_with_no_float32_copy(real_target):
+    """The GGUF runtime: no transformers model, every layer in C on the file's blocks, and no
+    float32 weight matrix in memory (the tensors alive are the norms, biases and small tables)."""
+    import gc
+
+    from verispec.loading import embedded_default_path
+
+    assert real_target.model is None and real_target.numerics == "gguf" and real_target.pages_kv
+    assert "18 layers in C" in real_target.block_kernel_summary
+    file_bytes = embedded_default_path().stat().st_size
+    alive = sum(t.numel() * t.element_size() for t in gc.get_objects() if type(t) in (torch.Tensor, torch.nn.Parameter)
+                and not t.is_meta and t.device.type == "cpu")
+    assert alive < file_bytes / 4, (alive, file_bytes)  # a float32 copy would be about 4x the file
+    assert file_bytes / 2 < real_target.weight_bytes_per_token < file_bytes
 
 def test_default_tokenizer_equals_its_own_class(real_target):
     """The embedded default's tokenizer is loaded as its tokenizer.json (fast); its own class
@@ -99,62 +123,48 @@ def test_drafts_from_earlier_requests_keep_the_output(real_target):
             assert result.stats.accepted > 0, (method, result.stats)
 
 
-@contextmanager
-def fp32_numerics(target):
-    """The target's block kernel on float32 activations for the duration (int8 again after)."""
-    target.decoder.numerics = "fp32"
-    try:
-        yield target
-    finally:
-        target.decoder.numerics = "int8"
-
-
-def test_fast_path_is_used_and_eager_path_agrees(real_target):
-    """The default model runs the fast path; the eager path (same weights) gives the same ids as
-    the fast path in fp32 numerics (the same function, up to float32 rounding)."""
+def test_fast_path_is_used_and_eager_path_agrees(dequantized):
+    """The dequantized model runs the fast path; the eager path (same weights) gives the same ids
+    as the fast path in fp32 numerics (the same function, up to float32 rounding)."""
     from verispec.model import Target
 
-    assert real_target.fast
-    eager = Target(real_target.model, real_target.tokenizer, name="eager", fast=False)
+    assert dequantized.fast and dequantized.numerics == "fp32"
+    eager = Target(dequantized.model, dequantized.tokenizer, name="eager", fast=False)
     assert not eager.fast
-    with fp32_numerics(real_target):
-        fast_ids = verispec.generate(real_target, PROMPT, method="anpd", max_new_tokens=32).token_ids
+    fast_ids = verispec.generate(dequantized, PROMPT, method="anpd", max_new_tokens=32).token_ids
     eager_ar = verispec.generate(eager, PROMPT, method="ar", max_new_tokens=32).token_ids
     eager_anpd = verispec.generate(eager, PROMPT, method="anpd", max_new_tokens=32,
                                    options=MethodOptions(controller="constant:8")).token_ids
     assert fast_ids == eager_ar == eager_anpd
 
 
-def test_block_kernel_covers_every_linear_and_keeps_the_output(real_target):
+def test_block_kernel_covers_every_linear_and_keeps_the_output(dequantized):
     """Every linear of the GGUF model (LM head included) has an exact int8 block form, and the
     fast path on the block kernel in fp32 numerics gives the same ids as the fast path on float32
-    weights (int8 numerics compute another function: see the next test)."""
+    weights."""
     from verispec.runtime import blockmm
     from verispec.model import Target
 
-    assert real_target.numerics == "int8"  # the default of `load` for a block-kernel target
-    assert real_target.block_kernel_summary == (
-        f"the LM head and 72 of 72 layer linears (exact int8 blocks, int8 activations, {blockmm.kernel_isa()} "
+    assert dequantized.block_kernel_summary == (
+        f"the LM head and 72 of 72 layer linears (exact int8 blocks, float32 activations, {blockmm.kernel_isa()} "
         "build); 18 of 18 layers in C, one call per forward")
-    dense = Target(real_target.model, real_target.tokenizer, name="dense", fast=True)
+    dense = Target(dequantized.model, dequantized.tokenizer, name="dense", fast=True)
     assert dense.fast and dense.block_kernel_summary == "off" and dense.numerics == "fp32"
-    assert verispec.load(None, dtype="float32", block_kernel=False).block_kernel_summary == "off"
-    with fp32_numerics(real_target):
-        for method in ("ar", "anpd"):
-            blocks_ids = verispec.generate(real_target, PROMPT, method=method, max_new_tokens=32).token_ids
-            assert blocks_ids == verispec.generate(dense, PROMPT, method=method, max_new_tokens=32).token_ids, method
-            real_target.decoder.use_native = False  # the same block-kernel layers in PyTorch instead of one C call
-            try:
-                python_ids = verispec.generate(real_target, PROMPT, method=method, max_new_tokens=32).token_ids
-            finally:
-                real_target.decoder.use_native = True
-            assert blocks_ids == python_ids, method
+    for method in ("ar", "anpd"):
+        blocks_ids = verispec.generate(dequantized, PROMPT, method=method, max_new_tokens=32).token_ids
+        assert blocks_ids == verispec.generate(dense, PROMPT, method=method, max_new_tokens=32).token_ids, method
+        dequantized.decoder.use_native = False  # the same block-kernel layers in PyTorch instead of one C call
+        try:
+            python_ids = verispec.generate(dequantized, PROMPT, method=method, max_new_tokens=32).token_ids
+        finally:
+            dequantized.decoder.use_native = True
+        assert blocks_ids == python_ids, method
 
 
-def test_int8_numerics_are_batch_invariant_on_the_real_model(real_target):
-    """In int8 numerics each position's logits are the same bits whether the positions are run
-    one per forward or together (widths 2 to 16), on both threads; int8 logits stay close to the
-    float32 ones (same argmax on this prompt), and anpd equals ar token for token."""
+def test_gguf_numerics_are_batch_invariant_on_the_real_model(real_target, dequantized):
+    """On the GGUF runtime each position's logits are the same bits whether the positions are run
+    one per forward or together (widths 2 to 16), on both threads; they stay close to the float32
+    model's (same argmax on this prompt), and anpd equals ar token for token."""
     ids = real_target.tokenizer(PROMPT).input_ids
     prompt, rest = ids[:-16], ids[-16:]
     real_target.reset()
@@ -163,9 +173,8 @@ def test_int8_numerics_are_batch_invariant_on_the_real_model(real_target):
     for width in (2, 3, 5, 8, 16):
         real_target.crop(len(prompt))
         assert torch.equal(real_target.forward(rest[:width]), single[:width]), width
-    with fp32_numerics(real_target):
-        real_target.crop(len(prompt))
-        fp32 = real_target.forward(rest)
+    dequantized.reset()
+    fp32 = dequantized.forward(ids)[-16:]
     assert not torch.equal(fp32, single)
     assert torch.equal(fp32.argmax(-1), single.argmax(-1))
     ar = verispec.generate(real_target, PROMPT, method="ar", max_new_tokens=32)
@@ -174,15 +183,14 @@ def test_int8_numerics_are_batch_invariant_on_the_real_model(real_target):
     assert anpd.token_ids == ar.token_ids and anpd.stats.accepted > 0
 
 
-def test_auto_dtype_runs_the_default_model_on_the_block_kernel(monkeypatch):
-    """On a CPU with native bf16 (faked here), 'auto' still loads the default GGUF model in float32
-    on the block kernel, which is several times faster than bf16 there (model.py), and without
-    the block kernel it loads bf16."""
+def test_auto_dtype_runs_the_default_model_on_its_gguf_blocks(monkeypatch):
+    """On a CPU with native bf16 (faked here), 'auto' still runs the default GGUF model's own
+    blocks (float32 activations), and without the block kernel transformers loads it in bf16."""
     from verispec import loading as model_module
 
     monkeypatch.setattr(model_module, "cpu_has_native_bf16", lambda: True)
     auto = verispec.load(None)
-    assert auto.dtype == torch.float32 and auto.block_kernel_summary != "off"
+    assert auto.dtype == torch.float32 and auto.numerics == "gguf"
     assert verispec.load(None, block_kernel=False).dtype == torch.bfloat16
 
 

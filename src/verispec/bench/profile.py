@@ -169,9 +169,15 @@ def profile_target(target, context_length: int = DEFAULT_CONTEXT, widths: Sequen
     if prepared_head is not None:
         draft = draft_step_seconds(target, prepared_head, context, repeats)
     base = seconds[1]
+    import psutil
+
+    weight_bytes = getattr(target, "weight_bytes_per_token", None)
     return {
         "numerics": getattr(target, "numerics", None),
         "context": context_length,
+        "weight_bytes_per_token": weight_bytes,
+        "read_gb_per_s": None if not weight_bytes else round(weight_bytes / base / 1e9, 2),
+        "resident_mb": round(psutil.Process().memory_info().rss / 1e6),
         "widths": {str(w): round(s * 1e3, 3) for w, s in seconds.items()},
         "ratios": {str(w): round(s / base, 3) for w, s in seconds.items() if w != 1},
         "rejected": {str(w): round(s * 1e3, 3) for w, s in rejected.items()},
@@ -187,6 +193,9 @@ def format_profile(profile: dict) -> str:
     lines = [f"numerics {profile['numerics']}, context {profile['context']} tokens; rejected: a verify whose "
              f"first draft token is rejected",
              f"{'width':>6} {'ms':>9} {'x 1-token':>10} {'rejected ms':>12} {'x 1-token':>10}"]
+    if profile.get("weight_bytes_per_token"):
+        lines.insert(1, f"weights read a one-token step: {profile['weight_bytes_per_token'] / 1e6:.1f} MB "
+                        f"({profile['read_gb_per_s']} GB/s); resident memory {profile['resident_mb']} MB")
     for width, ms in profile["widths"].items():
         line = f"{width:>6} {ms:9.2f} {profile['ratios'].get(width, 1.0):10.2f}"
         if width in profile["rejected"]:

@@ -181,14 +181,12 @@ class ModelFiles:
         return path
 
     def transformers_dir(self) -> Path:
-        """The directory vLLM loads: the given one, or the one verispec converts a GGUF file to
-        (converted once and cached; reused as is when it exists)."""
+        """The directory vLLM loads: the given one, or a float32 checkpoint of the GGUF file
+        (dequantized by transformers, converted once for this peer and cached; verispec itself
+        runs the file's own blocks and keeps no such copy)."""
         if self.argument is not None and Path(self.argument).expanduser().is_dir():
             return Path(self.argument).expanduser()
-        from ..loading import converted_gguf_dir
-        from ..paths import cache_root
-
-        return converted_gguf_dir(self.gguf(), cache_root())
+        return checkpoint_of(self.gguf())
 
     def vllm_dir(self, folder: Path) -> Path:
         """`transformers_dir()` as vLLM can load it: a folder of links to its files without the
@@ -208,11 +206,12 @@ class ModelFiles:
         """Whether the model, as server `kind` reads it, carries a chat template (a GGUF file's
         `tokenizer.chat_template`, a directory's tokenizer_config.json or chat_template.jinja)."""
         if kind == "llama-server":
-            from gguf import GGUFReader
+            from ..gguf_file import read_gguf
 
             try:
-                return "tokenizer.chat_template" in GGUFReader(str(self.gguf())).fields
-            except (OSError, ValueError, IndexError) as error:  # what gguf raises for a file that is not GGUF
+                with read_gguf(self.gguf()) as file:
+                    return "tokenizer.chat_template" in file
+            except VerispecError as error:  # a file that is not GGUF
                 raise ConfigError(f"cannot read GGUF file {self.gguf()}: {error}") from None
         directory = self.transformers_dir()
         if (directory / "chat_template.jinja").exists():
@@ -230,10 +229,43 @@ class ModelFiles:
             gguf = self.gguf()
         except (ConfigError, VerispecError):
             return None
-        from ..paths import cache_root
+        from ..gguf_model import read_gguf_model
 
-        found = sorted((cache_root() / "converted").glob(f"{gguf.stem}-*/tokenizer.json"))
-        return found[0].parent if found else None
+        return read_gguf_model(gguf).tokenizer_dir
+
+
+def checkpoint_of(gguf_path: Path) -> Path:
+    """A transformers checkpoint of a GGUF file for a peer that loads only those (vLLM):
+    dequantized to float32 by transformers, with the file's tokenizer, made once under the cache
+    directory (keyed by the file's path, size and time) and reused."""
+    import hashlib
+    import shutil
+    import tempfile
+
+    import torch
+
+    from ..gguf_model import read_gguf_model
+    from ..paths import cache_root
+
+    stat = gguf_path.stat()
+    key = hashlib.sha256(f"{gguf_path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    target = cache_root() / "converted" / f"{gguf_path.stem}-{key}"
+    if (target / "config.json").exists():
+        return target
+    from transformers import AutoModelForCausalLM, GgufConfig
+
+    gguf = read_gguf_model(gguf_path)
+    model = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name, config=gguf.config,
+                                                 dtype=torch.float32, quantization_config=GgufConfig(dequantize=True))
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
+    model.save_pretrained(staging)
+    gguf.tokenizer.save_pretrained(staging)
+    try:
+        staging.rename(target)  # atomic: a concurrent conversion either wins or finds it done
+    except OSError:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
 
 
 def find_peer(explicit: str | None, relative: Path, make_target: str) -> Path:

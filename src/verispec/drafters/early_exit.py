@@ -58,16 +58,49 @@ HEAD_WEIGHTS = "exit_head.safetensors"
 HEAD_CONFIG = "exit_head.json"
 
 
-def target_fingerprint(model) -> str:
-    """Identifies a target model independently of the dtype it was loaded in: architecture,
-    sizes, and a checksum of a fixed sample of its input embeddings (rounded to bfloat16)."""
-    config = model.config
-    embedding = model.get_input_embeddings().weight.detach()
-    rows = embedding[:: max(1, embedding.shape[0] // 512)][:, :64]
+class ModelView:
+    """What an exit head reads of its target, for a bare transformers model (a `Target`, or one
+    of its sequences, offers the same: `config`, `device`, `dtype`, `architecture_parts`,
+    `input_embeddings`, `output_rows`)."""
+
+    def __init__(self, model):
+        self.model, self.config = model, model.config
+        parameter = next(model.parameters())
+        self.device, self.dtype = parameter.device, parameter.dtype
+
+    def architecture_parts(self):
+        return torch_path.parts(self.model, "an exit head")
+
+    @property
+    def embedding_count(self) -> int:
+        return int(self.model.get_input_embeddings().weight.shape[0])
+
+    def input_embeddings(self, ids: torch.Tensor) -> torch.Tensor:
+        weight = self.model.get_input_embeddings().weight.detach()
+        return weight[ids.to(weight.device)].float()
+
+    def output_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        weight = self.model.get_output_embeddings().weight.detach()
+        return weight[ids.to(weight.device)]
+
+
+def _view(owner):
+    """`owner` as what an exit head reads: a Target or sequence as it is, a model through `ModelView`."""
+    return ModelView(owner) if isinstance(owner, torch.nn.Module) else owner
+
+
+def target_fingerprint(target) -> str:
+    """Identifies a target model independently of the dtype it was loaded in (or whether it runs
+    a GGUF file's own blocks or their dequantized copy): architecture, sizes, and a checksum of
+    a fixed sample of its input embeddings (rounded to bfloat16)."""
+    target = _view(target)
+    config = target.config
+    vocab = target.embedding_count
+    rows = target.input_embeddings(torch.arange(0, vocab, max(1, vocab // 512)))[:, :64]
     sample = rows.to(torch.bfloat16).float().cpu().numpy().tobytes()
     digest = hashlib.sha256(sample).hexdigest()[:16]
     return (f"{config.model_type}-layers{config.num_hidden_layers}-hidden{config.hidden_size}"
-            f"-vocab{embedding.shape[0]}-{digest}")
+            f"-vocab{vocab}-{digest}")
 
 
 @dataclass(frozen=True)
@@ -86,9 +119,13 @@ class ExitHead(torch.nn.Module):
     """One decoder layer + final norm; logits over the draft vocabulary through the target's
     own (tied, frozen) output-embedding rows."""
 
-    def __init__(self, model, exit_layer: int, draft_vocab: Sequence[int], init_layer: int | None = None):
+    def __init__(self, target, exit_layer: int, draft_vocab: Sequence[int], init_layer: int | None = None):
+        """target: the `Target` (or a sequence of it) the head drafts for. On a target without
+        a transformers model (a GGUF file's own blocks) the layer and norm come from a weightless
+        skeleton of the architecture and must be filled (`load_head`, or training's init)."""
         super().__init__()
-        parts = torch_path.parts(model, "an exit head")  # the decoder's layers, final norm, rotary module
+        target = _view(target)
+        parts = target.architecture_parts()  # the decoder's layers, final norm, rotary module
         layers = len(parts.layers)
         if not 1 <= exit_layer <= layers:
             raise ConfigError(f"exit layer must be in 1..{layers} for this model, got {exit_layer}")
@@ -96,13 +133,15 @@ class ExitHead(torch.nn.Module):
         self.init_layer = min(exit_layer, layers - 1) if init_layer is None else init_layer
         self.layer = copy.deepcopy(parts.layers[self.init_layer])
         self.norm = copy.deepcopy(parts.norm)
-        output = model.get_output_embeddings().weight.detach()  # [vocab, d]
-        self.register_buffer("vocab", torch.tensor(list(draft_vocab), dtype=torch.long, device=output.device),
+        if any(p.is_meta for p in [*self.layer.parameters(), *self.norm.parameters()]):
+            self.layer.to_empty(device="cpu")
+            self.norm.to_empty(device="cpu")
+        self.register_buffer("vocab", torch.tensor(list(draft_vocab), dtype=torch.long, device=target.device),
                              persistent=False)
         # The target (its output embedding, rotary module, layer kinds) is used, not owned: kept
         # out of this module's parameters, state dict and dtype casts.
-        object.__setattr__(self, "_output", output)
-        object.__setattr__(self, "_model", model)
+        object.__setattr__(self, "_target", target)
+        object.__setattr__(self, "_parts", parts)
         self.rotary_args = (parts.kinds[self.init_layer],) if parts.rotary_takes_kind else ()
         self._window = parts.windows[self.init_layer]
         for parameter in self.parameters():
@@ -110,7 +149,7 @@ class ExitHead(torch.nn.Module):
 
     def output_rows(self) -> torch.Tensor:
         """The draft vocabulary's rows of the target's output embedding: [V_d, hidden]."""
-        return self._output.detach()[self.vocab]
+        return self._target.output_rows(self.vocab)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """Training/reference forward over whole sequences. hidden: [B, T, d] (the residual
@@ -122,12 +161,12 @@ class ExitHead(torch.nn.Module):
         if self._window is not None:
             visible &= key > query - self._window
         mask = torch.zeros(length, length, dtype=hidden.dtype, device=hidden.device).masked_fill(~visible, float("-inf"))
-        out = torch_path.call_layer(self.layer, self._model, hidden, mask[None, None].expand(batch, 1, -1, -1),
+        out = torch_path.call_layer(self.layer, self._parts, hidden, mask[None, None].expand(batch, 1, -1, -1),
                                     self.rotary_args)  # [B, T, d]
         return self.norm(out) @ self.output_rows().to(hidden.dtype).T  # [B, T, V_d]
 
-    def spec(self, model, name: str, training: dict | None = None) -> ExitHeadSpec:
-        return ExitHeadSpec(target_fingerprint(model), name, self.exit_layer, self.init_layer,
+    def spec(self, target, name: str, training: dict | None = None) -> ExitHeadSpec:
+        return ExitHeadSpec(target_fingerprint(target), name, self.exit_layer, self.init_layer,
                             tuple(int(t) for t in self.vocab.tolist()), training or {})
 
 
@@ -151,10 +190,11 @@ def read_spec(directory: Path) -> ExitHeadSpec:
         raise ModelLoadError(f"{path} is not an exit-head config: {error}") from error
 
 
-def load_head(directory: Path, model, name: str = "", exit_layer: int | None = None) -> tuple[ExitHead, ExitHeadSpec]:
-    """Load a head for `model`; refuse one trained for another model or exit layer."""
+def load_head(directory: Path, target, name: str = "", exit_layer: int | None = None) -> tuple[ExitHead, ExitHeadSpec]:
+    """Load a head for `target`; refuse one trained for another model or exit layer."""
     spec = read_spec(directory)
-    fingerprint = target_fingerprint(model)
+    target = _view(target)
+    fingerprint = target_fingerprint(target)
     if spec.target != fingerprint:
         raise ModelLoadError(
             f"the exit head at {directory} was trained for {spec.target_name or spec.target}, not for "
@@ -165,9 +205,9 @@ def load_head(directory: Path, model, name: str = "", exit_layer: int | None = N
         raise ModelLoadError(
             f"the exit head at {directory} reads layer {spec.exit_layer}, but layer {exit_layer} was asked for"
         )
-    head = ExitHead(model, spec.exit_layer, spec.draft_vocab, spec.init_layer)
-    dtype = next(model.parameters()).dtype
-    state = {k: v.to(dtype) for k, v in load_file(str(directory / HEAD_WEIGHTS)).items()}
+    head = ExitHead(target, spec.exit_layer, spec.draft_vocab, spec.init_layer)
+    state = {k: v.to(target.dtype) for k, v in load_file(str(directory / HEAD_WEIGHTS)).items()}
+    head.to(target.dtype)
     missing, unexpected = head.load_state_dict(state, strict=False)
     if missing or unexpected:
         raise ModelLoadError(f"exit head at {directory} does not fit this model (missing {missing}, unexpected {unexpected})")

@@ -30,7 +30,6 @@ GGUF layouts (ggml's, as in gguf-py's dequantizers), per block of the tensor's r
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -236,61 +235,28 @@ def _module_for(model, tensor_name: str):
     return None
 
 
-def cached_gguf_blocks(path: str | Path, cache_file: Path, model) -> tuple[dict, int, int]:
-    """`read_gguf_blocks`, saved to `cache_file` the first time (gguf-py's reader spends ~45 s
-    here parsing the 262,144-token vocabulary); every later load re-proves each cached block form
-    exact against the model's weights (a stale or foreign cache entry is dropped, not trusted)."""
-    from safetensors.torch import load_file, save_file
-
-    names = {module: name for name, module in model.named_modules()}
-    if cache_file.exists():
-        tensors = load_file(str(cache_file))
-        found: dict = {}
-        for name, module in model.named_modules():
-            if f"{name}.codes" not in tensors or not isinstance(module, torch.nn.Linear):
-                continue
-            codes = tensors[f"{name}.codes"]
-            scales = tensors[f"{name}.scales"]
-            blocks = BlockWeights(codes, scales, tensors.get(f"{name}.offsets"), codes.shape[1] // scales.shape[1])
-            if module.weight.dtype == torch.float32 and torch.equal(blocks.dequantize(), module.weight.detach()):
-                found[module] = blocks
-        return found, len(found), sum(1 for key in tensors if key.endswith(".codes"))
-    found, covered, tried = read_gguf_blocks(path, model)
-    tensors = {}
-    for module, blocks in found.items():
-        tensors[f"{names[module]}.codes"] = blocks.codes
-        tensors[f"{names[module]}.scales"] = blocks.scales
-        if blocks.offsets is not None:
-            tensors[f"{names[module]}.offsets"] = blocks.offsets
-    if tensors:
-        staging = cache_file.with_name(f".{cache_file.name}.{os.getpid()}")
-        save_file(tensors, str(staging))
-        os.replace(staging, cache_file)  # atomic: a concurrent writer either wins or finds it done
-    return found, covered, tried
-
-
 def read_gguf_blocks(path: str | Path, model) -> tuple[dict, int, int]:
     """Block forms of the linear weights of `model` (loaded from the GGUF file `path`).
 
     Returns ({nn.Linear: BlockWeights}, matrices covered, matrices tried); a matrix is covered
     only if its block form rebuilds the model's float32 weight exactly."""
-    from gguf import GGUFReader
+    from ..gguf_file import read_gguf
 
-    reader = GGUFReader(str(path))
     found: dict = {}
     tried = 0
-    for tensor in reader.tensors:
-        module = _module_for(model, tensor.name)
-        if not isinstance(module, torch.nn.Linear) or tensor.tensor_type.name not in SUPPORTED_TYPES:
-            continue
-        tried += 1
-        weight = module.weight.detach()
-        raw = np.asarray(tensor.data).reshape(weight.shape[0], -1)
-        block, scales, offsets = block_scales(raw, tensor.tensor_type.name, weight.shape[1])
-        blocks = exact_blocks(
-            weight, block, torch.from_numpy(np.ascontiguousarray(scales)),
-            None if offsets is None else torch.from_numpy(np.ascontiguousarray(offsets)),
-        )
-        if blocks is not None:
-            found[module] = blocks
+    with read_gguf(path) as file:
+        for info in file.tensors.values():
+            module = _module_for(model, info.name)
+            if not isinstance(module, torch.nn.Linear) or info.type_name not in SUPPORTED_TYPES:
+                continue
+            tried += 1
+            weight = module.weight.detach()
+            raw = np.asarray(file.tensor_bytes(info.name)).reshape(weight.shape[0], -1)
+            block, scales, offsets = block_scales(raw, info.type_name, weight.shape[1])
+            blocks = exact_blocks(
+                weight, block, torch.from_numpy(np.ascontiguousarray(scales)),
+                None if offsets is None else torch.from_numpy(np.ascontiguousarray(offsets)),
+            )
+            if blocks is not None:
+                found[module] = blocks
     return found, len(found), tried

@@ -105,6 +105,11 @@ class BlockLinear:
         if numerics == "int8":
             blocks.packed  # noqa: B018 - laid out for the int8 kernel now, at load, not in the first request
 
+    @property
+    def batch_invariant(self) -> bool:
+        """Whether a row's result does not depend on the other rows of the call (int8 numerics)."""
+        return self.numerics == "int8"
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] > self.max_rows and self.numerics != "int8":
             return self.dense(x)

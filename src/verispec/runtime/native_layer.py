@@ -25,6 +25,7 @@ from .rows import BLOCK, Rows
 
 ACTIVATIONS = {"gelu_tanh": 0, "silu": 1}  # the C enum
 NUMERICS = {"int8": 0, "fp32": 1}  # the C enum: blockmm_int8.c or blockmm.c for the layer's linears
+NUMERICS_GGUF = 2  # the C enum's third value: qmatmul.c on a GGUF file's own blocks (`gguf_decoder`)
 
 
 class _CLinear(ctypes.Structure):
@@ -33,16 +34,29 @@ class _CLinear(ctypes.Structure):
                 ("code_bias", ctypes.c_int), ("code_span", ctypes.c_int), ("half_scales", ctypes.c_int)]
 
 
-class _CNorm(ctypes.Structure):
+class CNorm(ctypes.Structure):
     _fields_ = [("weight", ctypes.c_void_p), ("eps", ctypes.c_float)]
 
 
-class _CLayer(ctypes.Structure):
-    _fields_ = [("linear", _CLinear * 4), ("input", _CNorm), ("q", _CNorm), ("k", _CNorm),
-                ("post_attention", _CNorm), ("pre_mlp", _CNorm), ("post_mlp", _CNorm),
+class CGgufPart(ctypes.Structure):
+    """One matrix as a GGUF file stores it (decoder_layer.c's GgufPart; data NULL: absent)."""
+
+    _fields_ = [("data", ctypes.c_void_p), ("type", ctypes.c_int), ("out", ctypes.c_int64), ("bias", ctypes.c_void_p)]
+
+
+class CGgufLinear(ctypes.Structure):
+    _fields_ = [("part", CGgufPart * 3)]
+
+
+class CLayer(ctypes.Structure):
+    """decoder_layer.c's Layer: what one decoder layer computes with, by pointers."""
+
+    _fields_ = [("linear", _CLinear * 4), ("input", CNorm), ("q", CNorm), ("k", CNorm),
+                ("post_attention", CNorm), ("pre_mlp", CNorm), ("post_mlp", CNorm),
                 ("hidden", ctypes.c_int64), ("heads", ctypes.c_int64), ("kv_heads", ctypes.c_int64),
                 ("head_dim", ctypes.c_int64), ("intermediate", ctypes.c_int64), ("window", ctypes.c_int64),
-                ("scaling", ctypes.c_float), ("act", ctypes.c_int), ("numerics", ctypes.c_int)]
+                ("scaling", ctypes.c_float), ("act", ctypes.c_int), ("numerics", ctypes.c_int),
+                ("gguf", CGgufLinear * 4), ("rope_interleaved", ctypes.c_int)]
 
 
 @torch.inference_mode()
@@ -75,7 +89,7 @@ def _norms(layer) -> list:
 _NORM_FIELDS = ("input", "q", "k", "post_attention", "pre_mlp", "post_mlp")
 
 
-def _bind(library):
+def bind(library):
     """The C function `decoder_layers` with its argument types."""
     pointer, size = ctypes.c_void_p, ctypes.c_int64
     many = library.decoder_layers
@@ -110,7 +124,7 @@ def why_not(layer, kernel, heads: int, kv_heads: int, head_dim: int) -> str | No
     return None
 
 
-def _pointer(tensor: torch.Tensor | None, keep: list) -> int | None:
+def pointer(tensor: torch.Tensor | None, keep: list) -> int | None:
     """The address of `tensor` (contiguous; kept alive in `keep`), or None."""
     if tensor is None:
         return None
@@ -122,7 +136,7 @@ def _pointer(tensor: torch.Tensor | None, keep: list) -> int | None:
 class NativeLayer:
     """One fast-path layer as a C call. Build with `of`; call with the residual stream."""
 
-    def __init__(self, struct: _CLayer, keep: list, function, linears: list):
+    def __init__(self, struct: CLayer, keep: list, function, linears: list):
         self.struct, self.keep = struct, keep
         self.run_many = function  # decoder_layers
         self._linears = linears
@@ -138,9 +152,9 @@ class NativeLayer:
                 weights = b.packed if numerics == "int8" else b
                 form_arguments = weights.kernel_form if numerics == "int8" else (-1, 0, 0)
                 bias = linear.dense.bias
-                structs.append(_CLinear(_pointer(weights.codes, self.keep), _pointer(weights.scales, self.keep),
-                                        _pointer(weights.offsets, self.keep),
-                                        _pointer(None if bias is None else bias.float(), self.keep),
+                structs.append(_CLinear(pointer(weights.codes, self.keep), pointer(weights.scales, self.keep),
+                                        pointer(weights.offsets, self.keep),
+                                        pointer(None if bias is None else bias.float(), self.keep),
                                         b.codes.shape[0], b.codes.shape[1], b.block, *form_arguments))
             self._described[numerics] = structs
         return self._described[numerics]
@@ -153,14 +167,14 @@ class NativeLayer:
             return None
         keep: list = []
         hidden, intermediate = layer.qkv.blocks.codes.shape[1], layer.gate_up.blocks.codes.shape[0] // 2
-        struct = _CLayer()
+        struct = CLayer()
         for field, norm in zip(_NORM_FIELDS, _norms(layer)):
             if norm is not None:
-                setattr(struct, field, _CNorm(_pointer(norm.weight.float(), keep), norm.eps))
+                setattr(struct, field, CNorm(pointer(norm.weight.float(), keep), norm.eps))
         struct.hidden, struct.heads, struct.kv_heads, struct.head_dim = hidden, heads, kv_heads, head_dim
         struct.intermediate, struct.window = intermediate, layer.window or 0
         struct.scaling, struct.act = layer.scaling, ACTIVATIONS[recognise_activation(layer.act)]
-        native = NativeLayer(struct, keep, _bind(kernel.library), _linears(layer))
+        native = NativeLayer(struct, keep, bind(kernel.library), _linears(layer))
         native.numerics = numerics
         return native
 

@@ -40,9 +40,15 @@ int blockmm_int8(const float *x, int64_t M, int64_t K, const int8_t *codes, cons
                  const float *offsets, int64_t N, int64_t B, int code_bias, int code_span, int half_scales, float *y,
                  int threads);
 
+int qmm_quantize(const float *x, int64_t M, int64_t K, int8_t *xq, float *xs, float *xo, int32_t *xsum, int threads);
+int qmm_matmul(const float *x, const int8_t *xq, const float *xs, const float *xo, const int32_t *xsum, int64_t M,
+               int64_t K, const void *w, int type, int64_t N, float *y, int64_t ldy, int threads);
+
 enum { QKV = 0, O = 1, GATE_UP = 2, DOWN = 3 };
 enum { ACT_GELU_TANH = 0, ACT_SILU = 1 };
-enum { NUMERICS_INT8 = 0, NUMERICS_FP32 = 1 }; /* blockmm_int8.c or blockmm.c for the linears */
+/* the linears: blockmm_int8.c or blockmm.c on int8 block forms, or qmatmul.c on a GGUF file's blocks */
+enum { NUMERICS_INT8 = 0, NUMERICS_FP32 = 1, NUMERICS_GGUF = 2 };
+enum { GGUF_F32 = 0, GGUF_F16 = 1, GGUF_BF16 = 30 }; /* the float types qmatmul.c multiplies in float32 */
 
 typedef struct {
     const int8_t *codes;
@@ -57,6 +63,19 @@ typedef struct {
     float eps;
 } Norm;
 
+/* One matrix as a GGUF file stores it (qmatmul.c reads its blocks): `out` rows of the layer's
+ * input width, ggml type `type`; data NULL: no such part. */
+typedef struct {
+    const void *data;
+    int type;
+    int64_t out;
+    const float *bias; /* may be NULL */
+} GgufPart;
+
+typedef struct {
+    GgufPart part[3]; /* outputs concatenated in order: q | k | v, gate | up, or one matrix */
+} GgufLinear;
+
 typedef struct {
     BlockLinear linear[4];
     Norm input, q, k, post_attention, pre_mlp, post_mlp;
@@ -64,11 +83,53 @@ typedef struct {
     int64_t window; /* 0: full attention */
     float scaling;
     int act;
-    int numerics; /* NUMERICS_INT8 or NUMERICS_FP32 */
+    int numerics; /* NUMERICS_INT8, NUMERICS_FP32 (`linear`) or NUMERICS_GGUF (`gguf`) */
+    GgufLinear gguf[4];
+    int rope_interleaved; /* rotate adjacent pairs (a GGUF Llama's permuted q/k), not halves */
 } Layer;
 
-static int linear(const BlockLinear *l, int numerics, const float *x, int64_t n, float *y, int threads) {
-    const int status = numerics == NUMERICS_INT8
+/* y [n, width] = x [n, in] times the parts' matrices, side by side; x is quantized once for
+ * every quantized part (qmatmul.c's numerics: a row's result depends on that row alone). */
+static int gguf_linear(const GgufLinear *l, const float *x, int64_t n, int64_t in, float *y, int threads) {
+    int64_t width = 0;
+    int quantized = 0;
+    for (int p = 0; p < 3 && l->part[p].data; p++) {
+        width += l->part[p].out;
+        const int type = l->part[p].type;
+        quantized |= type != GGUF_F32 && type != GGUF_F16 && type != GGUF_BF16;
+    }
+    int8_t *xq = NULL;
+    float *xs = NULL;
+    int32_t *xsum = NULL;
+    if (quantized) {
+        xq = malloc((size_t)(n * in));
+        xs = malloc(sizeof(float) * (size_t)(n * (in / 32) * 2));
+        xsum = malloc(sizeof(int32_t) * (size_t)(n * (in / 16)));
+        if (!xq || !xs || !xsum || qmm_quantize(x, n, in, xq, xs, xs + n * (in / 32), xsum, threads) != 0) {
+            free(xq), free(xs), free(xsum);
+            return -1;
+        }
+    }
+    int status = 0;
+    int64_t offset = 0;
+    for (int p = 0; p < 3 && l->part[p].data && status == 0; p++) {
+        const GgufPart *part = &l->part[p];
+        status = qmm_matmul(x, xq, xs, quantized ? xs + n * (in / 32) : NULL, xsum, n, in, part->data, part->type,
+                            part->out, y + offset, width, threads); /* float types read x itself */
+        if (part->bias)
+            for (int64_t r = 0; r < n; r++)
+                for (int64_t j = 0; j < part->out; j++) y[r * width + offset + j] += part->bias[j];
+        offset += part->out;
+    }
+    free(xq), free(xs), free(xsum);
+    return status ? -1 : 0;
+}
+
+/* Linear `which` of layer L (QKV, O, GATE_UP, DOWN): x [n, in] -> y [n, out]. */
+static int linear(const Layer *L, int which, const float *x, int64_t n, int64_t in, float *y, int threads) {
+    if (L->numerics == NUMERICS_GGUF) return gguf_linear(&L->gguf[which], x, n, in, y, threads);
+    const BlockLinear *l = &L->linear[which];
+    const int status = L->numerics == NUMERICS_INT8
         ? blockmm_int8(x, n, l->in, l->codes, l->scales, l->offsets, l->out, l->block, l->code_bias, l->code_span,
                        l->half_scales, y, threads)
         : blockmm(x, n, l->in, l->codes, (const float *)l->scales, l->offsets, l->out, l->block, y, threads);
@@ -216,9 +277,19 @@ static void weighted_sum(const float *p, int64_t p_stride, int64_t heads, const 
 }
 
 /* Rotary embedding of one head vector v [d] with cos/sin [d]: v * cos + rotate_half(v) * sin,
- * rotate_half(v) = (-v[d/2:], v[:d/2]) -- transformers' apply_rotary_pos_emb. */
-static void rotate(float *v, const float *cos_row, const float *sin_row, int64_t d) {
+ * rotate_half(v) = (-v[d/2:], v[:d/2]) -- transformers' apply_rotary_pos_emb. `interleaved`: the
+ * pairs are adjacent, (v[2i], v[2i+1]) turned by angle i (llama.cpp's "normal" rope, which a GGUF
+ * Llama's q/k rows are permuted for); the tables' first half holds angle i's cos and sin. */
+static void rotate(float *v, const float *cos_row, const float *sin_row, int64_t d, int interleaved) {
     const int64_t half = d / 2;
+    if (interleaved) {
+        for (int64_t i = 0; i < half; i++) {
+            const float a = v[2 * i], b = v[2 * i + 1];
+            v[2 * i] = a * cos_row[i] + (-b) * sin_row[i];
+            v[2 * i + 1] = b * cos_row[i] + a * sin_row[i];
+        }
+        return;
+    }
     for (int64_t i = 0; i < half; i++) {
         const float a = v[i], b = v[i + half];
         v[i] = a * cos_row[i] + (-b) * sin_row[i];
@@ -525,30 +596,31 @@ static int layer_forward(const Layer *L, float *x, int64_t n, const Rows *rows, 
 
     /* attention block */
     rms_norm(&L->input, x, h, n, H, H);
-    status |= linear(&L->linear[QKV], L->numerics, h, n, qkv, threads);
+    status |= linear(L, QKV, h, n, H, qkv, threads);
     for (int64_t r = 0; r < n; r++) {
         float *q = qkv + r * qkv_width, *k = q + heads * d, *v = k + kvh * d;
         if (L->q.weight) rms_norm(&L->q, q, q, heads, d, d);
         if (L->k.weight) rms_norm(&L->k, k, k, kvh, d, d);
-        for (int64_t head = 0; head < heads; head++) rotate(q + head * d, cos_table + r * d, sin_table + r * d, d);
+        for (int64_t head = 0; head < heads; head++)
+            rotate(q + head * d, cos_table + r * d, sin_table + r * d, d, L->rope_interleaved);
         const int64_t slot = physical_slot(rows, r, rows->slots[r]);
         for (int64_t head = 0; head < kvh; head++) {
-            rotate(k + head * d, cos_table + r * d, sin_table + r * d, d);
+            rotate(k + head * d, cos_table + r * d, sin_table + r * d, d, L->rope_interleaved);
             memcpy(kcache + (head * capacity + slot) * d, k + head * d, sizeof(float) * d);
             memcpy(vcache + (head * capacity + slot) * d, v + head * d, sizeof(float) * d);
         }
     }
     status |= attention(L, qkv, qkv_width, n, rows, kcache, vcache, attended, threads);
-    status |= linear(&L->linear[O], L->numerics, attended, n, projected, threads);
+    status |= linear(L, O, attended, n, heads * d, projected, threads);
     if (L->post_attention.weight) rms_norm(&L->post_attention, projected, projected, n, H, H);
     for (int64_t i = 0; i < n * H; i++) x[i] = x[i] + projected[i];
 
     /* MLP block */
     rms_norm(&L->pre_mlp, x, h, n, H, H);
-    status |= linear(&L->linear[GATE_UP], L->numerics, h, n, gate_up, threads);
+    status |= linear(L, GATE_UP, h, n, H, gate_up, threads);
     float *product = gate_up; /* act(gate) * up, written over the gate half row by row */
     for (int64_t r = 0; r < n; r++) activation_product(L->act, gate_up + r * 2 * I, gate_up + r * 2 * I + I, product + r * I, I);
-    status |= linear(&L->linear[DOWN], L->numerics, product, n, projected, threads);
+    status |= linear(L, DOWN, product, n, I, projected, threads);
     if (L->post_mlp.weight) rms_norm(&L->post_mlp, projected, projected, n, H, H);
     for (int64_t i = 0; i < n * H; i++) x[i] = x[i] + projected[i];
     free(scratch);
