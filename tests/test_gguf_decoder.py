@@ -285,3 +285,41 @@ def test_generate_many_gives_each_request_what_it_gives_alone(targets, monkeypat
         assert result.token_ids == expected, (request.method, request.prompt_ids[:4])
     assert sum(result.stats.accepted for result in results) > 0
     assert target.pool.used_blocks == 0
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma3"])
+def test_an_exit_head_trains_on_the_gguf_runtime_and_eesd_finds_it(name, files, workdir, tmp_path, monkeypatch):
+    """`train-exit` on a target that runs its file's blocks: the head's layer starts from the
+    target's own layer (dequantized, un-permuted for Llama, Gemma's norms minus 1: it reproduces
+    the target's layer on the float32 path), trains, is saved into the cache under the target's
+    fingerprint, and `eesd` finds it there with no --exit-head; greedy eesd and sps (the same head)
+    equal ar."""
+    import json
+
+    from verispec.drafters.early_exit import ExitHead
+    from verispec.methods import default_exit_head, trained_head_dir
+    from verispec.train.exit_head import TrainConfig, train_exit_head
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    target = gguf_target(files[name], workdir / "cache")
+    target.set_eos_token_ids([])
+    head = ExitHead(target, exit_layer=1, draft_vocab=list(range(target.vocab_size)), init_layer=1)
+    reference_layer = transformers_model(files[name]).model.layers[1]
+    for key, value in reference_layer.state_dict().items():
+        assert torch.allclose(head.layer.state_dict()[key], value, atol=1e-6), key
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("\n".join(json.dumps({"text": " ".join(target.tokenizer.convert_ids_to_tokens(
+        random_ids(target, 80, seed)))}) for seed in range(12)))
+    directory = trained_head_dir(target)
+    assert default_exit_head(target) != directory  # nothing trained yet
+    config = TrainConfig(exit_layer=1, draft_vocab=64, sequence_length=32, batch=2, steps=3, warmup=1,
+                         eval_tokens=32, checkpoint_every=100)
+    train_exit_head(target, corpus, directory, config, log=lambda message: None)
+    assert default_exit_head(target) == directory
+    prompt = repetitive_prompt(target, seed=5)
+    expected = generate(target, prompt, "ar", max_new_tokens=24).token_ids
+    for method in ("eesd/constant:4", "sps/constant:3"):
+        result = generate(target, prompt, method, max_new_tokens=24)
+        target.release()
+        assert result.token_ids == expected, method
+        assert result.stats.drafted > 0, method

@@ -278,3 +278,26 @@ def test_the_batching_metrics(server):
     assert sh.metric_value(text, "verispec_prefix_cache_hits_total") >= 64
     assert sh.metric_value(text, "verispec_prefix_cache_queries_total") >= sh.metric_value(
         text, "verispec_prefix_cache_hits_total")
+
+
+def test_serve_with_a_draft_model_runs_sps_and_mtad_for_any_request(tokenizer, reference, tmp_path):
+    """`verispec serve --draft-model DIR`: sps and mtad requests draft with that model (batched
+    beside the others); greedy sps equals the target's own output."""
+    draft = helpers.make_model(helpers.make_config("llama", vocab_size=len(tokenizer), init=0.1, max_positions=256,
+                                                   num_hidden_layers=1), seed=3)
+    draft.save_pretrained(tmp_path / "draft")
+    tokenizer.save_pretrained(tmp_path / "draft")
+    target = sh.int8_text_target(tokenizer)
+    server = sh.RunningServer(target, ServerSettings(model_id=MODEL_ID, max_tokens_limit=120,
+                                                     draft_model=str(tmp_path / "draft")))
+    try:
+        client = client_for(server)
+        prompt = PROMPTS[0]
+        answer = client.completions.create(model=MODEL_ID, prompt=prompt, max_tokens=40, extra_body={"method": "sps"},
+                                           **GREEDY)
+        assert answer.choices[0].text == alone(reference, prompt, "ar", 40, temperature=0)
+        assert answer.model_extra["verispec"]["drafted"] > 0
+        sampled = client.completions.create(model=MODEL_ID, prompt=prompt, max_tokens=20, extra_body={"method": "mtad"})
+        assert sampled.model_extra["verispec"]["method"] == "mtad" and sampled.usage.completion_tokens > 0
+    finally:
+        server.stop()

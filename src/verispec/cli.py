@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import platform
 import sys
+from pathlib import Path
 from typing import List, Optional, Sequence
 
 import typer
@@ -654,6 +655,8 @@ def serve(
     max_rows: int = typer.Option(256, "--max-rows", help="Rows of one step's forward: the running requests' verify rows, then prompt chunks."),
     kv_memory: Optional[str] = typer.Option(None, "--kv-memory", help="KV memory of the batch, e.g. 2GiB (default: a quarter of the available memory, at most 2 GiB)."),
     prefix_cache: bool = typer.Option(True, "--prefix-cache/--no-prefix-cache", help="Keep computed prompt blocks for later requests that start with them (outputs are identical either way)."),
+    draft_model: Optional[str] = typer.Option(None, "--draft-model", help="Draft model of sps and mtad requests (same tokenizer; default: the EESD exit head)."),
+    exit_head: Optional[str] = EXIT_HEAD_OPTION,
 ) -> None:
     """Serve the model over an OpenAI-compatible HTTP API: requests are decoded together in a continuous batch."""
     from .loading import resolve_dtype
@@ -681,7 +684,12 @@ def serve(
             max_tokens_limit=max_tokens_limit,
             max_sequences=max_batch,
             max_rows=max_rows,
+            draft_model=draft_model,
+            exit_head=exit_head,
         )
+        for option, path in (("--draft-model", draft_model), ("--exit-head", exit_head)):
+            if path is not None and not Path(path).expanduser().exists():
+                _fail(f"{option}: {path} not found")
         from .runtime.kv_pool import parse_bytes
 
         kv_bytes = None if kv_memory is None else parse_bytes(kv_memory)
@@ -694,6 +702,13 @@ def serve(
             from .drafters.base import switch_off_memory
 
             switch_off_memory(target.attachments)
+        if draft_model is not None or exit_head is not None:  # loaded now, not in the first request
+            from .methods import MethodOptions, draft_lm, prepared_exit_head
+
+            if draft_model is not None:
+                draft_lm(target, MethodOptions(draft_model=draft_model))
+            if exit_head is not None:
+                prepared_exit_head(target, exit_head)
     except VerispecError as error:
         _fail(str(error))
         return
@@ -808,7 +823,7 @@ def train_exit(
     learning_rate: float = typer.Option(3e-4, "--learning-rate", help="Peak learning rate (AdamW, warm-up then cosine)."),
     max_minutes: float = typer.Option(40.0, "--max-minutes", help="Stop training (and save) after this much wall time."),
     checkpoint_every: int = typer.Option(50, "--checkpoint-every", help="Steps between checkpoints."),
-    out_dir: str = typer.Option("exit-head", "--out", help="Directory for the head, checkpoints and labels."),
+    out_dir: Optional[str] = typer.Option(None, "--out", help="Directory for the head, checkpoints and labels (default: the cache, where eesd finds it for this model with no --exit-head)."),
     resume: bool = typer.Option(False, "--resume", help="Continue from the checkpoint in --out."),
     seed: int = typer.Option(0, help="Seed for the data split, batches and corpus generation."),
     device: str = DEVICE_OPTION,
@@ -826,7 +841,6 @@ def train_exit(
         config = TrainConfig(exit_layer=exit_layer, init_layer=init_layer, draft_vocab=draft_vocab, sequence_length=sequence_length,
                              batch=batch, steps=steps, learning_rate=learning_rate, max_minutes=max_minutes,
                              checkpoint_every=checkpoint_every, seed=seed)
-        directory = Path(out_dir)
         corpus_path = Path(corpus) if corpus else CORPUS_PATH
         if corpus and generate_corpus:
             _fail("--corpus and --generate-corpus each choose the training text; give only one")
@@ -842,6 +856,12 @@ def train_exit(
         _check_device(device)
         target = _load(model, "float32", device=device)
         check_fits(target, config)
+        if out_dir is None:
+            from .methods import trained_head_dir
+
+            directory = trained_head_dir(target)
+        else:
+            directory = Path(out_dir)
         if generate_corpus:
             prompts = read_prompts(PROMPTS_PATH)
             corpus_path = directory / "corpus.jsonl"
@@ -862,7 +882,10 @@ def train_exit(
               f"held-out greedy acceptance {after['greedy_acceptance']:.1%}, sampled acceptance "
               f"{after['sampled_acceptance']:.1%}, KL {after['kl_draft_vocab']:.3f} "
               f"(before training: {summary['held_out_before']['greedy_acceptance']:.1%})")
-    out.print(f"use it with: verispec generate ... --method eesd --exit-head {directory}")
+    if out_dir is None:
+        out.print("eesd uses it for this model from now on (no --exit-head needed)")
+    else:
+        out.print(f"use it with: verispec generate ... --method eesd --exit-head {directory}")
 
 
 def main() -> None:

@@ -108,10 +108,31 @@ class Method:
     draws: bool = False
 
 
+def trained_head_dir(target) -> Path:
+    """Where `verispec train-exit` keeps the exit head it trains for `target` when given no --out,
+    and where eesd looks for one: the cache, under the target's fingerprint (its architecture and
+    weights, not the file's path)."""
+    from .drafters.early_exit import target_fingerprint
+    from .paths import cache_root
+
+    key = ("head-dir",)
+    if key not in target.attachments:
+        target.attachments[key] = cache_root() / "exit-heads" / target_fingerprint(target)
+    return target.attachments[key]
+
+
+def default_exit_head(target) -> Path:
+    """The exit head eesd uses without --exit-head: one trained for `target` into the cache
+    (`trained_head_dir`), else the one that ships with the package (for the embedded default)."""
+    trained = trained_head_dir(target)
+    return trained if (trained / "exit_head.json").is_file() else DEFAULT_EXIT_HEAD
+
+
 def prepared_exit_head(target: Target, directory: str | None, int8: bool = True) -> PreparedHead:
-    """The exit head for `target` (the shipped one by default), loaded once per target and form
-    (`int8`: its layer on int8 forms where the target runs on the block kernel; `PreparedHead`)."""
-    path = Path(directory).expanduser() if directory else DEFAULT_EXIT_HEAD
+    """The exit head for `target` (`default_exit_head` unless a directory is given), loaded once
+    per target and form (`int8`: its layer on int8 forms where the target runs on the block
+    kernel; `PreparedHead`)."""
+    path = Path(directory).expanduser() if directory else default_exit_head(target)
     key = ("exit-head", str(path.resolve()), int8)
     if key not in target.attachments:
         if directory is None and not (path / "exit_head.json").is_file():
@@ -119,10 +140,10 @@ def prepared_exit_head(target: Target, directory: str | None, int8: bool = True)
         try:
             head, spec = load_head(path, target, target.name)
         except ModelLoadError as error:
-            if directory is None and target.name != DEFAULT_MODEL_NAME:
+            if directory is None:
                 raise ModelLoadError(
-                    f"the shipped exit head is for the embedded default model, not {target.name}; "
-                    f"train one with `verispec train-exit --model ...` and pass --exit-head"
+                    f"no exit head for {target.name}: train one once with `verispec train-exit --model "
+                    f"{target.name}` (eesd then finds it), or pass --exit-head"
                 ) from error
             raise
         target.attachments[key] = PreparedHead(target, head, spec, quantize=int8)

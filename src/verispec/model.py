@@ -363,6 +363,24 @@ class Target:
             return self.decoder.head_rows(ids)
         return self.model.get_output_embeddings().weight.detach()[ids]
 
+    def layer_state(self, index: int) -> dict:
+        """Layer `index`'s weights in float32 under transformers' names (a target without a
+        transformers model: dequantized from its GGUF blocks)."""
+        return self.decoder.layer_state(index)
+
+    def final_norm_state(self) -> dict:
+        """The final norm's weights under transformers' names (as `layer_state`)."""
+        return self.decoder.final_norm_state()
+
+    def full_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits over the whole vocabulary for final-normed states [n, hidden], as the model's head
+        computes them (float32 `hidden @ W^T` where the weight is float, the file's blocks on a
+        GGUF runtime); for evaluations (an exit head's acceptance estimates)."""
+        if self.model is None:
+            return self.head(hidden)
+        weight = self.model.get_output_embeddings().weight.detach()
+        return hidden.float() @ weight.float().T
+
     def architecture_parts(self):
         """`torch_path.Parts` of the target's architecture: its own model's, or a weightless
         skeleton's where it runs without one (made once)."""

@@ -134,8 +134,9 @@ class ExitHead(torch.nn.Module):
         self.layer = copy.deepcopy(parts.layers[self.init_layer])
         self.norm = copy.deepcopy(parts.norm)
         if any(p.is_meta for p in [*self.layer.parameters(), *self.norm.parameters()]):
-            self.layer.to_empty(device="cpu")
-            self.norm.to_empty(device="cpu")
+            # a skeleton's layer (a target without a transformers model): the target's own weights
+            self.layer.to_empty(device="cpu").load_state_dict(target.layer_state(self.init_layer))
+            self.norm.to_empty(device="cpu").load_state_dict(target.final_norm_state())
         self.register_buffer("vocab", torch.tensor(list(draft_vocab), dtype=torch.long, device=target.device),
                              persistent=False)
         # The target (its output embedding, rotary module, layer kinds) is used, not owned: kept

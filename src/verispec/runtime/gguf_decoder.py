@@ -180,6 +180,47 @@ class GgufDecoder:
         struct.numerics, struct.rope_interleaved = NUMERICS_GGUF, int(interleaved)
         return _Layer(struct, keep, run_many, rope_type)
 
+    # -- the weights as transformers names them (an exit head's initialisation) ---------------
+    _HF_NAMES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+                 "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+                 "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "attn_q_norm": "self_attn.q_norm",
+                 "attn_k_norm": "self_attn.k_norm"}
+
+    def layer_state(self, index: int) -> dict[str, torch.Tensor]:
+        """Layer `index`'s weights dequantized to float32 under transformers' names (as its GGUF
+        reader gives them: a Llama's q/k rows un-permuted, Gemma's norms minus 1), to initialise
+        a module of the architecture (an exit head's layer, for training)."""
+        gemma = self.config.model_type == "gemma3_text"
+        names = dict(self._HF_NAMES)
+        if gemma:
+            names.update(post_attention_norm="post_attention_layernorm", ffn_norm="pre_feedforward_layernorm",
+                         post_ffw_norm="post_feedforward_layernorm")
+        else:
+            names["ffn_norm"] = "post_attention_layernorm"
+        state = {}
+        for part, name in names.items():
+            for suffix in ("weight", "bias"):
+                tensor = f"blk.{index}.{part}.{suffix}"
+                info = self.file.tensors.get(tensor)
+                if info is None:
+                    continue
+                if len(info.shape) == 1:
+                    value = _vector(self.file, tensor)
+                    value = value - 1 if gemma and part.endswith("norm") else value
+                else:
+                    matrix = _matrix(self.file, tensor)
+                    value = self.qkernel.get_rows(matrix, torch.arange(matrix.rows))  # [out, in]
+                    if ARCHITECTURES[self.config.model_type][2] and part in ("attn_q", "attn_k"):
+                        heads = self.heads if part == "attn_q" else self.kv_heads
+                        value = value.reshape(heads, value.shape[0] // heads // 2, 2, -1).swapaxes(1, 2).reshape(value.shape)
+                state[f"{name}.{suffix}"] = value
+        return state
+
+    def final_norm_state(self) -> dict[str, torch.Tensor]:
+        """The final norm's weight under transformers' name (Gemma's minus 1)."""
+        gemma = self.config.model_type == "gemma3_text"
+        return {"weight": self._final_norm - 1 if gemma else self._final_norm.clone()}
+
     # -- an extra layer (an exit head's) ------------------------------------------------------
     def new_cache(self, capacity: int = 256, layers: int | None = None) -> StaticKV:
         """A contiguous KV cache of its own (an exit head's layer), float32."""

@@ -105,6 +105,9 @@ class ServerSettings:
     the budget of a request that does not say (capped by the room left in the context).
     max_sequences: requests decoding together in the running batch (each choice of a request
     with n > 1 is one); max_rows: rows of one step's forward (verify rows, then prompt chunks).
+    draft_model: the draft model of sps and mtad requests (a path; the server's own, not a
+    request's: None means their default, the EESD exit head); exit_head: the exit head of eesd
+    (and of sps and mtad without a draft model) (None: the target's own, shipped or trained once).
     """
 
     model_id: str = DEFAULT_MODEL_ID
@@ -115,6 +118,8 @@ class ServerSettings:
     max_tokens_limit: int = 1024
     max_sequences: int = DEFAULT_MAX_SEQUENCES  # requests decoding together
     max_rows: int = DEFAULT_MAX_ROWS  # rows of one step's forward
+    draft_model: str | None = None
+    exit_head: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.model_id, str) or not self.model_id.strip():
@@ -472,11 +477,12 @@ def create_app(target: Target, settings: ServerSettings | None = None) -> FastAP
             param, message = problems[0]
             raise _invalid(message, param=param, code="unsupported_parameter")
         try:  # "" is no method
-            method = served_method(settings.default_method if body.method is None else body.method)
+            name, options = served_method(settings.default_method if body.method is None else body.method)
         except UnknownMethodError as error:
             raise _invalid(str(error), param="method", code="unknown_method") from None
         except ConfigError as error:
             raise _invalid(str(error), param="method") from None
+        method = name, dataclasses.replace(options, draft_model=settings.draft_model, exit_head=settings.exit_head)
         for stop in body.stop_strings():
             if not stop:
                 raise _invalid("stop strings must be non-empty", param="stop")

@@ -191,9 +191,10 @@ def _kl(head_logits: torch.Tensor, target_logits: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def evaluate(head: ExitHead, labels: Labels, indices: list[int], output_weight: torch.Tensor,
+def evaluate(head: ExitHead, labels: Labels, indices: list[int], full_logits: Callable[[torch.Tensor], torch.Tensor],
              eval_tokens: int) -> dict:
-    """Held-out KL on the draft vocabulary, and acceptance estimates against the full vocabulary."""
+    """Held-out KL on the draft vocabulary, and acceptance estimates against the full vocabulary;
+    full_logits: final-normed states [m, d] -> the target's logits [m, vocab] (`Target.full_logits`)."""
     head.eval()
     rows = head.output_rows().float()  # [V_d, d]
     kls, greedy, sampled, counted = [], 0.0, 0.0, 0
@@ -206,7 +207,7 @@ def evaluate(head: ExitHead, labels: Labels, indices: list[int], output_weight: 
             if counted >= eval_tokens:
                 break
             end = min(begin + 64, final.shape[0], begin + eval_tokens - counted)
-            p = torch.softmax(final[begin:end] @ output_weight.float().T, -1)  # [m, vocab]
+            p = torch.softmax(full_logits(final[begin:end]).float(), -1)  # [m, vocab]
             q = torch.zeros_like(p)
             q[:, head.vocab] = torch.softmax(q_logits[begin:end].float(), -1)
             greedy += float((p.argmax(-1) == q.argmax(-1)).sum())
@@ -228,7 +229,7 @@ def _fingerprint_corpus(path: Path) -> str:
 def check_fits(target, config: TrainConfig) -> None:
     """A ConfigError where `config` asks for layers the target does not have: checked before
     anything long runs (generating a corpus, labelling it)."""
-    layers = target.model.config.num_hidden_layers
+    layers = target.config.num_hidden_layers
     if not 1 <= config.exit_layer <= layers:
         raise ConfigError(f"exit layer must be in 1..{layers}, got {config.exit_layer}")
     if config.init_layer is not None and config.init_layer >= layers:
@@ -279,7 +280,7 @@ def train_exit_head(target, corpus_path: Path, out_dir: Path, config: TrainConfi
     always = set(target.eos_token_ids)
     vocab = checkpoint["vocab"] if checkpoint else draft_vocabulary(
         [sequences[i] for i in train_ids], config.draft_vocab, always, target.vocab_size)
-    head = ExitHead(target.model, config.exit_layer, vocab, config.init_layer).float()
+    head = ExitHead(target, config.exit_layer, vocab, config.init_layer).float()
     head.train()
     parameters = [p for p in head.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(parameters, lr=config.learning_rate, weight_decay=0.0)
@@ -289,8 +290,8 @@ def train_exit_head(target, corpus_path: Path, out_dir: Path, config: TrainConfi
         optimizer.load_state_dict(checkpoint["optimizer"])
         step = checkpoint["step"]
         log(f"resumed at step {step}")
-    output_weight = target.model.get_output_embeddings().weight.detach()
-    before = checkpoint["before"] if checkpoint else evaluate(head, labels, held_out, output_weight, config.eval_tokens)
+    before = checkpoint["before"] if checkpoint else evaluate(head, labels, held_out, target.full_logits,
+                                                              config.eval_tokens)
     log(f"held-out before training: {before}")
 
     rows = head.output_rows().float()  # [V_d, d]
@@ -329,7 +330,7 @@ def train_exit_head(target, corpus_path: Path, out_dir: Path, config: TrainConfi
     if bar:
         bar.close()
     save_checkpoint()
-    after = evaluate(head, labels, held_out, output_weight, config.eval_tokens)
+    after = evaluate(head, labels, held_out, target.full_logits, config.eval_tokens)
     log(f"held-out after training: {after}")
     summary = {
         "corpus": corpus_path.name,
@@ -345,6 +346,6 @@ def train_exit_head(target, corpus_path: Path, out_dir: Path, config: TrainConfi
         "held_out_after": after,
         "train_minutes": round((time.perf_counter() - started) / 60, 2),
     }
-    save_head(head, head.spec(target.model, target.name, summary), out_dir)
+    save_head(head, head.spec(target, target.name, summary), out_dir)
     (out_dir / "training.json").write_text(json.dumps(summary, indent=1) + "\n")
     return summary

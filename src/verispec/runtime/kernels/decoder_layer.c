@@ -43,6 +43,13 @@ int blockmm_int8(const float *x, int64_t M, int64_t K, const int8_t *codes, cons
 int qmm_quantize(const float *x, int64_t M, int64_t K, int8_t *xq, float *xs, float *xo, int32_t *xsum, int threads);
 int qmm_matmul(const float *x, const int8_t *xq, const float *xs, const float *xo, const int32_t *xsum, int64_t M,
                int64_t K, const void *w, int type, int64_t N, float *y, int64_t ldy, int threads);
+typedef struct {
+    const void *weights;
+    int type;
+    int64_t n;
+} QmmPart;
+int qmm_matmul_parts(const int8_t *xq, const float *xs, const float *xo, const int32_t *xsum, int64_t M, int64_t K,
+                     const QmmPart *parts, int count, float *y, int64_t ldy, int threads);
 
 enum { QKV = 0, O = 1, GATE_UP = 2, DOWN = 3 };
 enum { ACT_GELU_TANH = 0, ACT_SILU = 1 };
@@ -92,11 +99,13 @@ typedef struct {
  * every quantized part (qmatmul.c's numerics: a row's result depends on that row alone). */
 static int gguf_linear(const GgufLinear *l, const float *x, int64_t n, int64_t in, float *y, int threads) {
     int64_t width = 0;
-    int quantized = 0;
+    int quantized = 0, all_quantized = 1;
     for (int p = 0; p < 3 && l->part[p].data; p++) {
         width += l->part[p].out;
         const int type = l->part[p].type;
-        quantized |= type != GGUF_F32 && type != GGUF_F16 && type != GGUF_BF16;
+        const int is_float = type == GGUF_F32 || type == GGUF_F16 || type == GGUF_BF16;
+        quantized |= !is_float;
+        all_quantized &= !is_float;
     }
     int8_t *xq = NULL;
     float *xs = NULL;
@@ -111,11 +120,24 @@ static int gguf_linear(const GgufLinear *l, const float *x, int64_t n, int64_t i
         }
     }
     int status = 0;
+    if (quantized && all_quantized) { /* one call (one parallel region) for every part */
+        QmmPart parts[3];
+        int count = 0;
+        for (; count < 3 && l->part[count].data; count++)
+            parts[count] = (QmmPart){l->part[count].data, l->part[count].type, l->part[count].out};
+        status = qmm_matmul_parts(xq, xs, xs + n * (in / 32), xsum, n, in, parts, count, y, width, threads);
+    } else {
+        int64_t offset = 0;
+        for (int p = 0; p < 3 && l->part[p].data && status == 0; p++) {
+            const GgufPart *part = &l->part[p];
+            status = qmm_matmul(x, xq, xs, quantized ? xs + n * (in / 32) : NULL, xsum, n, in, part->data, part->type,
+                                part->out, y + offset, width, threads); /* float types read x itself */
+            offset += part->out;
+        }
+    }
     int64_t offset = 0;
-    for (int p = 0; p < 3 && l->part[p].data && status == 0; p++) {
+    for (int p = 0; p < 3 && l->part[p].data; p++) {
         const GgufPart *part = &l->part[p];
-        status = qmm_matmul(x, xq, xs, quantized ? xs + n * (in / 32) : NULL, xsum, n, in, part->data, part->type,
-                            part->out, y + offset, width, threads); /* float types read x itself */
         if (part->bias)
             for (int64_t r = 0; r < n; r++)
                 for (int64_t j = 0; j < part->out; j++) y[r * width + offset + j] += part->bias[j];

@@ -1071,6 +1071,67 @@ int qmm_matmul(const float *x, const int8_t *xq, const float *xs, const float *x
     return failed ? -1 : 0;
 }
 
+/* Several quantized matrices fed by the same quantized activations (a layer's q, k and v; gate and
+ * up), their outputs side by side in y: part p writes columns offset_p .. offset_p + N_p - 1, offset_p
+ * the sum of the earlier parts' N. One parallel region over every part's tasks: a small matrix (a
+ * key/value projection) costs no region of its own, and threads balance across the parts. Each
+ * output's bits are qmm_matmul's. Float-typed parts are refused (-1): call qmm_matmul for them. */
+typedef struct {
+    const void *weights;
+    int type;
+    int64_t n;
+} QmmPart;
+
+int qmm_matmul_parts(const int8_t *xq, const float *xs, const float *xo, const int32_t *xsum, int64_t M, int64_t K,
+                     const QmmPart *parts, int count, float *y, int64_t ldy, int threads) {
+    enum { MAX_PARTS = 8 };
+    TypeInfo t[MAX_PARTS];
+    int64_t row_bytes[MAX_PARTS], first[MAX_PARTS + 1], offset[MAX_PARTS], groups[MAX_PARTS];
+    if (count < 1 || count > MAX_PARTS || M < 1 || !xq || !xs || !xo || !xsum || !y) return -1;
+    if (threads < 1) threads = 1;
+    const int64_t per_task = M >= MANY_ROWS ? MAX_TASK_GROUPS : 1;
+    int64_t width = 0;
+    first[0] = 0;
+    for (int p = 0; p < count; p++) {
+        row_bytes[p] = qmm_row_bytes(parts[p].type, K);
+        if (row_bytes[p] < 0 || type_info(parts[p].type, &t[p]) != 0 || !t[p].quantized || parts[p].n < 1 ||
+            !parts[p].weights)
+            return -1;
+        offset[p] = width;
+        width += parts[p].n;
+        groups[p] = (parts[p].n + LANES - 1) / LANES;
+        first[p + 1] = first[p] + (groups[p] + per_task - 1) / per_task;
+    }
+    if (ldy < width) return -1;
+    const int64_t tasks = first[count];
+    const int64_t run = tasks / ((int64_t)threads * 16) > 1 ? tasks / ((int64_t)threads * 16) : 1;
+    int failed = 0;
+#pragma omp parallel num_threads(threads) if (threads > 1 && tasks > 1)
+    {
+        Decoded dec[MAX_TASK_GROUPS];
+        float small[2 * 16 * LANES];
+        const int on_stack = 2 * per_task * M * LANES <= 2 * 16 * LANES;
+        float *acc = on_stack ? small : malloc(sizeof(float) * (size_t)(2 * per_task * M * LANES));
+        if (!acc) {
+#pragma omp atomic write
+            failed = 1;
+        }
+        int p = 0; /* the part of the task: tasks come in order within a run */
+#pragma omp for schedule(dynamic, run)
+        for (int64_t task = 0; task < tasks; task++) {
+            if (!acc) continue;
+            while (first[p + 1] <= task) p++;
+            while (first[p] > task) p--;
+            const int64_t g0 = (task - first[p]) * per_task;
+            const int64_t n = groups[p] - g0 < per_task ? groups[p] - g0 : per_task;
+            run_task(parts[p].type, &t[p], (const uint8_t *)parts[p].weights, row_bytes[p], parts[p].n, K, g0, n, xq,
+                     xs, xo, xsum, M, dec, acc, acc + per_task * M * LANES, y + offset[p], ldy);
+        }
+        if (!on_stack) free(acc);
+    }
+    return failed ? -1 : 0;
+}
+
 int qmm_matmul_f32(const float *x, int64_t M, int64_t K, const void *weights, int type, int64_t N, float *y,
                    int64_t ldy, int threads) {
     TypeInfo t;
