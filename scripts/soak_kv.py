@@ -37,7 +37,7 @@ def main() -> int:
     if args.model:
         argv += ["--model", args.model]
     log = Path(args.out).with_suffix(".server.log")
-    server = servers.ManagedServer(argv, env=None, log_path=log, port=port)
+    server = servers.ManagedServer(argv, env={}, log_path=log, port=port)
     url = f"http://127.0.0.1:{port}"
     try:
         servers.wait_ready(url, 900, server.alive)

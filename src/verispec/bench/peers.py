@@ -4,9 +4,13 @@ Owns the registry `PEERS` (name -> `Peer`) and the peers built on transformers' 
 `generate()`: `hf-ar` (plain greedy or sampled decoding), `hf-pld` (prompt lookup,
 `prompt_lookup_num_tokens=10`), `hf-early-exit` (self-speculation from the target's first N
 layers, `assistant_early_exit=N`) and `hf-assisted` (assisted generation with a separate draft
-model from `--draft-model`). Each runs on `target.model` itself, so dtype, weights, prompts and
-token budget are the ones our methods get. Also `llamacpp-ar` / `llamacpp-pld`: llama.cpp
-(optional llama-cpp-python) on the same GGUF file, with its own quantized arithmetic.
+model from `--draft-model`). Each runs on `target.model` itself (a target that runs a GGUF file's
+own blocks has none: transformers' float32 reading of the file is loaded for them), so weights,
+prompts and token budget are the ones our methods get. Also llama.cpp on the same GGUF file, with
+its own quantized arithmetic: `llamacpp-ar` / `llamacpp-pld` through llama-cpp-python (optional),
+and `llama-ar` / `llama-draft` (its draft-model speculation, `--draft-model` as `-md`) /
+`llama-ngram` (its n-gram speculation) through its own server, `llama-server` (`make
+llama-native` builds it for this CPU), one request at a time.
 
 Target forwards are counted with a forward hook on `target.model`, registered around each call and
 removed after it. `hf-early-exit` drafts with the same module object, shallowed by temporarily
@@ -76,9 +80,32 @@ class Peer:
                 )
 
 
+def _transformers_model(target: Target):
+    """The transformers model of `target`; for a target without one (a GGUF file's own blocks),
+    transformers' float32 reading of its file, loaded once."""
+    if target.model is not None:
+        return target.model
+    if "transformers-model" not in target.attachments:
+        from ..loading import load
+
+        target.attachments["transformers-model"] = load(_gguf_of(target), numerics="fp32", fast=False).model
+    return target.attachments["transformers-model"]
+
+
+def _gguf_of(target: Target) -> str:
+    """The GGUF file `target` was loaded from (the embedded default's, or a --model FILE.gguf)."""
+    from ..loading import DEFAULT_MODEL_NAME, embedded_default_path
+
+    if target.name == DEFAULT_MODEL_NAME:
+        return str(embedded_default_path())
+    if str(target.name).endswith(".gguf"):
+        return str(target.name)
+    raise ConfigError("the llama.cpp peers need a GGUF model: the default model or --model FILE.gguf")
+
+
 def _generate_runner(target: Target, settings: PeerSettings, extra: dict | None = None) -> PeerRun:
-    """A `PeerRun` calling `target.model.generate()` with `extra` generation arguments."""
-    model = target.model
+    """A `PeerRun` calling the target's transformers model's `generate()` with `extra` arguments."""
+    model = _transformers_model(target)
     base = getattr(model, getattr(model, "base_model_prefix", ""), model)
     full_depth = int(base.config.num_hidden_layers)
     eos = sorted(target.eos_token_ids)
@@ -121,7 +148,7 @@ def _assisted(target: Target, settings: PeerSettings) -> PeerRun:
     from ..loading import load
 
     draft = load(settings.draft_model, settings.dtype, device=target.device)  # generate() needs both on one device
-    extra: dict = {"assistant_model": draft.model}
+    extra: dict = {"assistant_model": _transformers_model(draft)}
     if draft.vocab_size != target.vocab_size:  # different tokenizers: universal assisted decoding
         extra.update(tokenizer=target.tokenizer, assistant_tokenizer=draft.tokenizer)
     return _generate_runner(target, settings, extra)
@@ -131,14 +158,7 @@ def _llamacpp(target: Target, settings: PeerSettings, prompt_lookup: bool) -> Pe
     """llama.cpp (llama-cpp-python, an optional dependency) on the GGUF file the target came
     from: the embedded default's, or a --model given as .gguf. Its own tokenizer; greedy or
     sampled per the flags; torch's thread count. Target forwards are not visible (None)."""
-    from ..loading import DEFAULT_MODEL_NAME, embedded_default_path
-
-    if target.name == DEFAULT_MODEL_NAME:
-        gguf = embedded_default_path()
-    elif str(target.name).endswith(".gguf"):
-        gguf = target.name
-    else:
-        raise ConfigError("the llamacpp peers need a GGUF model: the default model or --model FILE.gguf")
+    gguf = _gguf_of(target)
     try:
         from llama_cpp import Llama
     except ImportError as error:
@@ -180,6 +200,61 @@ def _llamacpp(target: Target, settings: PeerSettings, prompt_lookup: bool) -> Pe
     return run
 
 
+LLAMA_DRAFT_MAX = 8  # llama-draft's --spec-draft-n-max
+LLAMA_NGRAM = "ngram-simple"  # llama-ngram's --spec-type
+
+
+def _llama_server(target: Target, settings: PeerSettings, speculation: list[str]) -> PeerRun:
+    """llama.cpp's own server on the target's GGUF file, started once (stopped when the process
+    ends), `speculation` its speculative-decoding flags; each run is one /completion request of
+    the prompt's token ids (no prompt cache), greedy or sampled per the flags, with torch's thread
+    count. Target forwards are not visible (None)."""
+    import atexit
+    import tempfile
+    from pathlib import Path
+
+    import httpx
+
+    from . import servers
+
+    binary = servers.llama_binary("llama-server")
+    threads = torch.get_num_threads()
+    port = servers.free_port()
+    argv = [str(binary), "-m", _gguf_of(target), "-c", "8192", "--parallel", "1", "-t", str(threads), "-tb", str(threads),
+            "--host", "127.0.0.1", "--port", str(port), *speculation]
+    log = Path(tempfile.mkdtemp(prefix="verispec-llama-")) / "llama-server.log"
+    server = servers.ManagedServer(argv, {}, log, port)
+    atexit.register(server.stop)
+    try:
+        servers.wait_ready(server.base_url, 600, server.alive)
+    except servers.ServerStartError as error:
+        server.stop()
+        raise PeerError(f"llama-server did not start: {error}\n{server.log_tail()}") from error
+    client = httpx.Client(timeout=None)
+    sampling = settings.temperature > 0
+
+    def run(prompt_ids: Sequence[int], max_new_tokens: int) -> PeerOutput:
+        body = {"prompt": list(prompt_ids), "n_predict": max_new_tokens, "cache_prompt": False, "return_tokens": True,
+                "temperature": settings.temperature if sampling else 0.0, "top_k": settings.top_k if sampling else 1,
+                "top_p": settings.top_p if sampling else 1.0, "min_p": 0.0, "repeat_penalty": 1.0,
+                "seed": settings.seed if settings.seed is not None else 0}
+        try:
+            answer = client.post(f"{server.base_url}/completion", json=body)
+            answer.raise_for_status()
+            tokens = answer.json()["tokens"]
+        except (httpx.HTTPError, ValueError, KeyError) as error:
+            raise PeerError(f"llama-server failed ({type(error).__name__}: {error})\n{server.log_tail()}") from error
+        return PeerOutput([int(t) for t in tokens], None)
+
+    return run
+
+
+def _llama_draft(target: Target, settings: PeerSettings) -> PeerRun:
+    threads = str(torch.get_num_threads())
+    return _llama_server(target, settings, ["-md", str(settings.draft_model), "--spec-draft-n-max", str(LLAMA_DRAFT_MAX),
+                                            "-td", threads, "-tbd", threads])
+
+
 PEERS: dict[str, Peer] = {
     p.name: p
     for p in (
@@ -195,6 +270,12 @@ PEERS: dict[str, Peer] = {
              lambda target, s: _llamacpp(target, s, prompt_lookup=False)),
         Peer("llamacpp-pld", "llama.cpp on the same GGUF file: prompt lookup decoding, 10 tokens",
              lambda target, s: _llamacpp(target, s, prompt_lookup=True)),
+        Peer("llama-ar", "llama-server (llama.cpp built for this CPU) on the same GGUF file: autoregressive decoding",
+             lambda target, s: _llama_server(target, s, [])),
+        Peer("llama-draft", f"llama-server: speculation with --draft-model (-md, --spec-draft-n-max {LLAMA_DRAFT_MAX})",
+             _llama_draft, needs_draft_model=True),
+        Peer("llama-ngram", f"llama-server: n-gram speculation from the context (--spec-type {LLAMA_NGRAM})",
+             lambda target, s: _llama_server(target, s, ["--spec-type", LLAMA_NGRAM])),
     )
 }
 

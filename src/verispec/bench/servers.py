@@ -45,6 +45,7 @@ from ..errors import ConfigError, VerispecError
 KINDS = ("url", "verispec", "llama-server", "vllm")
 SLOT_CONTEXT = 4096  # positions of context per llama-server slot, and vLLM's --max-model-len
 LLAMA_SERVER_RELATIVE = Path(".peers/llama.cpp/build/bin/llama-server")  # where `make llama-server` builds it
+LLAMA_NATIVE_RELATIVE = Path(".peers/llama.cpp-native/build/bin")  # `make llama-native`: built for this CPU
 VLLM_PYTHON_RELATIVE = Path(".venv-vllm/bin/python")  # the virtual environment `make vllm` builds
 VLLM_KV_CACHE_GIB = 4  # VLLM_CPU_KVCACHE_SPACE unless the environment sets one
 # verispec's chat format for a model without a chat template (`verispec.text.encode_messages`):
@@ -284,6 +285,19 @@ def find_peer(explicit: str | None, relative: Path, make_target: str) -> Path:
                       f"`make {make_target}` in the verispec repository, or give its path")
 
 
+def llama_binary(name: str, explicit: str | None = None) -> Path:
+    """A llama.cpp program: `explicit`, else the native build's (`make llama-native`), else (for
+    llama-server) the portable one (`make llama-server`)."""
+    if explicit is not None:
+        return find_peer(explicit, LLAMA_NATIVE_RELATIVE / name, "llama-native")
+    try:
+        return find_peer(None, LLAMA_NATIVE_RELATIVE / name, "llama-native")
+    except ConfigError:
+        if name != "llama-server":
+            raise
+        return find_peer(None, LLAMA_SERVER_RELATIVE, "llama-server")
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -304,7 +318,7 @@ def server_command(spec: ServerSpec, model: ModelFiles, threads: int, port: int,
             argv += ["--model", model.argument]
         return argv + list(spec.args), env
     if spec.kind == "llama-server":
-        binary = find_peer(llama_server, LLAMA_SERVER_RELATIVE, "llama-server")
+        binary = llama_binary("llama-server", llama_server)
         argv = [str(binary), "-m", str(model.gguf()), "-c", str(SLOT_CONTEXT * spec.parallel),
                 "--parallel", str(spec.parallel), "-t", str(threads), "-tb", str(threads),
                 "--host", "127.0.0.1", "--port", str(port)]
