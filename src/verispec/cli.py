@@ -361,7 +361,7 @@ def _resolved_path_or_id(value: Optional[str]) -> Optional[str]:
 
 @app.command()
 def bench(
-    dataset: str = typer.Option("builtin", help="builtin | spec-bench | spec-bench-multiturn (its two-turn conversations) | code-edit (recurring functions to rewrite) | PATH.jsonl (Spec-Bench format)."),
+    dataset: str = typer.Option("builtin", help="builtin | spec-bench | spec-bench-multiturn (its two-turn conversations) | code-edit (recurring functions to rewrite) | code-tasks (30 Python tasks checked by their tests: pass@1) | PATH.jsonl (Spec-Bench format)."),
     categories: Optional[str] = typer.Option(None, help="Comma-separated categories to keep (default: all)."),
     per_category: Optional[int] = typer.Option(None, "--per-category", help="At most N prompts per category (default: all)."),
     methods: str = typer.Option("ar,pld,anpd", help="Comma-separated verispec methods (any of `verispec info`); METHOD/CONTROLLER runs a method under a given controller, e.g. eesd/constant:4, METHOD/KEY=VALUE with an option, e.g. mtad/tau=0.1 or anpd/tree=8 (tree drafts of up to 8 tokens)."),

@@ -23,6 +23,11 @@ The sets, by name:
   earlier requests (ANPD's memory across requests) can draft later answers from earlier ones.
 Both multi-request sets measure memory across requests; the runner gives each method its own
 memory, empty at the start of each pass over the prompt set (see `runner`).
+- `code-tasks` (`data/code_tasks.jsonl`): 30 small Python function tasks (category `coding`), each
+  an instruction for a chat model to write one function and answer with it in a ```python block.
+  A line of this set also has `entry_point` (the function's name) and `tests` (Python asserts):
+  the runner checks each answer against them (`code_eval`) and the reports give pass@1. Any
+  question file may carry these two fields (both or neither); single-turn reading keeps them.
 """
 
 from __future__ import annotations
@@ -38,11 +43,12 @@ from ..text import encode_messages, encode_prompt
 
 BUILTIN_PATH = Path(__file__).parent / "data" / "builtin.jsonl"
 CODE_EDIT_PATH = Path(__file__).parent / "data" / "code_edit.jsonl"
+CODE_TASKS_PATH = Path(__file__).parent / "data" / "code_tasks.jsonl"
 SPEC_BENCH_RELATIVE = (
     Path("shared/data/spec_bench/question.jsonl"),
     Path("../shared/data/spec_bench/question.jsonl"),
 )
-DATASET_NAMES = ("builtin", "spec-bench", "spec-bench-multiturn", "code-edit")
+DATASET_NAMES = ("builtin", "spec-bench", "spec-bench-multiturn", "code-edit", "code-tasks")
 MULTITURN = "spec-bench-multiturn"
 
 
@@ -54,13 +60,17 @@ class DatasetError(ConfigError):
 class Question:
     """One request. A later turn of a conversation also carries the user turns before it
     (`earlier`, oldest first) and the key of the question it follows (the previous turn), whose
-    generated answer, and its predecessors', go into its prompt (`encode_turn`)."""
+    generated answer, and its predecessors', go into its prompt (`encode_turn`). A code task also
+    carries the name of the function asked for (`entry_point`) and the `tests` its answer must
+    pass (Python statements, see `code_eval`); None for other questions."""
 
     question_id: int | str
     category: str
     prompt: str
     earlier: tuple[str, ...] = ()
     follows: str | None = None
+    entry_point: str | None = None
+    tests: str | None = None
 
     @property
     def key(self) -> str:
@@ -72,7 +82,7 @@ def read_questions(path: str | Path) -> list[Question]:
     """Parse a Spec-Bench style JSONL file; blank lines are skipped.
 
     Raises DatasetError naming the file and 1-based line number for bad JSON, a missing or
-    ill-typed field, empty turns, or a repeated question_id.
+    ill-typed field, empty turns, a repeated question_id, or only one of `entry_point` and `tests`.
     """
     return [question for question, _, _ in _read(path)]
 
@@ -143,7 +153,20 @@ def _question_from(item: object, where: str) -> Question:
         raise DatasetError(f"{where}: turns must be a non-empty list of strings")
     if not isinstance(turns[0], str) or not turns[0].strip():
         raise DatasetError(f"{where}: the first turn (the prompt) must be a non-empty string")
-    return Question(qid, category.strip(), turns[0])
+    entry_point, tests = _code_task_fields(item, where)
+    return Question(qid, category.strip(), turns[0], entry_point=entry_point, tests=tests)
+
+
+def _code_task_fields(item: dict, where: str) -> tuple[str | None, str | None]:
+    """(entry_point, tests) of a code task, (None, None) for a line that has neither."""
+    if "entry_point" not in item and "tests" not in item:
+        return None, None
+    entry_point, tests = item.get("entry_point"), item.get("tests")
+    if not isinstance(entry_point, str) or not entry_point.isidentifier():
+        raise DatasetError(f"{where}: entry_point must be a Python function name (with tests), got {entry_point!r}")
+    if not isinstance(tests, str) or not tests.strip():
+        raise DatasetError(f"{where}: tests must be a non-empty string of Python statements (with entry_point)")
+    return entry_point, tests
 
 
 def find_spec_bench(starts: Iterable[Path]) -> Path | None:
@@ -165,6 +188,8 @@ def resolve_dataset(name: str, cwd: Path | None = None, package_dir: Path | None
         return BUILTIN_PATH
     if name == "code-edit":
         return CODE_EDIT_PATH
+    if name == "code-tasks":
+        return CODE_TASKS_PATH
     if name in ("spec-bench", MULTITURN):
         starts = [cwd or Path.cwd(), package_dir or Path(__file__).parent]
         found = find_spec_bench(starts)

@@ -7,7 +7,8 @@ the list of records the runner writes (one dict per prompt, method and repeat; s
 Repeats: the R records of one (prompt, method) are folded into one result. Its times (total,
 prefill, decode, CPU) and energy are the medians over the repeats; its counts, token ids and
 perplexity are those of the lowest repeat (identical across repeats under greedy decoding, and
-under sampling with a fixed seed).
+under sampling with a fixed seed); its `passed` (code tasks) is the share of repeats that passed
+(each repeat is one sample; 0 or 1 when they are identical).
 
 Speedup (the definition the reports print, `SPEEDUP_DEFINITION`): for each method, over the prompts
 that both it and the baseline ran, the ratio of totals
@@ -35,6 +36,9 @@ Other metrics, per method:
 - repeated 4-grams: of all 4-grams of token ids in the outputs, the share that already occurred
   earlier in the same output (pooled over prompts). Lower perplexity can come from text that
   repeats itself (beam search is known for it), so sampled runs report the two side by side;
+- pass@1 (prompts with tests only: the `code-tasks` set): passed / prompts, where a prompt's
+  `passed` is the share of its repeats whose answer passed the task's tests (the records'
+  `passed`, `runner.CODE_CHECK_FIELDS`); None when no prompt of the group has tests;
 - CPU seconds per generated token = sum CPU seconds / sum new tokens;
 - energy: sum of joules, or None ("not measured") if any generation had no meter reading.
 """
@@ -75,6 +79,7 @@ class PromptResult:
     energy_j: float | None
     perplexity: float | None
     token_ids: tuple[int, ...]
+    passed: float | None = None  # code tasks: share of repeats that passed the tests
 
     @property
     def tokens_per_s(self) -> float:
@@ -101,6 +106,11 @@ def _median_or_none(values: list) -> float | None:
 
 def _finite_or_none(value) -> float | None:
     return None if value is None or not math.isfinite(value) else float(value)
+
+
+def _share_or_none(values: list) -> float | None:
+    """The share of true values; None if any is missing (a record of a question without tests)."""
+    return None if not values or any(v is None for v in values) else sum(map(bool, values)) / len(values)
 
 
 def fold_repeats(records: Iterable[dict]) -> dict[tuple[str, str], PromptResult]:
@@ -130,6 +140,7 @@ def fold_repeats(records: Iterable[dict]) -> dict[tuple[str, str], PromptResult]
             energy_j=_median_or_none([r.get("energy_j") for r in runs]),
             perplexity=_finite_or_none(first.get("perplexity")),
             token_ids=tuple(first.get("token_ids") or ()),
+            passed=_share_or_none([r.get("passed") for r in runs]),
         )
     return folded
 
@@ -173,6 +184,11 @@ def _repeated_share(results: list[PromptResult]) -> float | None:
     return _ratio(sum(c[0] for c in counts), sum(c[1] for c in counts) or None)
 
 
+def _pass_at_1(results: list[PromptResult]) -> float | None:
+    checked = [r.passed for r in results if r.passed is not None]
+    return sum(checked) / len(checked) if checked else None
+
+
 def _perplexity(results: list[PromptResult]) -> float | None:
     scored = [(r.new_tokens, r.perplexity) for r in results if r.perplexity is not None and r.new_tokens > 0]
     tokens = sum(n for n, _ in scored)
@@ -213,6 +229,7 @@ def method_summary(
         "log_perplexity_vs_baseline": None,
         "log_perplexity_vs_baseline_se": None,
         "repeated_4grams": _repeated_share(results),
+        "pass_at_1": _pass_at_1(results),
         "prefill_s": _sum_or_none([r.prefill_s for r in results]),
         "cpu_s": cpu_s,
         "cpu_s_per_token": _ratio(cpu_s, new_tokens),
@@ -285,6 +302,7 @@ def summarize(records: Iterable[dict], methods: Sequence[str] = (), greedy: bool
             "exact_match": None if b is None or not greedy else r.token_ids == b.token_ids,
             "first_difference": None if b is None or not greedy else first_difference(b.token_ids, r.token_ids),
             "perplexity": r.perplexity,
+            "passed": r.passed,
         })
     return {
         "baseline": baseline_name,
@@ -297,12 +315,19 @@ def summarize(records: Iterable[dict], methods: Sequence[str] = (), greedy: bool
     }
 
 
+def has_pass_at_1(group: dict) -> bool:
+    """Whether any method of a group (summary["overall"] or a category) has a pass@1."""
+    return any(s.get("pass_at_1") is not None for s in group.values())
+
+
 def compact(summary: dict) -> dict:
-    """The one-line summary: overall per method, the headline numbers only (rounded)."""
+    """The one-line summary: overall per method, the headline numbers only (rounded); pass@1
+    only when the prompts had tests."""
 
     def r(value, digits=4):
         return None if value is None else round(value, digits)
 
+    with_pass = has_pass_at_1(summary["overall"])
     return {
         "baseline": summary["baseline"],
         "methods": {
@@ -314,6 +339,7 @@ def compact(summary: dict) -> dict:
                 "exact_match": r(s["exact_match"]),
                 "perplexity": r(s["perplexity"]),
                 "repeated_4grams": r(s["repeated_4grams"]),
+                **({"pass_at_1": r(s.get("pass_at_1"))} if with_pass else {}),
                 "cpu_s_per_token": r(s["cpu_s_per_token"]),
                 "energy_j": r(s["energy_j"]),
             }

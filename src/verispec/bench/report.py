@@ -2,6 +2,7 @@
 
 Owns formatting only: every number comes from `metrics.summarize`. Missing values print as "-",
 except energy, which prints "not measured" when no meter was available (never an estimate).
+The pass@1 column (code tasks) appears only in tables whose prompts had tests.
 Plots are drawn with matplotlib's Agg backend (no display needed): speedup per category for each
 method (grouped bars), and the accepted-length histogram of each method that reports one.
 Also owns the description of the machine (CPU model, cores, RAM, OS) and of the software versions
@@ -19,6 +20,8 @@ from typing import Sequence
 
 from rich import box
 from rich.table import Table
+
+from .metrics import has_pass_at_1
 
 SUMMARY_FILE = "summary.json"
 REPORT_FILE = "report.md"
@@ -109,16 +112,27 @@ COLUMNS: list[tuple[str, str, str, str]] = [
 ]
 
 
+PASS_AT_1_COLUMN = ("pass@1", "pass_at_1", "{:.1%}", "-")  # after exact match, when there were tests
+
+
+def _columns(group: dict) -> list[tuple[str, str, str, str]]:
+    """COLUMNS, with pass@1 after exact match when the group's prompts had tests."""
+    if not has_pass_at_1(group):
+        return COLUMNS
+    at = [c[1] for c in COLUMNS].index("exact_match") + 1
+    return [*COLUMNS[:at], PASS_AT_1_COLUMN, *COLUMNS[at:]]
+
+
 def _rows(group: dict) -> list[list[str]]:
     return [
         [name, str(s["prompts"]), str(s["new_tokens"]),
-         *(_num(s[key], fmt, missing) for _, key, fmt, missing in COLUMNS)]
+         *(_num(s.get(key), fmt, missing) for _, key, fmt, missing in _columns(group))]
         for name, s in group.items()
     ]
 
 
-def _headers() -> list[str]:
-    return ["method", "prompts", "new tokens", *(c[0] for c in COLUMNS)]
+def _headers(group: dict) -> list[str]:
+    return ["method", "prompts", "new tokens", *(c[0] for c in _columns(group))]
 
 
 TERMINAL_COLUMNS: list[tuple[str, str, str]] = [
@@ -143,16 +157,20 @@ def terminal_table(summary: dict) -> Table:
         caption += f"; energy: {NOT_MEASURED}"
     table = Table(title=f"verispec bench, overall (speedup over {baseline})", caption=caption,
                   box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
+    columns = TERMINAL_COLUMNS
+    if has_pass_at_1(summary["overall"]):
+        at = [c[1] for c in columns].index("exact_match") + 1
+        columns = [*columns[:at], ("pass@1", "pass_at_1", "{:.0%}"), *columns[at:]]
     table.add_column("method", no_wrap=True)
-    for header, _, _ in TERMINAL_COLUMNS:
+    for header, _, _ in columns:
         table.add_column(header, justify="right")
     for name, s in summary["overall"].items():
-        table.add_row(name, *(_num(s[key], fmt) for _, key, fmt in TERMINAL_COLUMNS))
+        table.add_row(name, *(_num(s.get(key), fmt) for _, key, fmt in columns))
     return table
 
 
 def markdown_table(group: dict) -> str:
-    headers = _headers()
+    headers = _headers(group)
     lines = ["| " + " | ".join(headers) + " |", "|" + "|".join(["---"] + ["---:"] * (len(headers) - 1)) + "|"]
     lines += ["| " + " | ".join(row) + " |" for row in _rows(group)]
     return "\n".join(lines)
@@ -342,6 +360,12 @@ def render_markdown(summary: dict, config: dict, energy_meter: str, plots: Seque
         + (" (greedy run)." if summary["greedy"] else "; not computed for sampled runs."),
         "- Perplexity: of the generated tokens under the target model (temperature 1, no top-k/top-p), "
         "token-weighted over prompts.",
+        *(["- pass@1: the share of prompts whose answer passed the task's tests: the code of its first "
+           "```python block (else of its first ``` block without a language, else the whole answer) run "
+           "with the tests in a separate, time- and memory-limited Python process; with repeats, each "
+           "prompt counts the share of its repeats that passed. Each record's `check` gives the reason "
+           "for a failure."]
+          if has_pass_at_1(summary["overall"]) else []),
         f"- Energy: {'joules from ' + energy_meter if energy_meter != NOT_MEASURED else NOT_MEASURED + ' (no RAPL or NVML meter readable on this machine)'}.",
         "",
         "## Overall",

@@ -15,6 +15,10 @@ Fair measurement:
   Our methods also report the engine's own prefill and decode times; peers report null there.
 - CPU seconds (`time.process_time`) and energy (`energy.EnergyProbe`) are read around the same
   call; perplexity is scored afterwards, outside the timed region.
+- code tasks (a question with `tests`, the `code-tasks` set): after the timed region, the answer's
+  code runs with the tests in a sandboxed subprocess (`code_eval.check_completion`, once per
+  distinct answer to a question); its record adds CODE_CHECK_FIELDS: `passed` (true/false) and
+  `check` (the short reason, e.g. "assertion failed: assert f(2) == 4").
 - memory across requests (ANPD's `NgramMemory`, SuffixDecoding's caches, kept in the target's
   attachments) cannot let a method see a prompt twice, nor see another method's outputs: each
   (method, repeat) gets a
@@ -47,6 +51,7 @@ from ..errors import ConfigError
 from ..methods import MethodOptions, parse_variant
 from ..model import Target
 from ..score import perplexity
+from .code_eval import CheckResult, check_completion
 from .datasets import Question, encode_question, encode_turn
 from .energy import EnergyProbe
 from .peers import PEERS, PeerError, PeerSettings
@@ -60,6 +65,7 @@ RECORD_FIELDS = (
     "drafted", "accepted", "accepted_histogram", "prefill_s", "decode_s", "total_s", "cpu_s",
     "energy_j", "perplexity", "token_ids", "text",
 )
+CODE_CHECK_FIELDS = ("passed", "check")  # after RECORD_FIELDS, in the records of questions with tests
 
 
 @dataclass(frozen=True)
@@ -386,6 +392,7 @@ def run_bench(
         answers = {(str(r["question_id"]), r["method"], int(r["repeat"])): r["text"] for r in existing}
         writer = RecordWriter(records_path)
         scores: dict[tuple, float] = {}
+        checks: dict[tuple, CheckResult] = {}
         new_records = []
         try:
             with tqdm(total=len(plan.steps), initial=len(plan.steps) - len(todo), disable=not progress,
@@ -399,7 +406,7 @@ def run_bench(
                     bar.set_postfix_str(f"{question.category}/{question.question_id} {name}")
                     memories.use((name, repeat))
                     result = timed(runners[name], ids, settings.max_new_tokens, probe)
-                    record = _record(target, question, ids, name, repeat, result, scores)
+                    record = _record(target, question, ids, name, repeat, result, scores, checks)
                     writer.write(record)
                     answers[(question.key, name, repeat)] = record["text"]
                     new_records.append(record)
@@ -457,8 +464,9 @@ class _Memories:
 
 
 def _record(target: Target, question: Question, prompt_ids: list[int], method: str, repeat: int,
-            result: Timed, scores: dict) -> dict:
-    """One record (see RECORD_FIELDS); perplexity is scored once per distinct output."""
+            result: Timed, scores: dict, checks: dict) -> dict:
+    """One record (see RECORD_FIELDS, and CODE_CHECK_FIELDS for a question with tests);
+    perplexity is scored, and a code answer checked, once per distinct output."""
     outcome = result.outcome
     key = (question.key, tuple(outcome.token_ids))
     if key not in scores:
@@ -488,6 +496,11 @@ def _record(target: Target, question: Question, prompt_ids: list[int], method: s
         "text": text,
     }
     assert tuple(record) == RECORD_FIELDS
+    if question.tests is not None:
+        if (question.key, text) not in checks:
+            checks[(question.key, text)] = check_completion(text, question.tests, question.entry_point)
+        check = checks[(question.key, text)]
+        record.update(passed=check.passed, check=check.reason)
     return record
 
 
