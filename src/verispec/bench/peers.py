@@ -251,8 +251,9 @@ def _llama_server(target: Target, settings: PeerSettings, speculation: list[str]
 
 def _llama_draft(target: Target, settings: PeerSettings) -> PeerRun:
     threads = str(torch.get_num_threads())
-    return _llama_server(target, settings, ["-md", str(settings.draft_model), "--spec-draft-n-max", str(LLAMA_DRAFT_MAX),
-                                            "-td", threads, "-tbd", threads])
+    # --spec-type draft-simple: with -md alone this llama-server loads the draft but does not speculate
+    return _llama_server(target, settings, ["-md", str(settings.draft_model), "--spec-type", "draft-simple",
+                                            "--spec-draft-n-max", str(LLAMA_DRAFT_MAX), "-td", threads, "-tbd", threads])
 
 
 PEERS: dict[str, Peer] = {
@@ -272,7 +273,8 @@ PEERS: dict[str, Peer] = {
              lambda target, s: _llamacpp(target, s, prompt_lookup=True)),
         Peer("llama-ar", "llama-server (llama.cpp built for this CPU) on the same GGUF file: autoregressive decoding",
              lambda target, s: _llama_server(target, s, [])),
-        Peer("llama-draft", f"llama-server: speculation with --draft-model (-md, --spec-draft-n-max {LLAMA_DRAFT_MAX})",
+        Peer("llama-draft", f"llama-server: speculation with --draft-model (-md, --spec-type draft-simple, "
+             f"--spec-draft-n-max {LLAMA_DRAFT_MAX})",
              _llama_draft, needs_draft_model=True),
         Peer("llama-ngram", f"llama-server: n-gram speculation from the context (--spec-type {LLAMA_NGRAM})",
              lambda target, s: _llama_server(target, s, ["--spec-type", LLAMA_NGRAM])),
