@@ -302,3 +302,41 @@ def test_the_row_cost_fit_sees_decode_steps_only():
         pass
     assert any(steps) and not all(steps), "both kinds of step ran"
     assert observed == [i + 1 for i, chunk in enumerate(steps) if not chunk]
+
+
+def test_log_probabilities_are_one_entry_per_output_token_alone_and_in_a_batch():
+    """A step's log-probabilities are recorded after its stop token cut it (`engine.Decoding`, the
+    accept step alone and in a batch share): one entry per output token, the same bits alone
+    (`engine.decode`) and in a batch beside another request. Every draft is accepted (8 a step),
+    and the stop token falls inside a step, so that the step's later tokens are dropped."""
+    from verispec.engine import DecodeConfig, Logprobs, decode
+    from verispec.methods import build
+    from verispec.stats import GenerationStats
+
+    target = int8_target("llama")
+    prompt = list(make_request(target, PROMPTS[2], "ar").prompt_ids)
+    reference = [t for step in decode(target, build("ar", target), prompt, DecodeConfig(40), GenerationStats())
+                 for t in step]  # greedy, no stop token
+    target.release()
+    stop = next(j for j in range(2, 9) if reference[j] not in reference[:j])  # inside the second step (tokens 1-9)
+    config = DecodeConfig(40, stop_token_ids=frozenset({reference[stop]}))
+
+    def recipe():
+        return helpers.scripted_recipe(helpers.ScriptedDrafter(reference, "all", target.vocab_size), 8)
+
+    alone = Logprobs(2)
+    steps = list(decode(target, recipe(), prompt, config, GenerationStats(), alone))
+    target.release()
+    output = [t for step in steps for t in step]
+    assert output == reference[: stop + 1] and len(steps) == 2 and len(alone.entries) == len(output)
+
+    engine = BatchEngine(target)
+    sequence = target.new_sequence()
+    job = engine.submit(prompt, recipe(), config, GenerationStats(), sequence=sequence, logprobs=Logprobs(2))
+    other = engine.submit(list(make_request(target, PROMPTS[0], "ar").prompt_ids), build("ar", target),
+                          DecodeConfig(20), GenerationStats(), logprobs=Logprobs(0))
+    batched = []
+    while not engine.idle:
+        batched += [t for event_job, committed in engine.step() if event_job is job for t in committed]
+    assert batched == output and job.logprobs.entries == alone.entries
+    assert len(other.logprobs.entries) == other.stats.new_tokens

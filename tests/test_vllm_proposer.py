@@ -21,11 +21,11 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from verispec.control import best_draft_length
+from verispec.control import allocate_drafts, best_draft_length
 from verispec.drafters.ngram import AnpdDrafter, NgramConfig, NgramMemory
 from verispec.errors import ConfigError
 from verispec.integrations import vllm as hook
-from verispec.integrations.vllm import AnpdProposer, HookError, ProposerSettings, batch_cut
+from verispec.integrations.vllm import AnpdProposer, HookError, ProposerSettings
 
 ROOT = Path(__file__).resolve().parents[1]
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
@@ -270,7 +270,7 @@ def test_one_row_cut_is_verispecs_adaptive_cut():
         confidence = rng.uniform(0.05, 0.99, size=rng.integers(1, 12)).tolist()
         overhead = float(rng.uniform(0.5, 40))
         relative = lambda d: 1.0 + np.asarray(d) / (overhead + 1)
-        assert batch_cut(1, [confidence], relative) == [
+        assert allocate_drafts([confidence], relative, committed=1) == [
             best_draft_length(confidence, lambda length: 1.0 + length / (overhead + 1))]
 
 
@@ -283,7 +283,7 @@ def test_batch_cut_maximises_tokens_per_cost_over_every_prefix_choice():
         best = max(
             (rows + sum(np.prod(c[:j + 1]) for c, n in zip(confidences, lengths) for j in range(n))) / relative(sum(lengths))
             for lengths in np.ndindex(*[len(c) + 1 for c in confidences]))
-        lengths = batch_cut(rows, confidences, relative)
+        lengths = allocate_drafts(confidences, relative, committed=rows)
         rate = (rows + sum(np.prod(c[:j + 1]) for c, n in zip(confidences, lengths) for j in range(n))) / relative(sum(lengths))
         assert rate == pytest.approx(best)
 
@@ -291,7 +291,7 @@ def test_batch_cut_maximises_tokens_per_cost_over_every_prefix_choice():
 def test_drafts_shrink_as_the_batch_fills():
     confidence = [0.9, 0.85, 0.8, 0.7, 0.6, 0.5]
     costs = hook.StepCosts(ProposerSettings(cost="fixed", overhead=8))
-    per_row = [sum(batch_cut(rows, [confidence] * rows, lambda d, r=rows: costs.relative(r, d))) / rows
+    per_row = [sum(allocate_drafts([confidence] * rows, lambda d, r=rows: costs.relative(r, d), committed=rows)) / rows
                for rows in (1, 4, 16, 64)]
     assert per_row == sorted(per_row, reverse=True) and per_row[0] > per_row[-1]
     assert hook.first_token_bound(64, lambda d: costs.relative(64, d), 64 * 6) > 0.85  # full batch: stop early

@@ -1,54 +1,24 @@
 """The text-level library API: `generate` and `stream` over any method, one request at a time,
 and `generate_many` and `stream_many` for many requests decoded together.
 
-Composes `methods` (which recipe), `engine` (the loop of one request), `batch` (the loop of many)
-and `text` (prompt encoding, incremental detokenization, stop strings). The CLI, benchmark and
-server call these functions. `make_request` validates and encodes one request for any of them.
+Composes `methods` (which recipe), `engine` (the loop of one request), `batch` (the loop of many),
+`lifecycle` (a request from its validation to its result: stop strings, text, its end) and `text`
+(prompt encoding). The CLI, benchmark and server call these functions. `make_request` validates
+and encodes one request for any of them.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Iterator, Sequence
 
-from .batch import DEFAULT_MAX_ROWS, DEFAULT_MAX_SEQUENCES, BatchEngine, Job
-from .engine import DecodeConfig, decode
+from .batch import DEFAULT_MAX_ROWS, DEFAULT_MAX_SEQUENCES, BatchEngine
 from .errors import ConfigError
-from .methods import MethodOptions, build, check_settings, get_method, with_settings
+from .lifecycle import Generation, GenerationResult, Request
+from .methods import MethodOptions, build, get_method, with_settings
 from .model import Target
 from .sampling import SamplingConfig
-from .stats import GenerationStats
-from .text import TextAssembler, encode_prompt
-
-
-@dataclass
-class GenerationResult:
-    text: str
-    token_ids: list[int]
-    prompt_ids: list[int]
-    stats: GenerationStats
-
-    def to_dict(self) -> dict:
-        return {"text": self.text, "token_ids": self.token_ids, "stats": self.stats.to_dict()}
-
-
-@dataclass(frozen=True)
-class Request:
-    """One generation request, validated on construction."""
-
-    prompt_ids: tuple[int, ...]
-    method: str = "anpd"
-    max_new_tokens: int = 128
-    sampling: SamplingConfig = SamplingConfig()
-    stop: tuple[str, ...] = ()
-    options: MethodOptions = field(default_factory=MethodOptions)
-
-    def __post_init__(self) -> None:
-        get_method(self.method)  # raises for an unknown name
-        if not self.prompt_ids:
-            raise ConfigError("the prompt is empty")
-        DecodeConfig(self.max_new_tokens, self.sampling)  # validates the budget
-        check_settings(self.method, self.options, self.sampling)
+from .text import encode_prompt
 
 
 class TextStream:
@@ -57,31 +27,27 @@ class TextStream:
     def __init__(self, target: Target, request: Request):
         self.target = target
         self.request = request
-        self.stats = GenerationStats(method=request.method)
         self.result: GenerationResult | None = None
-        self._assembler = TextAssembler(target.tokenizer, request.stop)
-        config = DecodeConfig(request.max_new_tokens, request.sampling, target.eos_token_ids)
+        self._generation = Generation(target, request)
+        self.stats = self._generation.stats
         recipe = build(request.method, target, request.options, request.sampling)
-        self._steps = decode(target, recipe, list(request.prompt_ids), config, self.stats)
+        self._steps = self._generation.decode(recipe)
 
     def __iter__(self) -> Iterator[str]:
+        generation = self._generation
         try:
             for committed in self._steps:
-                delta = self._assembler.push(committed)
+                delta = generation.push(committed).text
                 if delta:
                     yield delta
-                if self._assembler.stopped:
-                    self.stats.stop_reason = "stop"
+                if generation.stopped:
                     break
-            tail = self._assembler.finish()
+            tail = generation.finish()
             if tail:
                 yield tail
         finally:
             self._steps.close()
-            self.stats.new_tokens = min(self.stats.new_tokens, len(self._assembler.ids))
-            self.result = GenerationResult(
-                self._assembler.text, list(self._assembler.ids), list(self.request.prompt_ids), self.stats
-            )
+            self.result = generation.result()
 
 
 def sampling_for(method: str, temperature: float | None = None, top_k: int | None = None,
@@ -176,8 +142,7 @@ class BatchTextStream:
         self.target, self.requests = target, requests
         self.results: list[GenerationResult | BaseException | None] = [None] * len(requests)
         self._engine = BatchEngine(target, max_rows, max_sequences)
-        self._jobs: dict[int, Job] = {}
-        self._assemblers: dict[int, TextAssembler] = {}
+        self._running: dict[int, Generation] = {}  # by request index, until it ends
         self._cancelled: set[int] = set()
 
     def cancel(self, index: int) -> None:
@@ -186,27 +151,18 @@ class BatchTextStream:
             raise ConfigError(f"no request {index}: there are {len(self.requests)}")
         self._cancelled.add(index)
 
-    def _submit(self, index: int, request: Request) -> None:
-        sequence = self.target.new_sequence()
-        recipe = build(request.method, sequence, request.options, request.sampling)
-        self._assemblers[index] = TextAssembler(self.target.tokenizer, request.stop)
-        config = DecodeConfig(request.max_new_tokens, request.sampling, self.target.eos_token_ids)
-        stats = GenerationStats(method=request.method)
-        self._jobs[index] = self._engine.submit(list(request.prompt_ids), recipe, config, stats,
-                                                draws=get_method(request.method).draws, sequence=sequence)
-
     def _done(self, index: int) -> Iterator[TextDelta | RequestDone]:
         """The end of request `index`: its held-back text, then its result or error."""
-        job, assembler = self._jobs.pop(index), self._assemblers[index]
-        if job.error is not None:
-            self.results[index] = job.error
-            yield RequestDone(index, None, job.error)
+        generation = self._running.pop(index)
+        error = generation.job.error
+        if error is not None:
+            self.results[index] = error
+            yield RequestDone(index, None, error)
             return
-        tail = assembler.finish()
+        tail = generation.finish()
         if tail:
             yield TextDelta(index, tail)
-        job.stats.new_tokens = min(job.stats.new_tokens, len(assembler.ids))
-        result = GenerationResult(assembler.text, list(assembler.ids), list(self.requests[index].prompt_ids), job.stats)
+        result = generation.result()
         self.results[index] = result
         yield RequestDone(index, result)
 
@@ -215,31 +171,28 @@ class BatchTextStream:
         try:
             for index, request in enumerate(self.requests):
                 try:
-                    self._submit(index, request)
-                    by_job[self._jobs[index].id] = index
+                    generation = Generation(self.target, request)
+                    by_job[generation.submit(self._engine).id] = index
+                    self._running[index] = generation
                 except Exception as error:  # noqa: BLE001 - a request that cannot start fails in its place
                     self.results[index] = error
                     yield RequestDone(index, None, error)
-            while self._jobs:
-                for index in sorted(self._cancelled & set(self._jobs)):
-                    self._engine.cancel(self._jobs[index], "cancelled")
+            while self._running:
+                for index in sorted(self._cancelled & set(self._running)):
+                    self._running[index].cancel("cancelled")
                     yield from self._done(index)
-                if not self._jobs:
+                if not self._running:
                     break
                 for job, committed in self._engine.step():
                     index = by_job[job.id]
-                    assembler = self._assemblers[index]
-                    delta = assembler.push(committed)
+                    delta = self._running[index].push(committed).text  # a stop string ends the job
                     if delta:
                         yield TextDelta(index, delta)
-                    if assembler.stopped and not job.done:
-                        job.stats.stop_reason = "stop"
-                        self._engine.cancel(job, "stop")
                     if job.done:
                         yield from self._done(index)
         finally:
-            for job in list(self._jobs.values()):  # the consumer left early
-                self._engine.cancel(job, "cancelled")
+            for generation in list(self._running.values()):  # the consumer left early
+                generation.cancel("cancelled")
 
 
 def stream_many(target: Target, requests: Sequence[Request], **kwargs) -> BatchTextStream:

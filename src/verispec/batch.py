@@ -15,8 +15,10 @@ Owns `BatchEngine`, which runs the decode loops of many requests (`Job`s) in ste
    (`max_rows`), so a long prompt never stalls the sequences already decoding;
 4. one forward of the target runs all those rows (`batch_forward.forward_parts`): every row's
    logits are the bits its sequence gets alone;
-5. each job accepts, rolls back and commits as `engine.decode` does (its rule, its own sampling
-   generator, `engine.settle`), and stops on EOS or its token budget (`engine.apply_stops`).
+5. each job accepts, rolls back and commits with `engine.decode`'s own step
+   (`engine.Decoding.accept`, and `Decoding.first` after its prompt's last chunk: its rule, its
+   own sampling generator, `engine.settle`), and stops on EOS or its token budget
+   (`engine.apply_stops`).
 
 So a request's output is the one it gives alone, whatever else runs: greedy outputs token for
 token, and seeded sampled outputs of `ar` and the deterministic drafters too (one draw from the
@@ -46,14 +48,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Iterator
 
-import torch
-
 from . import scheduler
 from .batch_forward import ALL, LAST, NONE, Part, prepare
 from .cache import Tree
 from .control import RowCosts, allocate_drafts
-from .drafters.base import EMPTY_DRAFT
-from .engine import (DecodeConfig, Logprobs, Recipe, apply_stops, close_drafter, decode, next_draft, settle,
+from .engine import (DecodeConfig, Decoding, Logprobs, Recipe, check_prompt, close_drafter, decode, next_draft,
                      verify_tokens)
 from .errors import ConfigError
 from .runtime.kv_pool import PoolExhausted
@@ -87,8 +86,8 @@ class Holding:
 @dataclass(eq=False)
 class Job:
     """One request in the batch: the per-sequence state (its tokens, its KV sequence, its
-    method's drafter, controller and rule, its sampling generator, its stats) and its claims on
-    the KV pools it writes (`holdings`)."""
+    method's drafter, controller and rule, its stats; once started, its `engine.Decoding` with its
+    sampling generator) and its claims on the KV pools it writes (`holdings`)."""
 
     prompt: list[int]
     recipe: Recipe
@@ -100,7 +99,7 @@ class Job:
     context: list[int] = field(default_factory=list)  # the prompt, then every committed token
     sequence: TargetSequence | None = None
     holdings: list[Holding] = field(default_factory=list)
-    generator: torch.Generator | None = None
+    decoding: Decoding | None = None  # a batched job's decode state, once started
     logprobs: Logprobs | None = None  # where the committed tokens' log-probabilities go, if wanted
     error: BaseException | None = None
     finish_reason: str = ""  # "eos", "length", "cancelled", "error"
@@ -149,17 +148,14 @@ class BatchEngine:
         return scheduler.never_fits([claim], {pool: self._counts(pool)})
 
     def submit(self, prompt: list[int], recipe: Recipe, config: DecodeConfig, stats: GenerationStats,
-               draws: bool = False, sequence: TargetSequence | None = None) -> Job:
+               draws: bool = False, sequence: TargetSequence | None = None, logprobs: Logprobs | None = None) -> Job:
         """Queue a request (its prompt ids, a fresh recipe, its decode config and stats); `draws`:
         its method drafts with a model (runs unbatched); `sequence`: the target sequence its
         recipe was built on (a drafter that runs the target's layers drafts in it), else a new
-        one. Refuses a prompt that is empty, too long for the model, or could never fit the KV
+        one; `logprobs`: where its tokens' log-probabilities go, if asked for. Refuses a prompt
+        that is empty, too long for the model (`engine.check_prompt`), or could never fit the KV
         pools (`PoolExhausted`, with the reason)."""
-        if not prompt:
-            raise ConfigError("the prompt is empty: at least one token is needed")
-        if len(prompt) + config.max_new_tokens > self.target.max_length:
-            raise ConfigError(f"prompt ({len(prompt)} tokens) + max_new_tokens ({config.max_new_tokens}) exceeds the "
-                              f"model's context of {self.target.max_length} tokens")
+        check_prompt(prompt, config.max_new_tokens, self.target.max_length)
         sequence = sequence or self.target.new_sequence()
         holdings = self._holdings(len(prompt), config.max_new_tokens, recipe, sequence) if self.batches else []
         claims = [holding.claim for holding in holdings]
@@ -169,7 +165,7 @@ class BatchEngine:
                                 f"the model more KV memory (kv_memory)")
         stats.prompt_tokens = len(prompt)
         job = Job(list(prompt), recipe, config, stats, batched=self.batches and not draws, context=list(prompt),
-                  sequence=sequence, holdings=holdings)
+                  sequence=sequence, holdings=holdings, logprobs=logprobs)
         self.waiting.append(job)
         return job
 
@@ -305,12 +301,14 @@ class BatchEngine:
 
     def _start(self, job: Job) -> None:
         """A batched job's paged sequence, starting from the cached blocks of its prompt; its
-        sampling generator and its drafter's start (an unbatched job's decode loop does both)."""
+        decode state (with its sampling generator) and its drafter's start (an unbatched job's
+        decode loop does both)."""
         if not job.batched:
             return
         job.sequence.reset()
         job.sequence.cache.start_from_cache(job.prompt)
-        job.generator = job.config.sampling.generator(device=self.target.device)
+        generator = job.config.sampling.generator(device=self.target.device)
+        job.decoding = Decoding(job.sequence, job.recipe, job.config, job.stats, job.context, generator, job.logprobs)
         job.recipe.drafter.begin(job.context)
 
     def _own_step(self, job: Job) -> list[int]:
@@ -451,32 +449,18 @@ class BatchEngine:
         return [len(draft) if draft.drawn else n for (_, draft, _), n in zip(drafted, lengths)]
 
     def _settle(self, job: Job, draft, part: Part, logits, verify_s: float, draft_s: float) -> list[int] | None:
-        """Accept and commit `job`'s part of the forward; returns its committed tokens (None for a
-        prompt chunk that is not its last)."""
-        _, controller, rule = job.recipe
-        sampling = job.config.sampling
+        """Accept and commit `job`'s part of the forward (`engine.Decoding`: `first` after its
+        prompt, `accept` after a verify, whose seconds are its share of the forward); returns its
+        committed tokens (None for a prompt chunk that is not its last)."""
         if draft is None:  # a prompt chunk
             if job.sequence.length < len(job.prompt):
                 return None
             job.sequence.cache.cache_full_blocks()  # its prompt's blocks, for jobs that share them
-            committed = [rule(EMPTY_DRAFT, logits, sampling, job.generator).next_token]
-            rows = [0]
-            job.recipe.drafter.commit(committed, 0)
-            job.stats.target_forwards += 1
+            committed, reason = job.decoding.first(logits)
             job.stats.prefill_s = time.perf_counter() - job.admitted_at
             job.state = DECODE
         else:
-            verdict = rule(draft, logits, sampling, job.generator)
-            committed = settle(job.sequence, job.recipe.drafter, draft, verdict, len(job.context))
-            rows = list(range(verdict.n_accepted + 1)) if draft.parents is None else [0, *(i + 1 for i in verdict.path)]
-            controller.observe(len(draft), verdict.n_accepted, draft.confidence, verify_s, draft_s)
-            job.stats.record_step(len(draft), verdict.n_accepted)
-        committed, reason = apply_stops(committed, job.stats.new_tokens, job.config)
-        if job.logprobs is not None:
-            job.logprobs.record(logits[rows[: len(committed)]], committed)
-        job.context += committed
-        job.stats.new_tokens += len(committed)
+            committed, reason = job.decoding.accept(draft, logits, time.perf_counter() - verify_s, draft_s)
         if reason:
-            job.stats.stop_reason = reason
             self._finish(job, reason)
         return committed

@@ -52,7 +52,8 @@ draft token j of a sequence adds its survival (the product of its confidences up
 chance that it is accepted) to the tokens the step commits. Rows go, most probable first, while
 a row's survival exceeds the step's tokens per second times its cost b. One sequence alone
 drafts about as its adaptive controller would; sixteen sharing a forward draft only tokens that
-are very likely accepted.
+are very likely accepted. The same cut serves vLLM's batches (`integrations.vllm`) under a cost
+table measured per batch size instead of the line.
 
 Trace replay (`constant_trace_cost`, `threshold_trace_cost`, `oracle_trace_cost`): what a
 controller would cost on a recorded greedy trace of a drafter's agreement with the target,
@@ -62,13 +63,12 @@ under given step costs, including the least cost any controller could reach with
 
 from __future__ import annotations
 
-import heapq
 import math
 import random
 import statistics
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
-from typing import Protocol, Sequence
+from typing import Callable, Protocol, Sequence
 
 import numpy as np
 
@@ -309,37 +309,47 @@ class RowCosts:
         return a, a * self.prior_slope
 
 
-def allocate_drafts(confidences: Sequence[Sequence[float]], costs: tuple[float, float], rows: int = 0) -> list[int]:
-    """How many tokens of each sequence's draft to verify in a shared forward: draft i offers
-    tokens with per-token acceptance estimates confidences[i] (token j is accepted with
-    probability prod(confidences[i][:j + 1]) -- its survival); the step has one row per sequence
-    for its committed token, plus `rows` other rows (prompt chunks), and costs (a, b) = a + b R
-    seconds for R rows. Rows are added most probable first while a row's survival exceeds the
-    step's expected tokens per second times b. Returns the prefix length per draft."""
-    a, b = costs
-    n = len(confidences)
-    lengths = [0] * n
-    tokens, total_rows = float(n), n + rows
-    frontier = []  # (-survival of the next token, sequence)
-    survival = [1.0] * n
-    for i, confidence in enumerate(confidences):
-        if confidence:
-            survival[i] = float(confidence[0])
-            frontier.append((-survival[i], i))
-    heapq.heapify(frontier)
-    while frontier:
-        gain, i = heapq.heappop(frontier)
-        gain = -gain
-        if gain * (a + b * total_rows) <= tokens * b:  # goodput would fall
-            break
-        lengths[i] += 1
-        tokens += gain
-        total_rows += 1
-        j = lengths[i]
-        if j < len(confidences[i]):
-            survival[i] *= float(confidences[i][j])
-            heapq.heappush(frontier, (-survival[i], i))
-    return lengths
+def allocate_drafts(confidences: Sequence[Sequence[float]],
+                    costs: tuple[float, float] | Callable[[np.ndarray], np.ndarray], rows: int = 0,
+                    committed: float | None = None) -> list[int]:
+    """How many tokens of each sequence's draft to verify in one shared step, for the step's most
+    expected tokens per unit of cost (goodput). Draft i offers tokens with per-token acceptance
+    estimates confidences[i]: its token j is accepted with probability prod(confidences[i][:j + 1])
+    (its survival). The step commits `committed` tokens whatever the drafts (default: one per
+    sequence) plus the survival of each draft token kept.
+
+    costs: (a, b), a forward of R rows taking a + b R seconds, R being one row per sequence, `rows`
+    other rows (prompt chunks) and the draft tokens kept (`RowCosts`); or a function from draft
+    token counts D (an int array, ascending) to the step's costs with D draft tokens, in any unit
+    (`rows` is then not read): vLLM's proposer prices a step by a measured table per batch size
+    (`integrations.vllm.StepCosts`, with `committed` every row of its batch).
+
+    Tokens are kept most probable first (a draft's survival never increases along it, so each
+    draft keeps a prefix; equal ones in draft order), as many as maximise (committed + the kept
+    survivals) / cost(D); ties go to fewer tokens. Under (a, b) that is the greedy rule: a row goes
+    in while its survival exceeds the step's tokens per second so far times b (the rate rises
+    while the next row's survival beats it, and once it does not, no later row's can). For one
+    sequence this is `best_draft_length`. Returns the prefix length per draft."""
+    sizes = [len(c) for c in confidences]
+    if committed is None:
+        committed = len(sizes)
+    if callable(costs):
+        cost = costs
+    else:
+        a, b = costs
+        base = a + b * (len(sizes) + rows)  # seconds of the step without drafts
+        cost = lambda drafted: base + b * drafted  # noqa: E731
+    total = sum(sizes)
+    if not total:
+        return sizes
+    path = np.concatenate([np.cumprod(np.clip(np.asarray(c, dtype=np.float64), 0.0, 1.0))
+                           for c in confidences if len(c)])  # [M]: each token's survival
+    owner = np.repeat(np.arange(len(sizes)), sizes)  # [M]: the draft of each token
+    order = np.argsort(-path, kind="stable")  # [M]: most probable first; a draft's tokens keep their order
+    gain = committed + np.concatenate(([0.0], np.cumsum(path[order])))  # [M + 1]: expected tokens keeping m
+    rate = gain / cost(np.arange(total + 1))  # [M + 1]
+    best = int(np.argmax(rate))  # the first maximum: ties go to fewer tokens
+    return np.bincount(owner[order[:best]], minlength=len(sizes)).tolist()
 
 
 class ConstantLength:

@@ -9,6 +9,11 @@ a drafter that proposes nothing, so every method shares one code path and `ar` i
 the budget, even when the target accepted more in the same step) and fills `stats` as it goes.
 Time spent by the consumer between yields is not counted in the stats.
 
+What a step does once its verify forward has run (the rule's verdict, `settle`, the drafter's and
+the controller's feedback, the stats, `apply_stops`, the log-probabilities) is `Decoding.accept`,
+and the token after a prefill is `Decoding.first`: the batch (`batch.BatchEngine`) calls the same
+two on each of its requests, so one request decodes the same alone or in a batch.
+
 A tree of drafts (`Draft.parents`) goes through the same loop: verified in one
 `Target.forward_tree`, its accepted path then kept in the cache with `Target.keep_path`; on a
 target that cannot verify trees (`Target.verifies_trees`) the tree's primary branch is verified
@@ -75,8 +80,8 @@ class Logprobs:
     """Where a request's log-probabilities go when it asks for them: per committed token, in
     order, (its logprob, the `top` most probable (id, logprob) pairs), from the target's own
     logits row that chose it: the model's distribution before temperature, top-k and top-p (what
-    vLLM reports by default). A step's entries are recorded before stop tokens or the budget cut
-    its tokens: read as many entries as there are output tokens."""
+    vLLM reports by default). A step's entries are recorded after stop tokens and the budget cut
+    its tokens: one entry per output token."""
 
     top: int = 0
     entries: list = field(default_factory=list)
@@ -93,6 +98,73 @@ class Logprobs:
         self.entries += list(zip(chosen, tops))
 
 
+def check_prompt(prompt: Sequence[int], max_new_tokens: int, max_length: int) -> None:
+    """Refuse an empty prompt, or one that leaves the token budget no room in the model's context."""
+    if not prompt:
+        raise ConfigError("the prompt is empty: at least one token is needed")
+    if len(prompt) + max_new_tokens > max_length:
+        raise ConfigError(
+            f"prompt ({len(prompt)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
+            f"model's context of {max_length} tokens"
+        )
+
+
+@dataclass(eq=False)
+class Decoding:
+    """One request's state in a decode loop (`decode`, or a job of `batch.BatchEngine`), and the
+    two ways a forward's logits become committed tokens. `context`: the prompt, then every
+    committed token (the list its drafter began with); `generator`: the rule's sampling generator
+    (on the target's device); `logprobs`: where the committed tokens' log-probabilities go, if
+    asked for."""
+
+    target: Target
+    recipe: Recipe
+    config: DecodeConfig
+    stats: GenerationStats
+    context: list[int]
+    generator: torch.Generator
+    logprobs: Logprobs | None = None
+
+    def first(self, logits: torch.Tensor) -> tuple[list[int], str]:
+        """The token after the prefill, from the prompt's last logits [1, vocab] (the rule on no
+        draft); returns the committed tokens and the stop reason ("" while it goes on)."""
+        drafter, _, rule = self.recipe
+        committed = [rule(EMPTY_DRAFT, logits, self.config.sampling, self.generator).next_token]
+        drafter.commit(committed, 0)
+        self.stats.target_forwards += 1
+        return self._commit(committed, logits)
+
+    def accept(self, draft: Draft, logits, verify_started: float, draft_s: float) -> tuple[list[int], str]:
+        """Phases 3-5 of a step, after the verify forward of `draft` gave `logits` [k+1, vocab]
+        (or `LazyRows`): the rule's verdict, `settle` (the cache and the drafter keep what was
+        accepted), the controller's feedback (the verify's seconds count from `verify_started`,
+        a `time.perf_counter()` value, to the verdict: the rule's reads may run the head), the
+        stats, the stops. Returns the committed tokens and the stop reason ("" while it goes on)."""
+        drafter, controller, rule = self.recipe
+        verdict = rule(draft, logits, self.config.sampling, self.generator)
+        verify_s = time.perf_counter() - verify_started
+        rows = None
+        if self.logprobs is not None:  # the rows that chose the committed tokens (read before the cache moves)
+            path = range(verdict.n_accepted) if draft.parents is None else verdict.path
+            rows = torch.stack([logits[row] for row in [0, *(i + 1 for i in path)]])
+        committed = settle(self.target, drafter, draft, verdict, len(self.context))
+        controller.observe(len(draft), verdict.n_accepted, draft.confidence, verify_s, draft_s)
+        self.stats.record_step(len(draft), verdict.n_accepted)
+        return self._commit(committed, rows)
+
+    def _commit(self, committed: list[int], rows) -> tuple[list[int], str]:
+        """The step's tokens cut at a stop token or the budget (`apply_stops`), their
+        log-probabilities recorded (rows [n, vocab]: row i chose token i), added to the context."""
+        committed, reason = apply_stops(committed, self.stats.new_tokens, self.config)
+        if self.logprobs is not None:
+            self.logprobs.record(rows[: len(committed)], committed)
+        self.context += committed
+        self.stats.new_tokens += len(committed)
+        if reason:
+            self.stats.stop_reason = reason
+        return committed, reason
+
+
 def decode(
     target: Target,
     recipe: Recipe,
@@ -103,39 +175,25 @@ def decode(
 ) -> Iterator[list[int]]:
     """Generate after `prompt`; yield the committed tokens of each step (and record their
     log-probabilities in `logprobs`, if given)."""
-    if not prompt:
-        raise ConfigError("the prompt is empty: at least one token is needed")
-    if len(prompt) + config.max_new_tokens > target.max_length:
-        raise ConfigError(
-            f"prompt ({len(prompt)} tokens) + max_new_tokens ({config.max_new_tokens}) exceeds the "
-            f"model's context of {target.max_length} tokens"
-        )
+    check_prompt(prompt, config.max_new_tokens, target.max_length)
     drafter, controller, rule = recipe
     generator = config.sampling.generator(device=target.device)  # where the target's logits are
+    state = Decoding(target, recipe, config, stats, list(prompt), generator, logprobs)
     stats.prompt_tokens = len(prompt)
-    context = list(prompt)
     try:
         started = time.perf_counter()
         target.reset()
-        drafter.begin(context)
-        logits = target.forward(context, last_only=True)  # [1, vocab]
-        committed = [rule(EMPTY_DRAFT, logits, config.sampling, generator).next_token]
-        if logprobs is not None:
-            logprobs.record(logits, committed)
-        drafter.commit(committed, 0)
-        stats.target_forwards += 1
+        drafter.begin(state.context)
+        committed, reason = state.first(target.forward(state.context, last_only=True))  # [1, vocab]
         stats.prefill_s = time.perf_counter() - started
 
         while True:
-            committed, stats.stop_reason = apply_stops(committed, stats.new_tokens, config)
-            context += committed
-            stats.new_tokens += len(committed)
             yield committed
-            if stats.stop_reason:
+            if reason:
                 return
             started = time.perf_counter()
             # 0-1. how far to draft, and the draft worth verifying
-            draft = next_draft(drafter, controller, context, config.max_new_tokens - stats.new_tokens - 1,
+            draft = next_draft(drafter, controller, state.context, config.max_new_tokens - stats.new_tokens - 1,
                                target.verifies_trees)
             draft_s = time.perf_counter() - started
             # 2. verify: the last committed token (not yet in the cache) and the draft, one forward
@@ -143,24 +201,14 @@ def decode(
             #    (`lazy`: a rule that reads rows in order may get them as `LazyRows`, the rows after
             #    the first few run through the layers and the head only if the rule reads them)
             verify_started = time.perf_counter()
-            tokens, parents = verify_tokens(context, draft)
+            tokens, parents = verify_tokens(state.context, draft)
             lazy = getattr(rule, "reads_rows_in_order", False) and lazy_rows.worth_deferring(draft.confidence)
             if parents is None:
                 logits = target.forward(tokens, lazy=lazy)  # [k+1, vocab]
             else:
                 logits = target.forward_tree(tokens, parents, lazy=lazy)  # [k+1, vocab]
-            # 3. accept n drafts, then one token from the target
-            verdict = rule(draft, logits, config.sampling, generator)
-            verify_s = time.perf_counter() - verify_started  # the rule's reads included: they may run the head
-            if logprobs is not None:  # the rows that chose the committed tokens
-                rows = range(verdict.n_accepted + 1) if parents is None else [0, *(i + 1 for i in verdict.path)]
-                logprobs.record(torch.stack([logits[row] for row in rows]), [
-                    *(draft.tokens[:verdict.n_accepted].tolist() if parents is None
-                      else draft.tokens[list(verdict.path)].tolist()), verdict.next_token])
-            # 4-5. commit, roll back, learn
-            committed = settle(target, drafter, draft, verdict, len(context))
-            controller.observe(len(draft), verdict.n_accepted, draft.confidence, verify_s, draft_s)
-            stats.record_step(len(draft), verdict.n_accepted)
+            # 3-5. accept n drafts and one token from the target, roll back, learn
+            committed, reason = state.accept(draft, logits, verify_started, draft_s)
             stats.decode_s += time.perf_counter() - started
     finally:
         close_drafter(drafter)

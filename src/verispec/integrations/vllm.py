@@ -4,7 +4,8 @@ Owns `AnpdProposer`, the class vLLM builds for
 `speculative_config={"method": "custom_class", "model": "verispec.integrations.vllm.AnpdProposer",
 "num_speculative_tokens": K}`; its settings (`ProposerSettings`, read from the environment variable
 VERISPEC_VLLM_ANPD); how each row of a batch finds its drafter from its tokens (`RowStates`); and
-how many tokens each row drafts (`batch_cut` over `StepCosts`). How to serve with it: docs/vllm.md.
+how many tokens each row drafts (`control.allocate_drafts`, the batch engine's cut, over `StepCosts`).
+How to serve with it: docs/vllm.md.
 
 The hook (vLLM 0.32, `vllm/v1/spec_decode/custom_class_proposer.py` and its call in
 `gpu_model_runner.py`, which the CPU runner inherits): vLLM imports the class, builds it with its
@@ -31,18 +32,22 @@ With `memory` (the default), the drafters share one `NgramMemory` (verispec's me
 requests, bounded the same way) and pool what they learn of the confidence of each kind of match,
 so a new request starts from what the batch has learned.
 
-Draft length (`batch_cut`): ANPD's confidences are acceptance probabilities, so a row's path
+Draft length (`control.allocate_drafts`, the cut `batch.BatchEngine` makes of its own
+sequences' drafts): ANPD's confidences are acceptance probabilities, so a row's path
 probabilities (their running products) say how many tokens a draft of each length commits on
 average. The proposer drafts, over the whole batch, the tokens that maximise the expected tokens
 committed per unit of step cost (for one row, verispec's adaptive cut, `control.best_draft_length`),
-at most `num_speculative_tokens` per row and never past the model's length. The cost of a step
-with D draft tokens relative to the same step without (`StepCosts`):
+every row of the batch committing one token whatever the drafts, at most
+`num_speculative_tokens` per row and never past the model's length. The cost of a step with D
+draft tokens relative to the same step without (`StepCosts`):
 - `cost=measured` (default): a `control.CostModel` per batch size (sizes 1-4, then powers of two),
   fed with the time between consecutive calls of `propose` (one engine step: the forward that
   verified the previous drafts, sampling, scheduling) for steps whose rows all continued decoding;
   before any measurement, the `fixed` form below.
 - `cost=fixed`: acceptance only, with a linear cost: a forward of B rows and D drafts costs
-  (overhead + B + D) / (overhead + B), `overhead` the fixed part of a forward in tokens.
+  (overhead + B + D) / (overhead + B), `overhead` the fixed part of a forward in tokens: the
+  batch engine's `control.RowCosts` line a + b R with a = overhead and b = 1 (R = B + D rows),
+  fixed instead of fitted.
 - `cost=off`: every token ANPD proposes (up to K).
 Both costs make a draft token worth less as the batch fills: with B rows, a draft token must
 commit more than about B / (overhead + B) tokens on average to pay. A row whose first draft token
@@ -64,7 +69,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from ..control import CostModel
+from ..control import CostModel, allocate_drafts
 from ..drafters.ngram import AnpdDrafter, NgramConfig, NgramMemory
 from ..errors import ConfigError, VerispecError
 
@@ -267,7 +272,10 @@ def batch_bucket(rows: int) -> int:
 
 class StepCosts:
     """What a step costs with D draft tokens, relative to the same step without (see the module
-    docstring: `measured`, `fixed`, `off`)."""
+    docstring: `measured`, `fixed`, `off`): the costs `control.allocate_drafts` cuts the batch's
+    drafts under. `fixed` is `control.RowCosts`' line a + b R with a = overhead and b = 1 (in
+    tokens), set instead of fitted; `measured` is not a line: it keeps a `control.CostModel` (a
+    median per width, interpolated) per batch size, timed from one call of `propose` to the next."""
 
     def __init__(self, settings: ProposerSettings):
         self.mode = settings.cost
@@ -292,25 +300,6 @@ class StepCosts:
         """A step of `rows` rows that verified `drafted` draft tokens took `seconds`."""
         if self.mode == "measured":
             self.table(rows).observe(1 + drafted, seconds)
-
-
-def batch_cut(rows: int, confidences: Sequence[Sequence[float]], relative: Callable[[np.ndarray], np.ndarray]) -> list[int]:
-    """Draft lengths, one per proposed draft, maximising the batch's expected committed tokens per
-    relative step cost: (rows + the sum of the kept tokens' path probabilities) / relative(D), D
-    the kept tokens (relative(0) = 1). Tokens are kept best first by path probability (the running
-    product of a draft's confidences, never increasing along a draft, so each draft keeps a
-    prefix); ties go to fewer tokens. For one row this is `control.best_draft_length`."""
-    sizes = [len(c) for c in confidences]
-    total = sum(sizes)
-    if not total:
-        return sizes
-    path = np.concatenate([np.cumprod(np.clip(np.asarray(c, dtype=np.float64), 0.0, 1.0)) for c in confidences if c])  # [M]
-    owner = np.repeat(np.arange(len(sizes)), sizes)  # [M]: the draft of each token
-    order = np.argsort(-path, kind="stable")  # [M]: best first; a draft's tokens keep their order
-    gain = rows + np.concatenate(([0.0], np.cumsum(path[order])))  # [M + 1]: expected tokens keeping m
-    rate = gain / relative(np.arange(total + 1))  # [M + 1]
-    best = int(np.argmax(rate))  # the first maximum: ties go to fewer tokens
-    return np.bincount(owner[order[:best]], minlength=len(sizes)).tolist()
 
 
 def first_token_bound(rows: int, relative: Callable[[np.ndarray], np.ndarray], most: int) -> float:
@@ -395,8 +384,8 @@ class AnpdProposer:
             found.append((i, state, draft, confidence))
         if self.settings.cost == "off":
             cut = [len(draft) for _, _, draft, _ in found]
-        else:
-            cut = batch_cut(rows, [confidence for *_, confidence in found], relative)
+        else:  # every row commits a token, drafted or not
+            cut = allocate_drafts([confidence for *_, confidence in found], relative, committed=rows)
         drafts: list[list[int]] = [[] for _ in range(rows)]
         for (i, state, draft, _), length in zip(found, cut):
             state.proposed = length

@@ -1,6 +1,8 @@
 """The OpenAI-compatible HTTP app: routes, validation and response shapes.
 
-Owns the FastAPI app (`create_app(target, settings)`), the endpoints
+Owns the FastAPI app (`create_app(target, settings)`: thin routes over a `Serving`, which holds
+the target, the settings, the worker and the metrics and takes each request through its checks,
+prompt encoding, the library request, its jobs and the answer), the endpoints
 
   GET  /v1/models, /v1/models/{id}   the one served model
   POST /v1/completions               text completion (`text_completion`)
@@ -61,15 +63,15 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from ..api import Request as GenerationRequest
+from ..batch import DEFAULT_MAX_ROWS
 from ..errors import ConfigError, UnknownMethodError, VerispecError
+from ..lifecycle import Request as GenerationRequest
 from ..methods import TREE_MAX_NODES, MethodOptions, check_settings, method_request
 from ..model import Target
 from ..sampling import MAX_SEED, SamplingConfig
 from ..text import encode_messages, encode_prompt
 from .metrics import ServerMetrics
 from .schemas import ChatCompletionRequest, CompletionRequest
-from ..batch import DEFAULT_MAX_ROWS
 from .worker import (DEFAULT_MAX_SEQUENCES, DONE, QUEUED, Delta, Event, Failed, Finished, Job, QueueFull, QueueTimeout,
                      Started, Worker, WorkerStopped)
 
@@ -362,17 +364,10 @@ class _JobStreamingResponse(StreamingResponse):
 # -- the app -------------------------------------------------------------------------------------
 
 def create_app(target: Target, settings: ServerSettings | None = None) -> FastAPI:
-    """An OpenAI-compatible app serving `target`. Its worker thread (the only user of `target`)
-    starts and stops with the app's lifespan."""
-    settings = settings or ServerSettings()
-    pool = target.pool if target.pages_kv else None  # the KV memory of the batch (its size is set before serving)
-    metrics = ServerMetrics(
-        queue_length=lambda: worker.queue_length, busy=lambda: float(worker.busy), running=lambda: worker.running,
-        kv_blocks=lambda: (pool.used_blocks, pool.blocks) if pool is not None else (0, 0),
-        prefix_counts=lambda: (pool.prefix.queried_tokens, pool.prefix.hit_tokens) if pool is not None else (0, 0))
-    worker = Worker(target, settings.max_queue, observer=metrics, max_sequences=settings.max_sequences,
-                    max_rows=settings.max_rows)
-    created = int(time.time())
+    """An OpenAI-compatible app serving `target`: thin routes over one `Serving`. Its worker
+    thread (the only user of `target`) starts and stops with the app's lifespan."""
+    serving = Serving(target, settings or ServerSettings())
+    worker, metrics = serving.worker, serving.metrics
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -384,98 +379,139 @@ def create_app(target: Target, settings: ServerSettings | None = None) -> FastAP
 
     app = FastAPI(title="verispec", version="0.1.0", lifespan=lifespan,
                   summary="OpenAI-compatible server for verispec (speculative decoding on CPU)")
-    app.state.worker, app.state.metrics, app.state.settings, app.state.target = worker, metrics, settings, target
-    if settings.api_key:
-        app.add_middleware(_AuthMiddleware, api_key=settings.api_key)
+    app.state.serving = serving
+    app.state.worker, app.state.metrics, app.state.settings, app.state.target = worker, metrics, serving.settings, target
+    if serving.settings.api_key:
+        app.add_middleware(_AuthMiddleware, api_key=serving.settings.api_key)
     app.add_middleware(_MetricsMiddleware, metrics=metrics)  # counts 401s too
     app.add_middleware(_ErrorGuard)  # added last = outermost: nothing escapes it
-
-    # -- error handlers ------------------------------------------------------------------------
-    @app.exception_handler(APIError)
-    async def _api_error(request: Request, exc: APIError):
-        return exc.response()
-
-    @app.exception_handler(RequestValidationError)
-    async def _request_invalid(request: Request, exc: RequestValidationError):
-        return _validation_error(exc).response()
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request: Request, exc: StarletteHTTPException):
-        if exc.status_code == 404:
-            message = f"unknown route: {request.method} {request.url.path}"
-        else:
-            message = str(exc.detail)
-        if exc.status_code == 400 and exc.__cause__ is not None:  # FastAPI could not parse the body
-            return _body_parse_error(exc.__cause__).response()
-        kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
-        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
-        return APIError(exc.status_code, message, kind, code=code, headers=getattr(exc, "headers", None)).response()
-
-    @app.exception_handler(Exception)
-    async def _internal(request: Request, exc: Exception):
-        # Reached only by an error in _ErrorGuard's own answer; Starlette then re-raises it.
-        return _internal_error(exc).response()
-
-    # -- info routes ---------------------------------------------------------------------------
-    def model_card() -> dict:
-        return {"id": settings.model_id, "object": "model", "created": created, "owned_by": "verispec",
-                "verispec": {"name": target.name, "max_length": target.max_length, "vocab_size": target.vocab_size,
-                             "default_method": settings.default_method}}
+    app.add_exception_handler(APIError, _api_error)
+    app.add_exception_handler(RequestValidationError, _request_invalid)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(Exception, _internal)
 
     @app.get("/v1/models")
     async def list_models():
-        return {"object": "list", "data": [model_card()]}
+        return {"object": "list", "data": [serving.model_card()]}
 
     @app.get("/v1/models/{model_id:path}")
     async def get_model(model_id: str):
-        _check_model(model_id)
-        return model_card()
+        serving.check_model(model_id)
+        return serving.model_card()
 
     @app.get("/health")
     async def health():
+        return serving.health()
+
+    @app.get("/metrics")
+    async def prometheus_metrics():
+        return Response(metrics.render(), media_type=metrics.content_type)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        return await serving.completions(body, request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        return await serving.chat_completions(body, request)
+
+    return app
+
+
+# -- error handlers --------------------------------------------------------------------------------
+
+async def _api_error(request: Request, exc: APIError):
+    return exc.response()
+
+
+async def _request_invalid(request: Request, exc: RequestValidationError):
+    return _validation_error(exc).response()
+
+
+async def _http_error(request: Request, exc: StarletteHTTPException):
+    if exc.status_code == 404:
+        message = f"unknown route: {request.method} {request.url.path}"
+    else:
+        message = str(exc.detail)
+    if exc.status_code == 400 and exc.__cause__ is not None:  # FastAPI could not parse the body
+        return _body_parse_error(exc.__cause__).response()
+    kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+    code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+    return APIError(exc.status_code, message, kind, code=code, headers=getattr(exc, "headers", None)).response()
+
+
+async def _internal(request: Request, exc: Exception):
+    # Reached only by an error in _ErrorGuard's own answer; Starlette then re-raises it.
+    return _internal_error(exc).response()
+
+
+# -- serving requests ------------------------------------------------------------------------------
+
+class Serving:
+    """What the routes answer with: the target, the settings, the worker that owns the target and
+    the metrics, and each request's way through them (checks, prompt encoding, the library
+    request, its jobs in the worker, the answer: whole, or streamed). One per app."""
+
+    def __init__(self, target: Target, settings: ServerSettings):
+        self.target, self.settings = target, settings
+        self.pool = pool = target.pool if target.pages_kv else None  # the batch's KV memory (sized before serving)
+        self.metrics = ServerMetrics(
+            queue_length=lambda: self.worker.queue_length, busy=lambda: float(self.worker.busy),
+            running=lambda: self.worker.running,
+            kv_blocks=lambda: (pool.used_blocks, pool.blocks) if pool is not None else (0, 0),
+            prefix_counts=lambda: (pool.prefix.queried_tokens, pool.prefix.hit_tokens) if pool is not None else (0, 0))
+        self.worker = Worker(target, settings.max_queue, observer=self.metrics, max_sequences=settings.max_sequences,
+                             max_rows=settings.max_rows)
+        self.created = int(time.time())
+
+    # -- info ------------------------------------------------------------------------------------
+    def model_card(self) -> dict:
+        settings, target = self.settings, self.target
+        return {"id": settings.model_id, "object": "model", "created": self.created, "owned_by": "verispec",
+                "verispec": {"name": target.name, "max_length": target.max_length, "vocab_size": target.vocab_size,
+                             "default_method": settings.default_method}}
+
+    def health(self) -> Response:
+        worker, settings = self.worker, self.settings
         alive = worker.alive
         body = {"status": "ok" if alive else "unavailable", "model": settings.model_id,
                 "busy": worker.busy, "running": worker.running, "max_sequences": settings.max_sequences,
                 "queue_length": worker.queue_length, "max_queue": settings.max_queue}
         return _JSON(body, status_code=200 if alive else 503)
 
-    @app.get("/metrics")
-    async def prometheus_metrics():
-        return Response(metrics.render(), media_type=metrics.content_type)
+    # -- the generation routes -------------------------------------------------------------------
+    async def completions(self, body: CompletionRequest, request: Request) -> Response:
+        method = self.check_common(body)
+        ids = await self.encode(lambda: self.completion_ids(body), "prompt")
+        generation = self.generation_request(body, method, ids, body.max_tokens, "max_tokens", "prompt")
+        return await self.respond(request, body, generation, chat=False)
 
-    # -- generation routes ---------------------------------------------------------------------
-    def _check_model(model: str | None) -> None:
-        if model is not None and model != settings.model_id:
-            raise APIError(404, f"the model '{model}' does not exist; this server serves '{settings.model_id}'",
-                           param="model", code="model_not_found")
-
-    @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request):
-        method = _check_common(body)
-        ids = await _encode(lambda: _completion_ids(body), "prompt")
-        generation = _generation_request(body, method, ids, body.max_tokens, "max_tokens", "prompt")
-        return await _respond(request, body, generation, chat=False)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, request: Request):
-        method = _check_common(body)
+    async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response:
+        method = self.check_common(body)
         if not body.messages:
             raise _invalid("messages must not be empty", param="messages", code="empty_array")
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        ids = await _encode(lambda: encode_messages(target.tokenizer, messages), "messages")
-        generation = _generation_request(body, method, ids, body.token_budget(), body.token_budget_param(),
-                                         "messages")
-        return await _respond(request, body, generation, chat=True)
+        ids = await self.encode(lambda: encode_messages(self.target.tokenizer, messages), "messages")
+        generation = self.generation_request(body, method, ids, body.token_budget(), body.token_budget_param(),
+                                             "messages")
+        return await self.respond(request, body, generation, chat=True)
 
-    def _check_common(body) -> tuple[str, MethodOptions]:
+    # -- checks and encoding -----------------------------------------------------------------------
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.settings.model_id:
+            raise APIError(404, f"the model '{model}' does not exist; this server serves '{self.settings.model_id}'",
+                           param="model", code="model_not_found")
+
+    def check_common(self, body) -> tuple[str, MethodOptions]:
         """Checks every request makes before its prompt is encoded; returns its method and settings."""
-        _check_model(body.model)
+        self.check_model(body.model)
         if getattr(body, "top_logprobs", None) and not body.logprobs:
             raise _invalid("top_logprobs needs logprobs: true", param="top_logprobs")
         problems = body.unsupported()
         if problems:
             param, message = problems[0]
             raise _invalid(message, param=param, code="unsupported_parameter")
+        settings = self.settings
         try:  # "" is no method
             name, options = served_method(settings.default_method if body.method is None else body.method)
         except UnknownMethodError as error:
@@ -488,10 +524,10 @@ def create_app(target: Target, settings: ServerSettings | None = None) -> FastAP
                 raise _invalid("stop strings must be non-empty", param="stop")
         return method
 
-    def _completion_ids(body: CompletionRequest) -> list[int]:
+    def completion_ids(self, body: CompletionRequest) -> list[int]:
         prompt = body.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
-            vocab = target.vocab_size
+            vocab = self.target.vocab_size
             bad = [t for t in prompt if not 0 <= t < vocab]
             if bad:
                 raise _invalid(f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})", param="prompt")
@@ -501,9 +537,9 @@ def create_app(target: Target, settings: ServerSettings | None = None) -> FastAP
                 raise _invalid("send exactly one prompt per request (batched prompts are not supported)"
                                if prompt else "the prompt is empty", param="prompt")
             prompt = prompt[0]
-        return encode_prompt(target.tokenizer, prompt, "raw")
+        return encode_prompt(self.target.tokenizer, prompt, "raw")
 
-    async def _encode(encode: Callable[[], list[int]], param: str) -> list[int]:
+    async def encode(self, encode: Callable[[], list[int]], param: str) -> list[int]:
         """Tokenize off the event loop; template and prompt errors become 400."""
         try:
             ids = await run_in_threadpool(encode)
@@ -517,16 +553,17 @@ def create_app(target: Target, settings: ServerSettings | None = None) -> FastAP
             raise
         if not ids:
             raise _invalid("the prompt encodes to no tokens", param=param)
-        context = target.max_length
+        context = self.target.max_length
         if len(ids) >= context:
             raise _invalid(f"the prompt has {len(ids)} tokens; the model's context is {context} tokens, "
                            f"which leaves no room to generate", param=param, code="context_length_exceeded")
         return ids
 
-    def _generation_request(body, method: tuple[str, MethodOptions], ids: list[int], max_tokens: int | None,
-                            budget_param: str, prompt_param: str) -> GenerationRequest:
+    def generation_request(self, body, method: tuple[str, MethodOptions], ids: list[int], max_tokens: int | None,
+                           budget_param: str, prompt_param: str) -> GenerationRequest:
         """The library request; max_tokens (>= 1 by the schema) is checked against the server's
         limit and the room the prompt leaves in the context."""
+        target, settings, pool = self.target, self.settings, self.pool
         room = target.max_length - len(ids)
         if pool is not None:  # nor more than the KV memory holds
             room = min(room, pool.blocks * pool.block - len(ids))
@@ -544,7 +581,7 @@ def create_app(target: Target, settings: ServerSettings | None = None) -> FastAP
                 f"this model's context is {target.max_length} tokens, but {len(ids) + max_tokens} were requested "
                 f"({len(ids)} in the {prompt_param}, {max_tokens} for the completion); lower {budget_param}",
                 param=budget_param, code="context_length_exceeded")
-        refusal = worker.engine.refusal(len(ids), max_tokens)  # the batch engine's own check: it could never run
+        refusal = self.worker.engine.refusal(len(ids), max_tokens)  # the batch engine's own check: it could never run
         if refusal is not None:
             raise _invalid(f"this request can never fit this server's KV memory: {refusal}; lower {budget_param}",
                            param=budget_param, code="kv_memory_exceeded")
@@ -567,23 +604,17 @@ def create_app(target: Target, settings: ServerSettings | None = None) -> FastAP
             raise _invalid(str(error)) from None
 
     # -- running a request's jobs and answering ------------------------------------------------
-    def _choice_requests(generation: GenerationRequest, n: int) -> list[GenerationRequest]:
-        """The requests of n choices: the same prompt and settings; with a seed, choice i samples
-        with seed + i (so each choice equals a request sent alone with that seed)."""
-        if n == 1 or generation.sampling.seed is None:
-            return [generation] * n
-        return [dataclasses.replace(generation, sampling=dataclasses.replace(
-            generation.sampling, seed=(generation.sampling.seed + i) % (MAX_SEED + 1))) for i in range(n)]
-
-    async def _respond(request: Request, body, generation: GenerationRequest, chat: bool):
+    def submit(self, body, generation: GenerationRequest) -> tuple[list[Job], asyncio.Queue]:
+        """The request's n jobs, queued in the worker, and the queue their (choice, event) pairs
+        arrive in; a full queue is a 429 (with Retry-After), a stopping worker a 503."""
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[tuple[int, Event]] = asyncio.Queue()  # (choice, event)
-        timeout = settings.timeout
+        timeout = self.settings.timeout
         arrival = time.monotonic()
-        n = body.n or 1
-        jobs = [Job(choice, (lambda index: lambda event: loop.call_soon_threadsafe(events.put_nowait, (index, event)))(i),
-                    deadline=None if timeout is None else arrival + timeout, created=arrival,
-                    logprobs=body.logprobs_wanted()) for i, choice in enumerate(_choice_requests(generation, n))]
+        jobs = [Job(choice, _notifier(loop, events, i), deadline=None if timeout is None else arrival + timeout,
+                    created=arrival, logprobs=body.logprobs_wanted())
+                for i, choice in enumerate(_choice_requests(generation, body.n or 1))]
+        worker = self.worker
         worker.start()  # idempotent; normally started by the lifespan
         try:
             worker.submit_all(jobs)
@@ -593,79 +624,92 @@ def create_app(target: Target, settings: ServerSettings | None = None) -> FastAP
                            code="queue_full", headers={"Retry-After": str(wait)}) from None
         except WorkerStopped as error:
             raise APIError(503, str(error), "server_error", code="unavailable") from None
+        return jobs, events
 
-        def cancel_all() -> None:
-            for job in jobs:
-                if job.state != DONE:
-                    worker.cancel(job, "cancelled")
+    def cancel_all(self, jobs: list[Job]) -> None:
+        for job in jobs:
+            if job.state != DONE:
+                self.worker.cancel(job, "cancelled")
 
-        shape = _Shape(chat, settings.model_id, generation, target.tokenizer)
-        finished: dict[int, Finished] = {}
+    async def respond(self, request: Request, body, generation: GenerationRequest, chat: bool) -> Response:
+        """Run the request's jobs and answer: one body once every choice has finished, or (with
+        `stream`) server-sent events whose headers go out with the first text, so that a failure
+        before any text (a bad request, a fault in the prefill, a timeout in the queue) is still a
+        plain error."""
+        jobs, events = self.submit(body, generation)
+        shape = _Shape(chat, self.settings.model_id, generation, self.target.tokenizer)
         try:
             if not body.stream:
-                while len(finished) < n:
-                    got = await _next_event(request, jobs, events)
-                    if got is None:
-                        return Response(status_code=499)  # the client went away; nobody reads this
-                    index, event = got
-                    if isinstance(event, Finished):
-                        finished[index] = event
-                    elif isinstance(event, Failed):
-                        raise _failure(event)
-                return _JSON(shape.completion([finished[i] for i in range(n)]))
-            # Streaming: the headers go out with the first text, so that a failure before any text
-            # (a bad request, a fault in the prefill, a timeout in the queue) is still a plain error.
+                return await self.complete(request, jobs, events, shape)
             while True:
-                first = await _next_event(request, jobs, events)
+                first = await self.next_event(request, jobs, events)
                 if first is None:
-                    return Response(status_code=499)
+                    return Response(status_code=499)  # the client went away; nobody reads this
                 if isinstance(first[1], Failed):
                     raise _failure(first[1])
                 if not isinstance(first[1], Started):
                     break
         except BaseException:  # an error answer, or this handler cancelled (server shutdown)
-            cancel_all()  # no effect on jobs that have ended
+            self.cancel_all(jobs)  # no effect on jobs that have ended
             raise
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return _JobStreamingResponse(
+            self.stream(request, jobs, events, shape, first, include_usage), on_close=lambda: self.cancel_all(jobs),
+            media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
-        async def sse() -> AsyncIterator[str]:
-            got: tuple[int, Event] | None = first
-            try:
-                if chat:
-                    for index in range(n):
-                        yield shape.sse(shape.chunk({"role": "assistant", "content": ""}, index))
-                while got is not None:
-                    index, event = got
-                    if isinstance(event, Delta):
-                        yield shape.sse(shape.chunk(event.text, index, logprobs=shape.logprobs(event)))
-                    elif isinstance(event, Finished):
-                        finished[index] = event
-                        yield shape.sse(shape.final_chunk(event, index))
-                        if len(finished) == n:
-                            if include_usage:
-                                yield shape.sse(shape.usage_chunk([finished[i] for i in range(n)]))
-                            yield "data: [DONE]\n\n"
-                            return
-                    elif isinstance(event, Failed):
-                        yield shape.sse(_failure(event).body())
+    async def complete(self, request: Request, jobs: list[Job], events: asyncio.Queue, shape: _Shape) -> Response:
+        """The whole answer, once every choice has finished."""
+        finished: dict[int, Finished] = {}
+        while len(finished) < len(jobs):
+            got = await self.next_event(request, jobs, events)
+            if got is None:
+                return Response(status_code=499)  # the client went away; nobody reads this
+            index, event = got
+            if isinstance(event, Finished):
+                finished[index] = event
+            elif isinstance(event, Failed):
+                raise _failure(event)
+        return _JSON(shape.completion([finished[i] for i in range(len(jobs))]))
+
+    async def stream(self, request: Request, jobs: list[Job], events: asyncio.Queue, shape: _Shape,
+                     first: tuple[int, Event], include_usage: bool) -> AsyncIterator[str]:
+        """The server-sent events of a stream, from its first event with text (or its end)."""
+        n = len(jobs)
+        finished: dict[int, Finished] = {}
+        got: tuple[int, Event] | None = first
+        try:
+            if shape.chat:
+                for index in range(n):
+                    yield shape.sse(shape.chunk({"role": "assistant", "content": ""}, index))
+            while got is not None:
+                index, event = got
+                if isinstance(event, Delta):
+                    yield shape.sse(shape.chunk(event.text, index, logprobs=shape.logprobs(event)))
+                elif isinstance(event, Finished):
+                    finished[index] = event
+                    yield shape.sse(shape.final_chunk(event, index))
+                    if len(finished) == n:
+                        if include_usage:
+                            yield shape.sse(shape.usage_chunk([finished[i] for i in range(n)]))
                         yield "data: [DONE]\n\n"
                         return
-                    got = await _next_event(request, jobs, events)
-            except Exception as exc:  # the stream has begun: the error can only be its last event
-                if not isinstance(exc, APIError):
-                    log.error("unexpected error in a stream", exc_info=exc)
-                yield shape.sse((exc if isinstance(exc, APIError) else _internal_error(exc)).body())
-                yield "data: [DONE]\n\n"
+                elif isinstance(event, Failed):
+                    yield shape.sse(_failure(event).body())
+                    yield "data: [DONE]\n\n"
+                    return
+                got = await self.next_event(request, jobs, events)
+        except Exception as exc:  # the stream has begun: the error can only be its last event
+            if not isinstance(exc, APIError):
+                log.error("unexpected error in a stream", exc_info=exc)
+            yield shape.sse((exc if isinstance(exc, APIError) else _internal_error(exc)).body())
+            yield "data: [DONE]\n\n"
 
-        return _JobStreamingResponse(
-            sse(), on_close=cancel_all, media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-
-    async def _next_event(request: Request, jobs: list[Job], events: asyncio.Queue) -> tuple[int, Event] | None:
+    async def next_event(self, request: Request, jobs: list[Job], events: asyncio.Queue) -> tuple[int, Event] | None:
         """The next (choice, event) of the request's jobs, consecutive text of one choice merged
         when the client reads slower than it is generated; None once the client has disconnected
         (the jobs are then cancelled). Jobs still waiting when their deadline passes leave the
         queue with a 503."""
+        worker = self.worker
         while True:
             try:
                 got = await asyncio.wait_for(events.get(), _POLL_S)
@@ -681,10 +725,22 @@ def create_app(target: Target, settings: ServerSettings | None = None) -> FastAP
                 if all(worker.cancel(job, "timeout") for job in queued):
                     for job in jobs:
                         worker.cancel(job, "cancelled")
-                    raise APIError(503, f"the request timed out after {settings.timeout:g} s waiting in the queue",
-                                   "server_error", code="timeout")
+                    raise APIError(503, f"the request timed out after {self.settings.timeout:g} s waiting in the "
+                                   f"queue", "server_error", code="timeout")
 
-    return app
+
+def _notifier(loop: asyncio.AbstractEventLoop, events: asyncio.Queue, index: int) -> Callable[[Event], None]:
+    """A job's `notify` (called on the worker thread): its events into `events` as (index, event)."""
+    return lambda event: loop.call_soon_threadsafe(events.put_nowait, (index, event))
+
+
+def _choice_requests(generation: GenerationRequest, n: int) -> list[GenerationRequest]:
+    """The requests of n choices: the same prompt and settings; with a seed, choice i samples
+    with seed + i (so each choice equals a request sent alone with that seed)."""
+    if n == 1 or generation.sampling.seed is None:
+        return [generation] * n
+    return [dataclasses.replace(generation, sampling=dataclasses.replace(
+        generation.sampling, seed=(generation.sampling.seed + i) % (MAX_SEED + 1))) for i in range(n)]
 
 
 def _merged(got: tuple[int, Event], events: asyncio.Queue) -> tuple[int, Event]:

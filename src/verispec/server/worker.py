@@ -4,7 +4,7 @@ Owns: admission (a bounded queue of waiting jobs; a full queue refuses at once, 
 `estimated_wait` tells a refused client when a slot should free up, from the run times of the
 recent jobs), the worker thread that runs every admitted job's decode loop together in a
 continuous batch (`batch.BatchEngine`: jobs join and leave the running batch between steps,
-prompts are prefilled in chunks beside the decoding rows), each job's text (`text.TextAssembler`:
+prompts are prefilled in chunks beside the decoding rows), each job's text (`lifecycle.Generation`:
 incremental detokenization and stop strings, applied as its tokens arrive), cancellation (a
 per-job flag, acted on between steps), the per-request timeout, and turning every outcome
 (finished, timed out, cancelled, failed) into an event for whoever submitted the job. Does not
@@ -40,16 +40,13 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
-from ..api import GenerationResult, Request
 from ..batch import DEFAULT_MAX_ROWS, BatchEngine
 from ..batch import Job as EngineJob
-from ..engine import DecodeConfig, Logprobs
 from ..errors import VerispecError
-from ..methods import build, get_method
+from ..lifecycle import Generation, GenerationResult, Request
 from ..model import Target
 from ..runtime.openmp import release_thread_pool
 from ..stats import GenerationStats
-from ..text import TextAssembler
 
 log = logging.getLogger("verispec.server")
 
@@ -159,17 +156,20 @@ class Job:
     cancel_reason: str | None = None
     cancel_flag: threading.Event = field(default_factory=threading.Event, repr=False)
     # the worker thread's own
-    engine_job: EngineJob | None = field(default=None, repr=False)
-    assembler: TextAssembler | None = field(default=None, repr=False)
-    parts: list = field(default_factory=list, repr=False)
+    generation: Generation | None = field(default=None, repr=False)  # its text, stats and engine job
+    parts: list = field(default_factory=list, repr=False)  # the text handed out
     started: float = 0.0
     last_text: float = 0.0
     first_text: float = 0.0
-    logprobs_sent: int = 0
 
     @property
     def cancelled(self) -> bool:
         return self.cancel_flag.is_set()
+
+    @property
+    def engine_job(self) -> EngineJob | None:
+        """Its job in the batch engine, once handed over."""
+        return self.generation.job if self.generation is not None else None
 
     def emit(self, event: Event) -> None:
         try:
@@ -328,17 +328,10 @@ class Worker:
             self._fail(job, QueueTimeout(f"the request timed out after {time.monotonic() - job.created:.3g} s "
                                          f"waiting in the queue"), user_error=False)
             return
-        request = job.request
         try:
-            sequence = self.target.new_sequence()
-            recipe = build(request.method, sequence, request.options, request.sampling)
-            job.assembler = TextAssembler(self.target.tokenizer, request.stop)
-            config = DecodeConfig(request.max_new_tokens, request.sampling, self.target.eos_token_ids)
-            job.engine_job = self.engine.submit(list(request.prompt_ids), recipe, config,
-                                                 GenerationStats(method=request.method),
-                                                 draws=get_method(request.method).draws, sequence=sequence)
-            if job.logprobs is not None:
-                job.engine_job.logprobs = Logprobs(job.logprobs)
+            generation = Generation(self.target, job.request, job.logprobs)
+            generation.submit(self.engine)
+            job.generation = generation
         except VerispecError as error:
             self._fail(job, error, user_error=True)
             return
@@ -397,17 +390,11 @@ class Worker:
         job.emit(Started(job.started - job.created))
 
     def _deliver(self, job: Job, committed: list[int]) -> None:
-        """A job's tokens of this step: its text so far as a Delta, its end as Finished or Failed."""
-        engine_job, assembler = job.engine_job, job.assembler
+        """A job's tokens of this step: its text so far as a Delta, its end as Finished or Failed
+        (a stop string ends its engine job: `Generation.push`)."""
+        engine_job = job.engine_job
         if committed:
-            kept_before = len(assembler.ids)
-            delta = assembler.push(committed)
-            logprobs = ()
-            if job.logprobs is not None:  # the entries of this step's tokens that a stop string left
-                kept = len(assembler.ids) - kept_before
-                entries = engine_job.logprobs.entries
-                logprobs = tuple(entries[job.logprobs_sent : job.logprobs_sent + kept])
-                job.logprobs_sent += len(committed)
+            delta, ids, logprobs = job.generation.push(committed)
             if delta or logprobs:
                 now = time.monotonic()
                 if not job.parts and delta:
@@ -418,10 +405,7 @@ class Worker:
                 if delta:
                     job.parts.append(delta)
                     job.last_text = now
-                job.emit(Delta(delta, tuple(assembler.ids[kept_before:]), logprobs))
-            if assembler.stopped and not engine_job.done:
-                engine_job.stats.stop_reason = "stop"
-                self.engine.cancel(engine_job, "stop")
+                job.emit(Delta(delta, ids, logprobs))
         if engine_job.done:
             if engine_job.error is not None:
                 user = isinstance(engine_job.error, VerispecError)
@@ -433,9 +417,10 @@ class Worker:
 
     def _end(self, job: Job, reason: str) -> None:
         """Finished: the text so far (the held-back tail too, unless cut short), its stats."""
-        engine_job, assembler = job.engine_job, job.assembler
-        if reason not in ("cancelled", "timeout"):
-            tail = assembler.finish()
+        generation = job.generation
+        cut_short = reason in ("cancelled", "timeout")
+        if not cut_short:
+            tail = generation.finish()
             if tail:
                 if not job.parts:
                     job.first_text = time.monotonic()
@@ -443,16 +428,14 @@ class Worker:
                 job.parts.append(tail)
                 job.last_text = time.monotonic()
                 job.emit(Delta(tail))
-        stats = engine_job.stats
-        stats.new_tokens = min(stats.new_tokens, len(assembler.ids))
-        stats.stop_reason = reason if reason in ("cancelled", "timeout") else stats.stop_reason or reason
+        result = generation.result("".join(job.parts) if cut_short else None)
+        stats = result.stats
+        stats.stop_reason = reason if cut_short else stats.stop_reason or reason
         if not job.parts:
             self.observer.first_token(time.monotonic() - job.created)  # ended without any text
         elif stats.new_tokens > 1:
             self.observer.per_output_token((job.last_text - job.first_text) / (stats.new_tokens - 1))
-        result = GenerationResult(assembler.text if reason not in ("cancelled", "timeout") else "".join(job.parts),
-                                  list(assembler.ids), list(job.request.prompt_ids), stats)
-        logprobs = tuple(engine_job.logprobs.entries[: len(assembler.ids)]) if job.logprobs is not None else ()
+        logprobs = generation.kept_logprobs
         self.observer.finished(stats, reason)
         self._leave(job)
         with self._lock:
