@@ -64,6 +64,17 @@
  * path for M = 1 is what keeps a one-token step near memory bandwidth; with more rows the products
  * (one vpmaddubsw per 32 of them, as in blockmm_int8.c) dominate. While a task's rows are read,
  * the next task's rows (contiguous in the file) are prefetched front to back, one slice per chunk.
+ * Row-wise (M <= 2 on the K-quants, AVX2 builds without VNNI; `rows_group`): the transposition and
+ * the broadcasts cost more instructions than the products at M = 1, so there the 8 rows' bytes are
+ * used as they lie: a 32-byte vector holds 16 consecutive code bytes of two outputs (Q4_K, Q5_K:
+ * rows q and q + 4, one per 128-bit half) or 32 of one (Q6_K: one row, two sub-blocks of 16),
+ * multiplied by 16 or 32 consecutive activations (no broadcast per step), and a short tree of
+ * vphaddw / vpmaddwd / vphaddd turns the int16 partial sums of the 8 outputs into the same exact
+ * int32 sum per (output, sub-block), lanes = outputs; the float sequence is unchanged. One call runs
+ * a group over all of K with the float accumulators in registers, the scale products xs * ws_j of a
+ * super-block made once from its transposed headers, and the prefetching of the next task spread in
+ * 8 parts per super-block. About 1.5 times fewer instructions per weight than the transposed fused
+ * path at M = 1 on Zen 2.
  * The portable build decodes the same chunks with scalar code and computes each (m, n) lane by lane.
  *
  * Threads (OpenMP) split the outputs: tasks of 1 group (4 from M = 32 on), taken in runs of
@@ -325,6 +336,15 @@ int qmm_quantize(const float *x, int64_t M, int64_t K, int8_t *xq, float *xs, fl
 /* ---------------------------------------------------------------------------------------------
  * Quantized weights: decoding and the integer / float loops */
 
+/* Prefetch bytes [from, to) of the weights (whole cache lines; `near`: into L1, else into L2). */
+static inline void prefetch_range(const uint8_t *from, const uint8_t *to, int near) {
+    for (const uint8_t *a = (const uint8_t *)((uintptr_t)from & ~(uintptr_t)63); a < to; a += 64) {
+        if (near) __builtin_prefetch(a, 0, 3);
+        else __builtin_prefetch(a, 0, 2);
+    }
+}
+
+
 #ifdef QMM_SIMD
 #if defined(BLOCKMM_EMULATE_VNNI)
 /* The test build "vnni-emulated" (blockmm.py): the VNNI code paths on AVX2, vpdpbusd computed exactly. */
@@ -425,6 +445,19 @@ static inline __attribute__((always_inline)) void k4_scales(const uint8_t *const
     K4_SCALE(0); K4_SCALE(1); K4_SCALE(2); K4_SCALE(3);
 #undef K4_SCALE
 #undef BYTE
+}
+
+/* Q6_K: ws_j = d * sc_j of the block at p[l] + off, one lane per output. */
+static inline __attribute__((always_inline)) void q6_scales(const uint8_t *const p[LANES], int64_t off, Decoded *dec) {
+    __m256i S[4];
+    transpose16(p, off + 192, S); /* the 16 int8 scales */
+    const __m256 d = half8(p, off + 208);
+#define Q6_SCALE(j)                                                                                             \
+    _mm256_store_ps(dec->ws[j], _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_srai_epi32(                          \
+                                                     _mm256_slli_epi32(S[(j) / 4], 24 - 8 * ((j) % 4)), 24))))
+    Q6_SCALE(0); Q6_SCALE(1); Q6_SCALE(2); Q6_SCALE(3); Q6_SCALE(4); Q6_SCALE(5); Q6_SCALE(6); Q6_SCALE(7);
+    Q6_SCALE(8); Q6_SCALE(9); Q6_SCALE(10); Q6_SCALE(11); Q6_SCALE(12); Q6_SCALE(13); Q6_SCALE(14); Q6_SCALE(15);
+#undef Q6_SCALE
 }
 
 /* Bit 4 of byte t of each lane = bit 4q + t of that lane of H (Q5_0's high bits, q = 0..7). */
@@ -567,15 +600,7 @@ static inline __attribute__((always_inline)) void decode_chunk(const int TYPE, c
         }
     } else { /* Q6_K */
         const int64_t off = (k0 / 256) * 210;
-        __m256i S[4];
-        transpose16(p, off + 192, S); /* the 16 int8 scales */
-        const __m256 d = half8(p, off + 208);
-#define Q6_SCALE(j)                                                                                             \
-    _mm256_store_ps(dec->ws[j], _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_srai_epi32(                          \
-                                                     _mm256_slli_epi32(S[(j) / 4], 24 - 8 * ((j) % 4)), 24))))
-        Q6_SCALE(0); Q6_SCALE(1); Q6_SCALE(2); Q6_SCALE(3); Q6_SCALE(4); Q6_SCALE(5); Q6_SCALE(6); Q6_SCALE(7);
-        Q6_SCALE(8); Q6_SCALE(9); Q6_SCALE(10); Q6_SCALE(11); Q6_SCALE(12); Q6_SCALE(13); Q6_SCALE(14); Q6_SCALE(15);
-#undef Q6_SCALE
+        q6_scales(p, off, dec);
         for (int h = 0; h < 2; h++)
             for (int half = 0; half < 2; half++) { /* inputs 128h + 32s + 16 half + 0..15, s = 0..3 */
                 __m256i A[4], B[4], Q[4], v[4];
@@ -597,6 +622,237 @@ static inline __attribute__((always_inline)) void decode_chunk(const int TYPE, c
             }
     }
 }
+
+#ifndef QMM_VNNI
+#define QMM_ROWWISE 1
+/* Row-wise fused path (M <= 2, K-quants, AVX2 without VNNI): instead of transposing the 8 rows'
+ * bytes into 4-input steps, each 32-byte vector holds 16 consecutive code bytes of two outputs
+ * (Q4_K, Q5_K: rows q and q + 4, one per 128-bit half, as they lie in the file) or 32 of one output
+ * (Q6_K: one row, two sub-blocks of 16), so the activations are 16 or 32 consecutive bytes (broadcast
+ * to both halves, or loaded as they are) instead of 4 broadcast per step. Each vpmaddubsw gives int16
+ * partial sums of one (output, sub-block) per 128-bit half, and a short tree of vphaddw / vpmaddwd /
+ * vphaddd turns the partial sums of the 8 outputs into one int32 vector per sub-block, lanes =
+ * outputs, as the transposed path has them: exact integer sums, so the same numbers, and the float
+ * sequence that follows is the header's, per sub-block in order. int16 bounds (codes u <= U,
+ * |xq| <= 127, one vpmaddubsw lane <= 2 * U * 127): Q4_K (U = 15) 8 lanes <= 30480 before vpmaddwd;
+ * Q5_K (U = 31) 4 lanes <= 31496, then int32; Q6_K (U = 63) 2 lanes <= 32004, then int32.
+ * One call runs a group of 8 outputs over all of K (see rows_group). VNNI builds keep the transposed
+ * path (vpdpbusd makes its products cheap; not measured here). */
+static inline __m256i bcast16(const int8_t *x) { return _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)x)); }
+
+/* Q4_K / Q5_K, super-block at p[l] + off: the exact sums of sub-blocks 2c (e[r]) and 2c + 1 (o[r]) for
+ * rows r < R of x (at the super-block's first input, row stride ldq). qs[32c + l] holds input l of
+ * sub-block 2c (low nibble) and 2c + 1 (high nibble); the two sub-blocks are done one after the other
+ * (the bytes read twice: fewer registers live, so no spills with 2 rows). */
+static inline __attribute__((always_inline)) void k4_sums(const int FIVE, const int c, const uint8_t *const p[LANES],
+                                                          int64_t off, const int R, const int8_t *x, int64_t ldq,
+                                                          __m256i *e_out, __m256i *o_out) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m10 = _mm256_set1_epi8(0x10), ones = _mm256_set1_epi16(1);
+    const int64_t qs = off + (FIVE ? 48 : 16) + 32 * c, qh = off + 16;
+#pragma GCC unroll 2
+    for (int hi = 0; hi < 2; hi++) {
+        const int j = 2 * c + hi; /* the sub-block */
+        __m256i E[FUSED_TILE][2];
+#pragma GCC unroll 4
+        for (int q = 0; q < 4; q++) { /* rows q and q + 4 */
+            const __m256i v0 = load_pair(p[q] + qs, p[q + 4] + qs), v1 = load_pair(p[q] + qs + 16, p[q + 4] + qs + 16);
+            __m256i u0 = _mm256_and_si256(hi ? SRL16(v0, 4) : v0, m4), u1 = _mm256_and_si256(hi ? SRL16(v1, 4) : v1, m4);
+            if (FIVE) { /* bit j of qh[l] -> bit 4 of the code */
+                const __m256i b0 = load_pair(p[q] + qh, p[q + 4] + qh), b1 = load_pair(p[q] + qh + 16, p[q + 4] + qh + 16);
+                u0 = _mm256_or_si256(u0, _mm256_and_si256(j < 4 ? SLL16(b0, 4 - j) : j > 4 ? SRL16(b0, j - 4) : b0, m10));
+                u1 = _mm256_or_si256(u1, _mm256_and_si256(j < 4 ? SLL16(b1, 4 - j) : j > 4 ? SRL16(b1, j - 4) : b1, m10));
+            }
+            for (int r = 0; r < R; r++) {
+                const int8_t *xr = x + r * ldq + 32 * j;
+                const __m256i e = _mm256_add_epi16(_mm256_maddubs_epi16(u0, bcast16(xr)), _mm256_maddubs_epi16(u1, bcast16(xr + 16)));
+                /* q odd: [row q - 1: 4, row q: 4 | rows q + 3, q + 4: 4, 4] */
+                E[r][q / 2] = q % 2 == 0 ? e : _mm256_hadd_epi16(E[r][q / 2], e);
+            }
+        }
+        for (int r = 0; r < R; r++) { /* lanes = rows 0..3 | 4..7 */
+            const __m256i v = FIVE ? _mm256_hadd_epi32(_mm256_madd_epi16(E[r][0], ones), _mm256_madd_epi16(E[r][1], ones))
+                                   : _mm256_madd_epi16(_mm256_hadd_epi16(E[r][0], E[r][1]), ones);
+            if (hi) o_out[r] = v;
+            else e_out[r] = v;
+        }
+    }
+}
+
+/* Q6_K, super-block at p[l] + off: the sums (codes + 32) of sub-blocks 8h + 2s (a[r]) and 8h + 2s + 1
+ * (b[r]). Inputs 128h + 32s + (0..31) of one row are one vector of codes: low 4 bits from
+ * ql[64h + 32(s & 1) + l] (s < 2 low nibble, else high), bits 4-5 from qh[32h + l] >> 2s; its product
+ * with those 32 activations holds sub-block 8h + 2s in the low half and 8h + 2s + 1 in the high one. */
+static inline __attribute__((always_inline)) void q6_sums(const int h, const int s, const uint8_t *const p[LANES],
+                                                          int64_t off, const int R, const int8_t *x, int64_t ldq,
+                                                          __m256i *a_out, __m256i *b_out) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30), ones = _mm256_set1_epi16(1);
+    __m256i P[FUSED_TILE], H[FUSED_TILE], G[FUSED_TILE];
+#pragma GCC unroll 8
+    for (int n = 0; n < LANES; n++) {
+        const uint8_t *row = p[n] + off;
+        __asm__ volatile("" : "+r"(row)); /* a fresh load for each s: keeping the shared bytes would spill them */
+        const __m256i L = _mm256_loadu_si256((const __m256i *)(row + 64 * h + 32 * (s & 1)));
+        const __m256i Q = _mm256_loadu_si256((const __m256i *)(row + 128 + 32 * h));
+        const __m256i low = s < 2 ? _mm256_and_si256(L, m4) : _mm256_and_si256(SRL16(L, 4), m4);
+        const __m256i high = s == 0 ? SLL16(Q, 4) : s == 1 ? SLL16(Q, 2) : s == 2 ? Q : SRL16(Q, 2);
+        const __m256i code = _mm256_or_si256(low, _mm256_and_si256(high, m30));
+        for (int r = 0; r < R; r++) {
+            __m256i v = _mm256_maddubs_epi16(code, _mm256_loadu_si256((const __m256i *)(x + r * ldq + 128 * h + 32 * s)));
+            if (n % 2 == 0) {
+                P[r] = v;
+                continue;
+            }
+            v = _mm256_madd_epi16(_mm256_hadd_epi16(P[r], v), ones); /* [n - 1: 2, n: 2 | the same], int32 */
+            if (n % 4 == 1) {
+                H[r] = v;
+                continue;
+            }
+            v = _mm256_hadd_epi32(H[r], v); /* rows n - 3 .. n, first sub-block | the same, second */
+            if (n == 3) {
+                G[r] = v;
+                continue;
+            }
+            a_out[r] = _mm256_permute2x128_si256(G[r], v, 0x20);
+            b_out[r] = _mm256_permute2x128_si256(G[r], v, 0x31);
+        }
+    }
+}
+
+/* Prefetching of the next task's rows while a task runs: [next, end) one slice at a time. */
+typedef struct {
+    const uint8_t *next, *end;
+    int64_t slice;
+    int near;
+} Ahead;
+
+static inline void ahead_step(Ahead *a) {
+    if (a->next < a->end) {
+        const uint8_t *to = a->next + a->slice < a->end ? a->next + a->slice : a->end;
+        prefetch_range(a->next, to, a->near);
+        a->next = to;
+    }
+}
+
+/* The fused row-wise product of the group p[0..7] with rows r < R of the activations (xq, xs, xo,
+ * xsum at input 0, row strides ldq, ldx, ldsum) over all K inputs: out[r] = y (acc - shift). Per
+ * super-block, the header first: scale_j = xs * ws_j of every sub-block into a small buffer, and the
+ * shift sequence (it needs no integer sum); then the integer sums, each followed by its float step
+ * acc = acc + (float)isum_j * scale_j, in sub-block order. */
+static inline __attribute__((always_inline)) void rows_group(const int TYPE, const int R, const uint8_t *const p[LANES],
+                                                             int64_t K, const int8_t *xq, int64_t ldq, const float *xs,
+                                                             const float *xo, int64_t ldx, const int32_t *xsum,
+                                                             int64_t ldsum, Ahead *ahead, __m256 *out) {
+    __m256 acc[FUSED_TILE], shift[FUSED_TILE];
+    float buffer[FUSED_TILE * MAX_SUBS * (LANES + 1)] __attribute__((aligned(32)));
+    for (int r = 0; r < R; r++) acc[r] = shift[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < K / 256; b++) {
+        const int8_t *x = xq + 256 * b;
+        const float *s = xs + 8 * b, *o = xo + 8 * b;
+        /* scale_j of row r at scale + (r * MAX_SUBS + j) * LANES, stored, then read back by the float
+         * steps (the pointer is laundered so that the compiler keeps them in memory, not in registers) */
+        float *scale = buffer;
+        __asm__ volatile("" : "+r"(scale));
+        if (TYPE == T_Q6_K) {
+            const int64_t off = b * 210;
+            /* ws_j = d * sc_j: sc_j moved to the top byte of each lane (sc_j * 2^24, exact in float32)
+             * times d * 2^-24 (exact: d is a float16) is exactly d * sc_j */
+            __m256i S[4];
+            transpose16(p, off + 192, S);
+            const __m256 d = _mm256_mul_ps(half8(p, off + 208), _mm256_set1_ps(0x1p-24f));
+#pragma GCC unroll 16
+            for (int j = 0; j < 16; j++) {
+                const uint32_t u = (uint32_t)j % 4;
+                const __m256i top = _mm256_setr_epi32((int)(0x00808080u | (0u + u) << 24), (int)(0x00808080u | (4u + u) << 24),
+                                                      (int)(0x00808080u | (8u + u) << 24), (int)(0x00808080u | (12u + u) << 24),
+                                                      (int)(0x00808080u | (0u + u) << 24), (int)(0x00808080u | (4u + u) << 24),
+                                                      (int)(0x00808080u | (8u + u) << 24), (int)(0x00808080u | (12u + u) << 24));
+                const __m256 ws = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_shuffle_epi8(S[j / 4], top)));
+                for (int r = 0; r < R; r++) _mm256_store_ps(scale + (r * MAX_SUBS + j) * LANES, _mm256_mul_ps(_mm256_broadcast_ss(s + r * ldx + j / 2), ws));
+            }
+            /* the bias correction of sub-block j, 32 * (sum of xq over it), at correct[r * MAX_SUBS + j] */
+            int32_t *correct = (int32_t *)(scale + FUSED_TILE * MAX_SUBS * LANES);
+            for (int r = 0; r < R; r++)
+                for (int i = 0; i < 2; i++)
+                    _mm256_store_si256((__m256i *)(correct + r * MAX_SUBS + 8 * i),
+                                       _mm256_slli_epi32(_mm256_loadu_si256((const __m256i *)(xsum + r * ldsum + 16 * b + 8 * i)), 5));
+            __asm__ volatile("" : "+r"(scale), "+r"(correct));
+#pragma GCC unroll 8
+            for (int h = 0; h < 2; h++)
+#pragma GCC unroll 8
+                for (int q = 0; q < 4; q++) {
+                    __m256i sa[FUSED_TILE], sb[FUSED_TILE];
+                    const int j = 8 * h + 2 * q;
+                    ahead_step(ahead);
+                    q6_sums(h, q, p, off, R, x, ldq, sa, sb);
+                    for (int r = 0; r < R; r++) {
+                        sa[r] = _mm256_sub_epi32(sa[r], _mm256_set1_epi32(correct[r * MAX_SUBS + j]));
+                        acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(_mm256_cvtepi32_ps(sa[r]), _mm256_load_ps(scale + (r * MAX_SUBS + j) * LANES)));
+                        sb[r] = _mm256_sub_epi32(sb[r], _mm256_set1_epi32(correct[r * MAX_SUBS + j + 1]));
+                        acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(_mm256_cvtepi32_ps(sb[r]), _mm256_load_ps(scale + (r * MAX_SUBS + j + 1) * LANES)));
+                    }
+                }
+        } else {
+            const int five = TYPE == T_Q5_K;
+            const int64_t off = b * (five ? 176 : 144);
+            {
+                __m256i H[4]; /* H[0]: d | dmin << 16, H[1..3]: the 12 bytes of packed scales and mins */
+                transpose16(p, off, H);
+                const __m256i order = _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15,
+                                                       0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15);
+                const __m256i dd = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(H[0], order), _MM_SHUFFLE(3, 1, 2, 0));
+                const __m256 d = _mm256_cvtph_ps(_mm256_castsi256_si128(dd)), dmin = _mm256_cvtph_ps(_mm256_extracti128_si256(dd, 1));
+                const __m256i m3F = _mm256_set1_epi8(0x3F), m0F = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);
+                /* bytes 0..3 of each lane: sc_0..3, m_0..3, sc_4..7, m_4..7 (6 bits each) */
+                const __m256i sc_low = _mm256_and_si256(H[1], m3F), m_low = _mm256_and_si256(H[2], m3F);
+                const __m256i sc_high = _mm256_or_si256(_mm256_and_si256(H[3], m0F), _mm256_and_si256(_mm256_srli_epi32(H[1], 2), m30));
+                const __m256i m_high = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(H[3], 4), m0F),
+                                                       _mm256_and_si256(_mm256_srli_epi32(H[2], 2), m30));
+#pragma GCC unroll 8
+                for (int j = 0; j < 8; j++) {
+                    const int t = j % 4; /* byte t of sc_low / m_low (j < 4) or of sc_high / m_high */
+                    const __m256i pick = _mm256_setr_epi32((int)(0x80808000u + t), (int)(0x80808004u + t), (int)(0x80808008u + t),
+                                                           (int)(0x8080800Cu + t), (int)(0x80808000u + t), (int)(0x80808004u + t),
+                                                           (int)(0x80808008u + t), (int)(0x8080800Cu + t));
+                    const __m256 ws = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_shuffle_epi8(j < 4 ? sc_low : sc_high, pick)));
+                    const __m256 wo = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_shuffle_epi8(j < 4 ? m_low : m_high, pick)));
+                    for (int r = 0; r < R; r++) {
+                        _mm256_store_ps(scale + (r * MAX_SUBS + j) * LANES, _mm256_mul_ps(_mm256_broadcast_ss(s + r * ldx + j), ws));
+                        shift[r] = _mm256_add_ps(shift[r], _mm256_mul_ps(wo, _mm256_broadcast_ss(o + r * ldx + j)));
+                    }
+                }
+            }
+            __asm__ volatile("" : "+r"(scale));
+#pragma GCC unroll 8
+            for (int c = 0; c < 4; c++) {
+                __m256i e[FUSED_TILE], od[FUSED_TILE];
+                ahead_step(ahead);
+                ahead_step(ahead);
+                k4_sums(five, c, p, off, R, x, ldq, e, od);
+                for (int r = 0; r < R; r++) {
+                    acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(_mm256_cvtepi32_ps(e[r]), _mm256_load_ps(scale + (r * MAX_SUBS + 2 * c) * LANES)));
+                    acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(_mm256_cvtepi32_ps(od[r]), _mm256_load_ps(scale + (r * MAX_SUBS + 2 * c + 1) * LANES)));
+                }
+            }
+        }
+    }
+    for (int r = 0; r < R; r++) out[r] = TYPE == T_Q6_K ? acc[r] : _mm256_sub_ps(acc[r], shift[r]);
+}
+
+typedef void (*RowsGroup)(const uint8_t *const[LANES], int64_t, int, const int8_t *, int64_t, const float *, const float *,
+                          int64_t, const int32_t *, int64_t, Ahead *, __m256 *);
+#define ROWS_KERNEL(NAME, TYPE)                                                                                  \
+    static __attribute__((noinline)) void rows_##NAME(const uint8_t *const p[LANES], int64_t K, int R, const int8_t *xq, \
+                                                      int64_t ldq, const float *xs, const float *xo, int64_t ldx,  \
+                                                      const int32_t *xsum, int64_t ldsum, Ahead *ahead, __m256 *out) { \
+        if (R == 1) rows_group(TYPE, 1, p, K, xq, ldq, xs, xo, ldx, xsum, ldsum, ahead, out);                    \
+        else rows_group(TYPE, 2, p, K, xq, ldq, xs, xo, ldx, xsum, ldsum, ahead, out);                           \
+    }
+ROWS_KERNEL(q4_k, T_Q4_K)
+ROWS_KERNEL(q5_k, T_Q5_K)
+ROWS_KERNEL(q6_k, T_Q6_K)
+#undef ROWS_KERNEL
+
+#endif
 
 /* bias * (sum of xq over sub-block j) of one row, bias = 2^BIAS_LOG, in every lane. */
 static inline __m256i correction(const int BIAS_LOG, const int S, const int32_t *xsum, int64_t j) {
@@ -849,14 +1105,6 @@ static void store_group(const float *acc, const float *shift, int offsets, int64
 }
 #endif
 
-/* Prefetch bytes [from, to) of the weights (whole cache lines; `near`: into L1, else into L2). */
-static inline void prefetch_range(const uint8_t *from, const uint8_t *to, int near) {
-    for (const uint8_t *a = (const uint8_t *)((uintptr_t)from & ~(uintptr_t)63); a < to; a += 64) {
-        if (near) __builtin_prefetch(a, 0, 3);
-        else __builtin_prefetch(a, 0, 2);
-    }
-}
-
 static void run_task(int type, const TypeInfo *t, const uint8_t *w, int64_t row_bytes, int64_t N, int64_t K,
                      int64_t g0, int64_t groups, const int8_t *xq, const float *xs, const float *xo,
                      const int32_t *xsum, int64_t M, Decoded *dec, float *acc, float *shift, float *y, int64_t ldy) {
@@ -876,6 +1124,38 @@ static void run_task(int type, const TypeInfo *t, const uint8_t *w, int64_t row_
     const int64_t slice = (region / chunks + 63) & ~(int64_t)63;
     const uint8_t *next = w + (g0 + groups) * LANES * row_bytes, *end = w + N * row_bytes;
     const int near = region <= PREFETCH_NEAR;
+#ifdef QMM_ROWWISE
+    const RowsGroup rows = type == T_Q4_K ? rows_q4_k : type == T_Q5_K ? rows_q5_k : type == T_Q6_K ? rows_q6_k : NULL;
+    if (fused && rows) { /* the whole of K per call, accumulators in registers */
+        /* prefetched in 8 parts per super-block, spread between the sums: a burst of a whole slice at
+         * once was measured slower (fewer misses in flight where they are needed) */
+        Ahead ahead = {next, end, ((slice + 7) / 8 + 63) & ~(int64_t)63, near};
+        for (int64_t g = 0; g < groups; g++) {
+            const uint8_t *p[LANES];
+            for (int l = 0; l < LANES; l++) {
+                const int64_t n = (g0 + g) * LANES + l;
+                p[l] = w + (n < N ? n : N - 1) * row_bytes; /* a short last group repeats its last row */
+            }
+            const int64_t n0 = (g0 + g) * LANES, count = N - n0 < LANES ? N - n0 : LANES;
+            for (int64_t m0 = 0; m0 < M; m0 += FUSED_TILE) {
+                const int R = (int)(M - m0 < FUSED_TILE ? M - m0 : FUSED_TILE);
+                __m256 out[FUSED_TILE];
+                rows(p, K, R, xq + m0 * K, K, xs + m0 * nb, xo + m0 * nb, nb, xsum + m0 * ldsum, ldsum, &ahead, out);
+                for (int r = 0; r < R; r++) {
+                    float *yr = y + (m0 + r) * ldy + n0;
+                    if (count == LANES) {
+                        _mm256_storeu_ps(yr, out[r]);
+                    } else {
+                        float lanes[LANES];
+                        _mm256_storeu_ps(lanes, out[r]);
+                        memcpy(yr, lanes, sizeof(float) * (size_t)count);
+                    }
+                }
+            }
+        }
+        return;
+    }
+#endif
     for (int64_t k0 = 0; k0 < K; k0 += CHUNK) {
         const int64_t count = K - k0 < CHUNK ? K - k0 : CHUNK;
         const int J = (int)(count / t->sub);
