@@ -323,3 +323,23 @@ def test_an_exit_head_trains_on_the_gguf_runtime_and_eesd_finds_it(name, files, 
         target.release()
         assert result.token_ids == expected, method
         assert result.stats.drafted > 0, method
+
+
+def test_perplexity_scores_on_the_files_own_blocks_without_touching_the_request(targets):
+    """The benchmark scores every output with `score.perplexity`; a GGUF target has no transformers
+    model, so it scores on its own runtime, on a sequence of its own: the same value as the
+    token-by-token definition, and the request's sequence is left as it was."""
+    import math
+
+    from verispec.score import perplexity
+
+    target = targets["llama"]
+    prompt, output = random_ids(target, 9, seed=21), random_ids(target, 6, seed=22)
+    target.reset()
+    target.forward(random_ids(target, 5, seed=23))
+    nll = 0.0
+    for i, token in enumerate(output):  # one whole prompt per generated token
+        logits = run_prompt(target, prompt + output[:i], last_only=True)[-1]
+        nll -= torch.log_softmax(logits.double(), -1)[token].item()
+    assert perplexity(target, prompt, output) == pytest.approx(math.exp(nll / len(output)), rel=1e-5)
+    assert target.length == 5
