@@ -441,3 +441,26 @@ def test_exit_head_labels_through_the_pytorch_forward_match_the_fast_path(llama_
         torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2)  # both rounded to bfloat16
     with pytest.raises(ConfigError, match="exit layer must be in 1..2"):
         _label_on_device(eager, sequences, 3, None)
+
+
+def test_a_weight_off_the_cpu_is_not_packed_for_onednn():
+    """oneDNN's packed linear is CPU-only: an exit head's weights on a GPU (here: the meta device,
+    which has no kernels either) are multiplied with F.linear, not packed at construction."""
+    from verispec.runtime.linear import Linear
+
+    linear = Linear(torch.empty(8, 4, device="meta"), None)
+    assert linear(torch.empty(3, 4, device="meta")).shape == (3, 8)
+
+
+def test_a_static_caches_length_is_set_outside_inference_mode():
+    """The compiled step's StaticCache is filled under inference mode (its forward's), where its
+    length tensors are made (on a GPU: moved to the device there); a later crop from plain code
+    (a reset between requests) must still set them."""
+    from verispec.cache import new_static_cache, set_static_length
+
+    model = helpers.make_model(helpers.make_config("llama"))
+    with torch.inference_mode():
+        cache = new_static_cache(model, 32)
+        model(input_ids=torch.tensor([[1, 2, 3, 4, 5]]), past_key_values=cache, use_cache=True)
+    set_static_length(cache, 2)
+    assert all(int(layer.cumulative_length) == 2 for layer in cache.layers if layer.is_initialized)

@@ -108,9 +108,10 @@ def set_static_length(cache, length: int) -> None:
     """Make a StaticCache (full-attention layers) hold its first `length` positions: each layer's
     length tensor is set in place (a CUDA graph keeps reading the same addresses); entries past it
     are stale and masked out, and the next write overwrites them."""
-    for layer in cache.layers:
-        if getattr(layer, "is_initialized", False):
-            layer.cumulative_length.fill_(length)
+    with torch.inference_mode():  # the tensors were made under inference mode (the forward's); so is this update
+        for layer in cache.layers:
+            if getattr(layer, "is_initialized", False):
+                layer.cumulative_length.fill_(length)
 
 
 class StaticKV:

@@ -26,7 +26,7 @@ class Linear:
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, lazy: bool = False):
         self.weight, self.bias = weight.detach(), None if bias is None else bias.detach()
-        self._packable = mkldnn_packing_available(weight.dtype)
+        self._packable = weight.device.type == "cpu" and mkldnn_packing_available(weight.dtype)  # oneDNN: CPU only
         self._packed = None
         if not lazy:
             self._pack()
