@@ -451,6 +451,26 @@ def test_cli_refuses_bad_arguments_in_one_line(args, message, tmp_path, monkeypa
     assert not (tmp_path / "bench-out").exists()
 
 
+def test_llama_server_from_the_native_build_alone_is_accepted(tmp_path, monkeypatch):
+    """`make llama-native` alone (no portable `make llama-server` build) is enough for a
+    llama-server peer: the argument check finds the same binary the run starts."""
+    native = tmp_path / srv.LLAMA_NATIVE_RELATIVE / "llama-server"
+    native.parent.mkdir(parents=True)
+    native.write_text("#!/bin/sh\n")
+    native.chmod(0o755)
+    monkeypatch.chdir(tmp_path)
+
+    class Started(Exception):
+        pass
+
+    def started(*a, **k):
+        raise Started
+
+    monkeypatch.setattr(serve, "run_servers", started)
+    result = CliRunner().invoke(app, ["bench-serve", "--server", "llama-server:8", "--out", str(tmp_path / "r")])
+    assert isinstance(result.exception, Started), result.output
+
+
 # -- server specs and processes --------------------------------------------------------------------
 
 

@@ -747,7 +747,7 @@ def run_command(*, server: Sequence[str], model: str | None, threads: int, datas
             srv.ProcessWatch(spec.pid)  # a ConfigError for a process that is not there
         if spec.kind == "llama-server":
             files.gguf()
-            srv.find_peer(llama_server, srv.LLAMA_SERVER_RELATIVE, "llama-server")
+            srv.llama_binary("llama-server", llama_server)
         elif spec.kind == "vllm":
             srv.find_peer(vllm_python, srv.VLLM_PYTHON_RELATIVE, "vllm")
     if tokenizer is not None and not Path(tokenizer).expanduser().is_dir():
