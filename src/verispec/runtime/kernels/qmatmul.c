@@ -416,35 +416,49 @@ static inline __m256i bcast4(const int8_t *x) {
     return _mm256_set1_epi32(four);
 }
 
-/* Q4_K / Q5_K: ws_j = d * sc_j, wo_j = dmin * m_j of the block at p[l] + off, one lane per output. */
-static inline __attribute__((always_inline)) void k4_scales(const uint8_t *const p[LANES], int64_t off, Decoded *dec) {
+/* Q4_K / Q5_K super-block headers at p[l] + off, one lane per output: d, dmin, and the 6-bit scales
+ * and mins as bytes 0..3 of each 32-bit lane (sc_low: sc_0..3, m_low: m_0..3, sc_high: sc_4..7,
+ * m_high: m_4..7). */
+typedef struct {
+    __m256 d, dmin;
+    __m256i sc_low, m_low, sc_high, m_high;
+} K4Header;
+
+static inline __attribute__((always_inline)) K4Header k4_header(const uint8_t *const p[LANES], int64_t off) {
     __m256i H[4]; /* H[0]: d | dmin << 16, H[1..3]: the 12 bytes of packed scales and mins */
     transpose16(p, off, H);
     const __m256i order = _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15,
                                            0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15);
     const __m256i dd = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(H[0], order), _MM_SHUFFLE(3, 1, 2, 0));
-    const __m256 d = _mm256_cvtph_ps(_mm256_castsi256_si128(dd)), dmin = _mm256_cvtph_ps(_mm256_extracti128_si256(dd, 1));
     const __m256i m3F = _mm256_set1_epi8(0x3F), m0F = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);
-    /* bytes 0..3 of each lane: sc_0..3, m_0..3, sc_4..7, m_4..7 (6 bits each) */
-    const __m256i sc_low = _mm256_and_si256(H[1], m3F), m_low = _mm256_and_si256(H[2], m3F);
-    const __m256i sc_high = _mm256_or_si256(_mm256_and_si256(H[3], m0F), _mm256_and_si256(_mm256_srli_epi32(H[1], 2), m30));
-    const __m256i m_high = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(H[3], 4), m0F),
-                                           _mm256_and_si256(_mm256_srli_epi32(H[2], 2), m30));
-#define BYTE(v, t)                                                                                              \
-    _mm256_cvtepi32_ps(_mm256_shuffle_epi8(                                                                     \
-        v, _mm256_setr_epi32((int)(0x80808000u + (t)), (int)(0x80808004u + (t)), (int)(0x80808008u + (t)),      \
-                             (int)(0x8080800Cu + (t)), (int)(0x80808000u + (t)), (int)(0x80808004u + (t)),      \
-                             (int)(0x80808008u + (t)), (int)(0x8080800Cu + (t)))))
-#define K4_SCALE(t)                                                                                             \
-    do {                                                                                                        \
-        _mm256_store_ps(dec->ws[t], _mm256_mul_ps(d, BYTE(sc_low, t)));                                         \
-        _mm256_store_ps(dec->wo[t], _mm256_mul_ps(dmin, BYTE(m_low, t)));                                       \
-        _mm256_store_ps(dec->ws[4 + (t)], _mm256_mul_ps(d, BYTE(sc_high, t)));                                  \
-        _mm256_store_ps(dec->wo[4 + (t)], _mm256_mul_ps(dmin, BYTE(m_high, t)));                                \
-    } while (0)
-    K4_SCALE(0); K4_SCALE(1); K4_SCALE(2); K4_SCALE(3);
-#undef K4_SCALE
-#undef BYTE
+    K4Header h;
+    h.d = _mm256_cvtph_ps(_mm256_castsi256_si128(dd));
+    h.dmin = _mm256_cvtph_ps(_mm256_extracti128_si256(dd, 1));
+    h.sc_low = _mm256_and_si256(H[1], m3F);
+    h.m_low = _mm256_and_si256(H[2], m3F);
+    h.sc_high = _mm256_or_si256(_mm256_and_si256(H[3], m0F), _mm256_and_si256(_mm256_srli_epi32(H[1], 2), m30));
+    h.m_high = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(H[3], 4), m0F), _mm256_and_si256(_mm256_srli_epi32(H[2], 2), m30));
+    return h;
+}
+
+/* Byte t (0..3) of each 32-bit lane of v, as floats. */
+static inline __attribute__((always_inline)) __m256 k4_byte(__m256i v, const int t) {
+    const __m256i pick = _mm256_setr_epi32((int)(0x80808000u + t), (int)(0x80808004u + t), (int)(0x80808008u + t),
+                                           (int)(0x8080800Cu + t), (int)(0x80808000u + t), (int)(0x80808004u + t),
+                                           (int)(0x80808008u + t), (int)(0x8080800Cu + t));
+    return _mm256_cvtepi32_ps(_mm256_shuffle_epi8(v, pick));
+}
+
+/* Q4_K / Q5_K: ws_j = d * sc_j, wo_j = dmin * m_j of the block at p[l] + off, one lane per output. */
+static inline __attribute__((always_inline)) void k4_scales(const uint8_t *const p[LANES], int64_t off, Decoded *dec) {
+    const K4Header h = k4_header(p, off);
+#pragma GCC unroll 4
+    for (int t = 0; t < 4; t++) {
+        _mm256_store_ps(dec->ws[t], _mm256_mul_ps(h.d, k4_byte(h.sc_low, t)));
+        _mm256_store_ps(dec->wo[t], _mm256_mul_ps(h.dmin, k4_byte(h.m_low, t)));
+        _mm256_store_ps(dec->ws[4 + t], _mm256_mul_ps(h.d, k4_byte(h.sc_high, t)));
+        _mm256_store_ps(dec->wo[4 + t], _mm256_mul_ps(h.dmin, k4_byte(h.m_high, t)));
+    }
 }
 
 /* Q6_K: ws_j = d * sc_j of the block at p[l] + off, one lane per output. */
@@ -795,26 +809,12 @@ static inline __attribute__((always_inline)) void rows_group(const int TYPE, con
             const int five = TYPE == T_Q5_K;
             const int64_t off = b * (five ? 176 : 144);
             {
-                __m256i H[4]; /* H[0]: d | dmin << 16, H[1..3]: the 12 bytes of packed scales and mins */
-                transpose16(p, off, H);
-                const __m256i order = _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15,
-                                                       0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15);
-                const __m256i dd = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(H[0], order), _MM_SHUFFLE(3, 1, 2, 0));
-                const __m256 d = _mm256_cvtph_ps(_mm256_castsi256_si128(dd)), dmin = _mm256_cvtph_ps(_mm256_extracti128_si256(dd, 1));
-                const __m256i m3F = _mm256_set1_epi8(0x3F), m0F = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);
-                /* bytes 0..3 of each lane: sc_0..3, m_0..3, sc_4..7, m_4..7 (6 bits each) */
-                const __m256i sc_low = _mm256_and_si256(H[1], m3F), m_low = _mm256_and_si256(H[2], m3F);
-                const __m256i sc_high = _mm256_or_si256(_mm256_and_si256(H[3], m0F), _mm256_and_si256(_mm256_srli_epi32(H[1], 2), m30));
-                const __m256i m_high = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(H[3], 4), m0F),
-                                                       _mm256_and_si256(_mm256_srli_epi32(H[2], 2), m30));
+                const K4Header h = k4_header(p, off);
 #pragma GCC unroll 8
                 for (int j = 0; j < 8; j++) {
                     const int t = j % 4; /* byte t of sc_low / m_low (j < 4) or of sc_high / m_high */
-                    const __m256i pick = _mm256_setr_epi32((int)(0x80808000u + t), (int)(0x80808004u + t), (int)(0x80808008u + t),
-                                                           (int)(0x8080800Cu + t), (int)(0x80808000u + t), (int)(0x80808004u + t),
-                                                           (int)(0x80808008u + t), (int)(0x8080800Cu + t));
-                    const __m256 ws = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_shuffle_epi8(j < 4 ? sc_low : sc_high, pick)));
-                    const __m256 wo = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_shuffle_epi8(j < 4 ? m_low : m_high, pick)));
+                    const __m256 ws = _mm256_mul_ps(h.d, k4_byte(j < 4 ? h.sc_low : h.sc_high, t));
+                    const __m256 wo = _mm256_mul_ps(h.dmin, k4_byte(j < 4 ? h.m_low : h.m_high, t));
                     for (int r = 0; r < R; r++) {
                         _mm256_store_ps(scale + (r * MAX_SUBS + j) * LANES, _mm256_mul_ps(_mm256_broadcast_ss(s + r * ldx + j), ws));
                         shift[r] = _mm256_add_ps(shift[r], _mm256_mul_ps(wo, _mm256_broadcast_ss(o + r * ldx + j)));
