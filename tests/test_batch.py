@@ -109,6 +109,69 @@ def test_requests_of_a_model_drafted_method_run_beside_the_batch(tmp_path):
     assert target.pool.used_blocks == 0
 
 
+@pytest.mark.parametrize("prompt_blocks", [0, 2])
+def test_identical_prompts_start_together_once_their_shared_blocks_are_computed(prompt_blocks):
+    """n choices of one prompt: the first prefills the prompt's full blocks (the others wait to
+    share them), then every other starts at once. They started one a step: each waited for the
+    last one admitted, which had nothing left to share."""
+    target = int8_target("llama")
+    prompt = "so it goes. " * (prompt_blocks * BLOCK // 12) + "and then"
+    requests = [make_request(target, prompt, "ar", max_new_tokens=12, temperature=1.0, seed=i) for i in range(8)]
+    expected = [solo(target, request) for request in requests]
+    waiting = []
+    original = BatchEngine.step
+
+    def counted(self):
+        events = original(self)
+        waiting.append(len(self.waiting))
+        return events
+
+    BatchEngine.step = counted
+    try:
+        results = generate_many(target, requests)
+    finally:
+        BatchEngine.step = original
+    assert [result.token_ids for result in results] == expected
+    assert waiting[1] == 0, waiting  # all eight started by the second step
+    assert target.pool.used_blocks == 0
+
+
+def test_draft_model_methods_join_the_batch_and_their_draft_model_runs_once_a_round_for_all():
+    """sps and mtad with a draft model that pages its KV: their verify rows join the shared
+    forward, and the sps jobs' draft rows run together, one draft-model forward per draft
+    position for all of them. Every output is the one it gives alone: greedy, and seeded
+    sampling under a constant draft length (the draft model's rows are the bits they get alone,
+    so every draw sees the same q)."""
+    target = int8_target("llama", seed=0)
+    draft = int8_target("llama", seed=5, num_hidden_layers=1)
+    options = MethodOptions(draft_model=draft, controller="constant:3")
+    requests = [make_request(target, PROMPTS[i], "sps", max_new_tokens=16 + 5 * i, options=options) for i in range(4)]
+    requests += [make_request(target, PROMPTS[i], "sps", max_new_tokens=30, temperature=1.0, top_k=20, seed=i,
+                              options=options) for i in (0, 1, 3)]
+    requests += [make_request(target, PROMPTS[2], "mtad", max_new_tokens=20, seed=4, options=options),
+                 make_request(target, PROMPTS[1], "anpd", max_new_tokens=20)]
+    expected = [solo(target, request) for request in requests]
+    draft.release()
+    calls = {"target": [], "draft": []}
+
+    def counting(name, forward_parts):
+        def counted(parts):
+            calls[name].append(len(parts))
+            return forward_parts(parts)
+        return counted
+
+    target.backend.forward_parts = counting("target", target.backend.forward_parts)
+    draft.backend.forward_parts = counting("draft", draft.backend.forward_parts)
+    results = generate_many(target, requests)
+    for request, result, reference in zip(requests, results, expected):
+        assert not isinstance(result, BaseException), result
+        assert result.token_ids == reference, (request.method, request.sampling)
+    assert max(calls["draft"]) >= 6  # the sps jobs drafted in shared forwards of the draft model
+    assert max(calls["target"]) >= 8  # their verify rows (and mtad's) joined the target's forward
+    assert sum(result.stats.drafted for result in results) > 0
+    assert target.pool.used_blocks == 0 and draft.pool.used_blocks == 0
+
+
 @pytest.mark.parametrize("arch", helpers.FAST_ARCHITECTURES)
 def test_a_prompts_logits_and_keys_are_the_same_bits_however_it_is_prefilled(arch):
     """Prefilled whole, in 2 and in 7 chunks, beside another sequence's rows, or extended from

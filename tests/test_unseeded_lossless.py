@@ -179,3 +179,55 @@ def test_a_draft_model_with_a_padded_vocabulary(micro, exact, tmp_path, draft_vo
     outcomes, drafted, accepted = unseeded_requests(micro, lambda: build("sps", micro, options, SAMPLING), 400)
     assert 0 < accepted < drafted
     helpers.assert_fits(outcomes, exact, f"draft vocabulary {draft_vocab}")
+
+
+def paged_micro(seed: int) -> Target:
+    """The micro Llama on int8 numerics: its sequences page their KV, so it batches."""
+    model = helpers.make_model(helpers.micro_llama_config(VOCAB, init=0.3), seed=seed)
+    target = Target(model, None, name=f"micro-int8-{seed}", fast=True, blocks=helpers.blockify(model), numerics="int8")
+    assert target.pages_kv
+    return target
+
+
+def own_law(target: Target, prompt: list[int], sampling: SamplingConfig) -> dict:
+    """The exact law of the first two tokens `ar` samples on `target`'s own numerics."""
+    sequence, law = target.new_sequence(), {}
+    sequence.reset()
+    first = probabilities(sequence.forward(prompt, last_only=True), sampling)[0]  # [V]
+    for a in range(VOCAB):
+        sequence.reset()
+        second = probabilities(sequence.forward([*prompt, a], last_only=True), sampling)[0]  # [V]
+        law.update({(a, b): float(first[a] * second[b]) for b in range(VOCAB)})
+    sequence.release()
+    return law
+
+
+def test_unseeded_sps_in_a_batch_with_its_draft_rows_batched_is_lossless():
+    """The server's path (`batch.BatchEngine`, one fresh recipe per request on a sequence of its
+    own): many unseeded sps requests decoded together, their draft model's rows run in shared
+    forwards (a draft model that pages its KV), each verify in the target's shared forward."""
+    from verispec.batch import BatchEngine
+    from verispec.engine import DecodeConfig
+    from verispec.stats import GenerationStats
+
+    target, draft = paged_micro(0), paged_micro(5)
+    calls = []
+    forward_parts = draft.backend.forward_parts
+    draft.backend.forward_parts = lambda parts: calls.append(len(parts)) or forward_parts(parts)
+    options = MethodOptions(draft_model=draft)  # its default controller
+    engine, outputs, stats = BatchEngine(target), {}, []
+    for _ in range(REQUESTS):
+        sequence = target.new_sequence()
+        stats.append(GenerationStats(method="sps"))
+        job = engine.submit(PROMPT, build("sps", sequence, options, SAMPLING), DecodeConfig(3, SAMPLING), stats[-1],
+                            sequence=sequence)
+        outputs[job.id] = []
+    while not engine.idle:
+        for job, committed in engine.step():
+            assert job.error is None, job.error
+            outputs[job.id] += committed
+    drafted, accepted = sum(s.drafted for s in stats), sum(s.accepted for s in stats)
+    assert 0.9 * REQUESTS <= drafted and 0 < accepted < drafted, (drafted, accepted)  # both paths taken
+    assert max(calls) > 1  # the drafts were drawn in shared forwards of the draft model
+    helpers.assert_fits([tuple(ids[:2]) for ids in outputs.values()], own_law(target, PROMPT, SAMPLING),
+                        "sps in a batch")

@@ -39,10 +39,11 @@ from typing import Callable, Sequence
 import torch
 
 from . import lazy_rows, torch_path
-from .batch_forward import Part, placed_rows, wanted_rows
+from .batch_forward import Part, wanted_rows
 from .cache import StaticKV, Tree, cache_length, crop_to, new_cache
 from .lazy_rows import LazyRows
 from .runtime.kv_pool import PagedKV
+from .runtime.rows import Rows
 
 @dataclass
 class SequenceState:
@@ -381,7 +382,7 @@ class PagedBackend(DecoderBackend):
         assert len({id(part.sequence) for part in parts}) == len(parts), "one part per sequence"
         placed = [self.prepare(part) for part in parts]
         ids = torch.tensor([token for part in parts for token in part.tokens], dtype=torch.long)  # [N]
-        x = decoder.run_rows(decoder.embed(ids), placed_rows(placed), self.pool)  # [N, hidden]
+        x = decoder.run_rows(decoder.embed(ids), Rows.concat([rows for _, rows in placed]), self.pool)  # [N, hidden]
         wanted = wanted_rows(parts)
         flat = [row for rows_of_part in wanted for row in rows_of_part]
         logits = self.target.head(decoder.norm(x[flat])) if flat else None  # [len(flat), vocab]
@@ -389,7 +390,8 @@ class PagedBackend(DecoderBackend):
         for part, (tree, _), rows_of_part in zip(parts, placed, wanted):
             state = part.sequence.state
             if part.parents is None:
-                self._wrote(state, state.cache.length, list(part.tokens))
+                if part.prefix_cache:
+                    self._wrote(state, state.cache.length, list(part.tokens))
                 state.cache.length += len(part.tokens)
             else:
                 state.tree = (state.cache.length, tree.slots.tolist(), list(part.tokens))
@@ -403,7 +405,8 @@ class PagedBackend(DecoderBackend):
         state = part.sequence.state
         cache = state.cache
         start, n = cache.length, len(part.tokens)
-        self._before_write(state)
+        if part.prefix_cache:
+            self._before_write(state)
         if part.parents is None:
             tree = Tree.contiguous(start, n)
         else:

@@ -6,9 +6,11 @@ Owns `BatchEngine`, which runs the decode loops of many requests (`Job`s) in ste
    can cover each one's whole need (`scheduler`: a request's claim is its prompt, its token
    budget and a draft model's scratch rows; a prompt that starts with cached blocks shares them:
    `kv_pool`);
-2. every decoding job drafts as `engine.decode` does (`engine.next_draft`: its own drafter,
-   controller and method); the drafts are then cut together for the step's best expected
-   tokens per second (`control.allocate_drafts`: a draft row costs more when the forward is
+2. every decoding job drafts as `engine.decode` does (`engine.drafting`: its own drafter,
+   controller and method); jobs that draft with a draft model paging its KV (`sps`, `mtad`
+   with `--draft-model` on a GGUF file or int8 numerics) draft together: each draft position
+   is one forward of the draft model over every such job's rows (`_draft`); the drafts are then
+   cut together for the step's best expected tokens per second (`control.allocate_drafts`: a draft row costs more when the forward is
    already wide), and to what each job's claim holds, and the verify rows (chains or trees)
    join the step's forward;
 3. waiting prompts are prefilled in chunks in the same forward, within a row budget
@@ -32,11 +34,12 @@ error (a failed shared forward is retried with each job alone, so only the job i
 ends), its blocks given back, and the others go on.
 
 Exact batching needs a target whose sequences page their KV in its block pool
-(`Target.pages_kv`: the fast path's C layers with int8 numerics). Methods that draft with a
-model (`eesd`, `sps`, `mtad`: `Method.draws`) run unbatched beside the batch, one
-`engine.decode` step per batch step on a sequence of their own, admitted by the same rule. A
-target without paged KV (float32 numerics, transformers' forward, a GPU) serves its jobs one at
-a time, in order.
+(`Target.pages_kv`: the fast path's C layers with int8 numerics, or a GGUF file). A drafter
+that runs the target's own first layers in the request's sequence (`eesd`, and `sps` / `mtad`
+without a draft model: an exit head; `in_target_sequence`) needs its verify to capture exit
+states, so it runs unbatched beside the batch, one `engine.decode` step per batch step on a
+sequence of its own, admitted by the same rule. A target without paged KV (float32 numerics,
+transformers' forward, a GPU) serves its jobs one at a time, in order.
 """
 
 from __future__ import annotations
@@ -52,7 +55,7 @@ from . import scheduler
 from .batch_forward import ALL, LAST, NONE, Part, prepare
 from .cache import Tree
 from .control import RowCosts, allocate_drafts
-from .engine import (DecodeConfig, Decoding, Logprobs, Recipe, check_prompt, close_drafter, decode, next_draft,
+from .engine import (DecodeConfig, Decoding, Logprobs, Recipe, check_prompt, close_drafter, decode, drafting,
                      verify_tokens)
 from .errors import ConfigError
 from .runtime.kv_pool import PoolExhausted
@@ -148,11 +151,11 @@ class BatchEngine:
         return scheduler.never_fits([claim], {pool: self._counts(pool)})
 
     def submit(self, prompt: list[int], recipe: Recipe, config: DecodeConfig, stats: GenerationStats,
-               draws: bool = False, sequence: TargetSequence | None = None, logprobs: Logprobs | None = None) -> Job:
-        """Queue a request (its prompt ids, a fresh recipe, its decode config and stats); `draws`:
-        its method drafts with a model (runs unbatched); `sequence`: the target sequence its
-        recipe was built on (a drafter that runs the target's layers drafts in it), else a new
-        one; `logprobs`: where its tokens' log-probabilities go, if asked for. Refuses a prompt
+               sequence: TargetSequence | None = None, logprobs: Logprobs | None = None) -> Job:
+        """Queue a request (its prompt ids, a fresh recipe, its decode config and stats);
+        `sequence`: the target sequence its recipe was built on (a drafter that runs the target's
+        layers drafts in it, and runs unbatched), else a new one; `logprobs`: where its tokens'
+        log-probabilities go, if asked for. Refuses a prompt
         that is empty, too long for the model (`engine.check_prompt`), or could never fit the KV
         pools (`PoolExhausted`, with the reason)."""
         check_prompt(prompt, config.max_new_tokens, self.target.max_length)
@@ -164,7 +167,8 @@ class BatchEngine:
             raise PoolExhausted(f"this request can never fit the KV memory: {why}; lower its max_new_tokens, or give "
                                 f"the model more KV memory (kv_memory)")
         stats.prompt_tokens = len(prompt)
-        job = Job(list(prompt), recipe, config, stats, batched=self.batches and not draws, context=list(prompt),
+        batched = self.batches and not getattr(recipe.drafter, "in_target_sequence", False)
+        job = Job(list(prompt), recipe, config, stats, batched=batched, context=list(prompt),
                   sequence=sequence, holdings=holdings, logprobs=logprobs)
         self.waiting.append(job)
         return job
@@ -296,8 +300,13 @@ class BatchEngine:
         return scheduler.admissible(costs, running, {pool: self._counts(pool) for pool in costs})
 
     def _twin_prefilling(self, job: Job) -> bool:
-        """Whether a running job is still prefilling the same prompt (its blocks will be shared)."""
-        return any(other.state == PREFILL and other.prompt == job.prompt for other in self.running if other.batched)
+        """Whether a running job is still computing the full blocks of the same prompt (`job`
+        then starts from them once they are cached). A twin that has gone past them (one that
+        started from the cache) leaves nothing more to share; nor does a prompt with no full
+        block before its last token."""
+        shareable = scheduler.shareable_positions(len(job.prompt), self.target.pool.block)
+        return any(other.state == PREFILL and other.prompt == job.prompt and other.sequence.length < shareable
+                   for other in self.running if other.batched)
 
     def _start(self, job: Job) -> None:
         """A batched job's paged sequence, starting from the cached blocks of its prompt; its
@@ -305,6 +314,9 @@ class BatchEngine:
         decode loop does both)."""
         if not job.batched:
             return
+        for twin in self.running:  # what a twin of its prompt has computed so far is shared from now on
+            if twin.batched and twin.prompt == job.prompt:
+                twin.sequence.cache.cache_full_blocks()
         job.sequence.reset()
         job.sequence.cache.start_from_cache(job.prompt)
         generator = job.config.sampling.generator(device=self.target.device)
@@ -333,19 +345,7 @@ class BatchEngine:
         decoding = [job for job in jobs if job.state == DECODE]
         prefilling = any(job.state == PREFILL for job in jobs)
         share = scheduler.row_share(self.max_rows, len(decoding), prefilling)
-        drafted = []  # (job, its uncut draft, seconds spent drafting)
-        events: list[tuple[Job, list[int]]] = []
-        for job in decoding:
-            drafted_at = time.perf_counter()
-            drafter, controller, _ = job.recipe
-            room = scheduler.draft_room(share, job.config.max_new_tokens - job.stats.new_tokens)
-            try:
-                draft = next_draft(drafter, controller, job.context, room, True, cut=False)
-            except Exception as error:  # noqa: BLE001 - a drafter's failure ends its job only
-                self._finish(job, "error", error)
-                events.append((job, []))
-                continue
-            drafted.append((job, draft, time.perf_counter() - drafted_at))
+        drafted, events = self._draft(decoding, share)  # [(job, its uncut draft, seconds drafting)]
         lengths = self._cut_drafts(drafted, prefilling)
         parts, plans = [], []
         for (job, draft, draft_s), length in zip(drafted, lengths):
@@ -367,7 +367,7 @@ class BatchEngine:
         if not parts:
             return events
         forward_started = time.perf_counter()
-        results = self._forward(parts, plans)
+        results = self._forward(parts, [job for job, _, _ in plans], self.target.forward_parts)
         forward_s = time.perf_counter() - forward_started
         if all(draft is not None for _, draft, _ in plans) and None not in results:
             # decode steps only: a prompt chunk's rows fill the kernel's tiles and cost less each
@@ -392,25 +392,75 @@ class BatchEngine:
                 job.stats.decode_s += elapsed
         return events
 
-    def _forward(self, parts: list[Part], plans: list) -> list:
-        """The step's forward over every part; where it fails, each part again alone, so that
-        only the jobs whose own rows fail end (with the error). Sequences move only when their
-        forward succeeds (`forward_parts`), so a retry starts from where they were. Returns the
-        logits of each part (None for a prompt chunk that is not its last, or a failed part)."""
+    def _draft(self, jobs: list[Job], share: int) -> tuple[list, list]:
+        """Each decoding job's uncut draft (`engine.drafting`) and the seconds spent on it. The
+        drafters that feed a draft model paging its KV advance together: each round runs the
+        rows all of them ask for in one forward of that model (`_forward`; each job's seconds
+        count its rows' share of it), so n requests' drafts of k tokens cost k draft-model
+        forwards, not n * k. A row's logits are the bits it gets alone. Returns
+        ([(job, draft, seconds)], [(job, [])] for jobs whose drafter or draft forward failed)."""
+        drafted: list = []
+        events: list[tuple[Job, list[int]]] = []
+        spent: dict[int, float] = {}
+        asking: list = []  # (job, its drafting steps, the part it waits for)
+
+        def advance(job: Job, steps, logits) -> None:
+            began = time.perf_counter()
+            try:
+                part = steps.send(logits)
+            except StopIteration as stop:
+                drafted.append((job, stop.value, spent[job.id] + time.perf_counter() - began))
+                return
+            except Exception as error:  # noqa: BLE001 - a drafter's failure ends its job only
+                self._finish(job, "error", error)
+                events.append((job, []))
+                return
+            spent[job.id] += time.perf_counter() - began
+            asking.append((job, steps, part))
+
+        for job in jobs:
+            drafter, controller, _ = job.recipe
+            room = scheduler.draft_room(share, job.config.max_new_tokens - job.stats.new_tokens)
+            spent[job.id] = 0.0
+            advance(job, drafting(drafter, controller, job.context, room, True, cut=False), None)
+        while asking:
+            this_round, asking = asking, []
+            for backend in {id(part.sequence.backend): part.sequence.backend for _, _, part in this_round}.values():
+                group = [entry for entry in this_round if entry[2].sequence.backend is backend]
+                began = time.perf_counter()
+                results = self._forward([part for _, _, part in group], [job for job, _, _ in group],
+                                        backend.forward_parts)
+                rows = sum(len(part.tokens) for _, _, part in group)
+                seconds = time.perf_counter() - began
+                for (job, steps, part), logits in zip(group, results):
+                    if job.done:  # its draft forward failed
+                        steps.close()
+                        events.append((job, []))
+                        continue
+                    spent[job.id] += seconds * len(part.tokens) / rows
+                    advance(job, steps, logits)
+        return drafted, events
+
+    def _forward(self, parts: list[Part], jobs: list[Job], forward) -> list:
+        """`forward` (the target's or a draft model's `forward_parts`) over every part; where it
+        fails, each part again alone, so that only the jobs whose own rows fail end (with the
+        error). Sequences move only when their forward succeeds (`forward_parts`), so a retry
+        starts from where they were. Returns the logits of each part (None for a prompt chunk
+        that is not its last, or a failed part)."""
         try:
             for part in parts:
                 prepare(part)  # blocks inside the job's claim: never short (`scheduler`)
-            return self.target.forward_parts(parts)
+            return forward(parts)
         except Exception as error:  # noqa: BLE001 - a failed forward ends the jobs it fails for, not the engine
             if len(parts) == 1:
                 log.exception("a batched forward failed")
-                self._finish(plans[0][0], "error", error)
+                self._finish(jobs[0], "error", error)
                 return [None]
             log.warning("a batched forward of %d parts failed (%r): each part runs alone", len(parts), error)
         results = []
-        for part, (job, _, _) in zip(parts, plans):
+        for part, job in zip(parts, jobs):
             try:
-                results.append(self.target.forward_parts([part])[0])
+                results.append(forward([part])[0])
             except Exception as error:  # noqa: BLE001
                 log.exception("job %s: its forward failed", job.id)
                 self._finish(job, "error", error)
@@ -431,7 +481,7 @@ class BatchEngine:
         """How much of each job's draft to verify: jointly, for the step's best expected tokens
         per second (`control.allocate_drafts` under the fitted `RowCosts`), from each draft's
         confidences, or where a drafter gives none from its job's acceptance so far. Drawn drafts
-        (none here: their methods run unbatched) stay whole."""
+        (sampled sps and mtad: their stop rule ran before each draw) stay whole."""
         costs = self.row_costs.fit()
         if costs is None or not drafted:
             return [len(draft) for _, draft, _ in drafted]

@@ -30,6 +30,7 @@ import torch
 
 from . import lazy_rows
 from .acceptance import Verdict
+from .batch_forward import Steps, run_alone
 from .control import Controller
 from .drafters.base import EMPTY_DRAFT, Draft, Drafter
 from .errors import ConfigError
@@ -222,8 +223,22 @@ def next_draft(drafter: Drafter, controller: Controller, context: Sequence[int],
     False: the batch cuts its sequences' drafts together); a drawn draft is verified whole
     (`Draft.drawn`): its stop rule is `keep`, decided before each token is drawn. A tree
     becomes its primary branch where the target verifies linear drafts only."""
+    return run_alone(drafting(drafter, controller, context, room, verifies_trees, cut))
+
+
+def drafting(drafter: Drafter, controller: Controller, context: Sequence[int], room: int,
+             verifies_trees: bool, cut: bool = True) -> Steps[Draft]:
+    """`next_draft` as steps: a drafter that feeds a draft model paging its KV (`proposing`)
+    yields that model's rows (`batch_forward.Part`), which the batch runs for many requests at
+    once; any other drafter proposes without yielding."""
     k = min(controller.next_length(), room)
-    draft = drafter.propose(context, k, controller.keep) if k > 0 else EMPTY_DRAFT
+    proposing = getattr(drafter, "proposing", None)
+    if k <= 0:
+        draft = EMPTY_DRAFT
+    elif proposing is not None:
+        draft = yield from proposing(context, k, controller.keep)
+    else:
+        draft = drafter.propose(context, k, controller.keep)
     assert len(draft) <= max(k, 0), f"drafter proposed {len(draft)} tokens for k={k}"
     if cut and not draft.drawn:
         draft = draft.prefix(controller.cut(draft.confidence, len(draft)))

@@ -89,14 +89,13 @@ class Generation:
 
     def submit(self, engine: "BatchEngine") -> "Job":
         """Queue it in `engine`: its recipe built on a new sequence of the target (a drafter that
-        runs the target's layers drafts in it); a method that drafts with a model runs beside
-        the batch. Raises what the engine refuses (a prompt too long, a request that could
-        never fit the KV memory)."""
+        runs the target's layers drafts in it, beside the batch). Raises what the engine refuses
+        (a prompt too long, a request that could never fit the KV memory)."""
         request = self.request
         sequence = self.target.new_sequence()
         recipe = build(request.method, sequence, request.options, request.sampling)
-        self.job = engine.submit(list(request.prompt_ids), recipe, self.config, self.stats,
-                                 draws=get_method(request.method).draws, sequence=sequence, logprobs=self.logprobs)
+        self.job = engine.submit(list(request.prompt_ids), recipe, self.config, self.stats, sequence=sequence,
+                                 logprobs=self.logprobs)
         self._engine = engine
         return self.job
 

@@ -51,6 +51,13 @@ def kv_positions(prompt_tokens: int, max_new_tokens: int, scratch: int = 0) -> i
     return prompt_tokens + max_new_tokens + scratch
 
 
+def shareable_positions(prompt_tokens: int, block: int) -> int:
+    """Positions of a prompt that a request with the same prompt can take from the prefix
+    cache once another has computed them: the full blocks before the one holding its last
+    token (which is always computed, for its logits)."""
+    return (prompt_tokens - 1) // block * block
+
+
 @dataclass(frozen=True)
 class PoolCounts:
     """What the scheduler reads of a block pool: its size and the blocks it can hand out now

@@ -9,10 +9,14 @@ Owns three things:
   extension. `AuxLM` implements it for an auxiliary causal LM with its own KV cache
   (`--draft-model`: any transformers model with the target's tokenizer, on the fast path where
   it has one, else on its PyTorch path on the target's device); `early_exit.ExitHeadLM` for the
-  target's first layers plus an exit head.
+  target's first layers plus an exit head. Where the draft model pages its KV (a GGUF file or
+  int8 numerics), `AuxLM.syncing` / `extending` are the same two calls as steps
+  (`batch_forward.Steps`): they yield the rows to run as a `batch_forward.Part`, so the batch
+  runs the draft model once for all its requests' drafts (the same bits: its rows are
+  batch-invariant) and a request alone runs them with `run_alone`.
 - `SampledDrafter`: one token at a time, greedy (argmax, q = None) or sampled from the warped
   draft distribution q, which it returns with the draft so that speculative sampling stays
-  lossless (`sps`, and EESD's drafter).
+  lossless (`sps`, and EESD's drafter); `proposing` is its `propose` as steps.
 - `BeamDrafter`: MTAD's beam sampling (Qin et al., ICLR 2025): the first step draws W distinct
   tokens from q; each later step draws W (beam, token) pairs without replacement with
   probability proportional to beam weight x q(token | beam) (Gumbel top-W), and the new weights
@@ -40,6 +44,7 @@ from typing import Protocol, Sequence
 import torch
 
 from .. import torch_path
+from ..batch_forward import LAST, Part, Steps, run_alone
 from ..cache import Tree
 from ..errors import ConfigError
 from ..scheduler import kv_positions
@@ -140,15 +145,21 @@ class AuxLM:
         full[:, : self._real] = logits[:, : self._real]
         return full
 
-    @torch.inference_mode()
     def sync(self, context: Sequence[int]) -> torch.Tensor:
+        return run_alone(self.syncing(context))
+
+    @torch.inference_mode()
+    def syncing(self, context: Sequence[int]) -> Steps[torch.Tensor]:
+        """`sync` as steps: on a paged draft model the missing tokens are yielded as a part."""
         fast = self.model.decoder
         self.model.crop(min(self.model.length, self._length))
         missing = torch.tensor(list(context[self._length:]), dtype=torch.long, device=self.device)
         # an id the draft model has no row for (only a target's padding rows can be such) is
         # shown to it as id 0: its drafts stay samples of the q it reports
         missing = torch.where(missing < self.model.vocab_size, missing, 0)
-        if fast is None:  # the PyTorch path: the draft sequence's own forward
+        if self.model.paged:
+            logits = self._widen((yield Part(self.model, missing.tolist(), logits=LAST, prefix_cache=False)))  # [1, V]
+        elif fast is None:  # the PyTorch path: the draft sequence's own forward
             logits = self._widen(self.model.forward(missing.tolist(), last_only=True))  # [1, V]
         else:
             hidden = fast.hidden_states(missing, self.model.cache)  # appends, advances the length
@@ -157,9 +168,17 @@ class AuxLM:
         self._scratch_start = self._length
         return logits[0]
 
-    @torch.inference_mode()
     def extend(self, tokens: torch.Tensor, tree: Tree) -> torch.Tensor:
+        return run_alone(self.extending(tokens, tree))
+
+    @torch.inference_mode()
+    def extending(self, tokens: torch.Tensor, tree: Tree) -> Steps[torch.Tensor]:
+        """`extend` as steps: on a paged draft model a single path is yielded as a part (appended
+        to the cache; `keep` crops it back)."""
         fast = self.model.decoder
+        if self.model.paged and tree.slots is None:
+            assert int(tree.positions[0]) == self.model.length, "a single path extends the draft cache's end"
+            return self._widen((yield Part(self.model, tokens.tolist(), prefix_cache=False)))  # [n, V]
         if fast is None:  # rows appended to the draft model's cache; beams under a custom mask
             if tree.slots is None:
                 return self._widen(self.model.forward(tokens.tolist()))
@@ -175,7 +194,7 @@ class AuxLM:
 
     def keep(self, m: int) -> None:
         self._length = self._scratch_start + m
-        if self.model.decoder is None:
+        if self.model.decoder is None or self.model.paged:  # single paths were appended to the cache
             self.model.crop(self._length)
         else:
             self.model.cache.length = self._length
@@ -186,6 +205,25 @@ def lm_claims(lm: DraftLM, positions: int) -> list:
     (`AuxLM`), else [] (an exit head drafts in the target's own sequence)."""
     sequence = getattr(lm, "sequence", None)
     return [] if sequence is None else [(sequence, positions)]
+
+
+def lm_sync(lm: DraftLM, context: Sequence[int]) -> Steps[torch.Tensor]:
+    """`lm.sync(context)` as steps where the LM offers them (`AuxLM.syncing`)."""
+    steps = getattr(lm, "syncing", None)
+    return (yield from steps(context)) if steps is not None else lm.sync(context)
+
+
+def lm_extend(lm: DraftLM, tokens: torch.Tensor, tree: Tree) -> Steps[torch.Tensor]:
+    """`lm.extend(tokens, tree)` as steps where the LM offers them (`AuxLM.extending`)."""
+    steps = getattr(lm, "extending", None)
+    return (yield from steps(tokens, tree)) if steps is not None else lm.extend(tokens, tree)
+
+
+def in_target_sequence(lm: DraftLM) -> bool:
+    """Whether `lm` drafts with the target's own layers in the request's target sequence (an
+    exit head: its verify must capture exit states, so it cannot join a shared forward), rather
+    than in a draft model's sequence of its own (`AuxLM`)."""
+    return getattr(lm, "sequence", None) is None
 
 
 def close_lm(lm: DraftLM) -> None:
@@ -234,13 +272,21 @@ class SampledDrafter:
         draft of k tokens extends the context by k - 1, within the token budget)."""
         return lm_claims(self.lm, kv_positions(prompt_tokens, max_new_tokens))
 
-    @torch.inference_mode()
+    @property
+    def in_target_sequence(self) -> bool:
+        return in_target_sequence(self.lm)
+
     def propose(self, context: Sequence[int], k: int, keep: Keep = keep_all) -> Draft:
+        return run_alone(self.proposing(context, k, keep))
+
+    @torch.inference_mode()
+    def proposing(self, context: Sequence[int], k: int, keep: Keep = keep_all) -> Steps[Draft]:
+        """`propose` as steps: the draft model's forwards yielded as parts where it pages its KV."""
         self._fed = 0  # draft tokens fed back through the draft model (all but the last)
         self._synced = k > 0 and keep(0, None)
         if not self._synced:
             return EMPTY_DRAFT  # no draft, no draft-model work: the next sync catches up
-        logits = self.lm.sync(context)  # [V_d]
+        logits = yield from lm_sync(self.lm, context)  # [V_d]
         tokens, rows, confidence = [], [], []
         go_on = True
         while go_on:
@@ -252,8 +298,8 @@ class SampledDrafter:
             if not go_on:
                 break  # the last draft token is not fed: nothing will be drafted after it
             position = len(context) + self._fed
-            logits = self.lm.extend(torch.tensor([token], device=self.lm.device),
-                                    Tree.contiguous(position, 1, self.lm.device))[0]
+            logits = (yield from lm_extend(self.lm, torch.tensor([token], device=self.lm.device),
+                                           Tree.contiguous(position, 1, self.lm.device)))[0]
             self._fed += 1
         self.lm.end_draft()
         q = None
@@ -327,6 +373,10 @@ class BeamDrafter:
         self.lm, self.width, self.sampling = lm, width, sampling
         self._ngrams = OutputNgrams(no_repeat_ngram) if no_repeat_ngram else None
         self._generator = sampling.generator(DRAFT_STREAM, lm.device)  # fresh per request unless seeded
+
+    @property
+    def in_target_sequence(self) -> bool:
+        return in_target_sequence(self.lm)
 
     def begin(self, prompt: Sequence[int]) -> None:
         self.lm.begin(prompt)
