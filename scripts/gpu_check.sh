@@ -89,10 +89,13 @@ METHODS=ar,pld,anpd,anpd/tree=8
 SAMPLED=ar
 PEERS=hf-ar,hf-pld
 SAMPLED_PEERS=hf-ar
-DRAFT_FLAGS=()
+DRAFT_FLAGS=()    # the greedy bench's: eesd's head and sps's draft model
+SAMPLED_FLAGS=()  # the sampled bench's (no eesd there): sps and mtad draft with one of them
+HEAD_FLAGS=()
 if [ -n "${EXIT_HEAD:-}" ]; then
     METHODS="$METHODS,eesd"
-    DRAFT_FLAGS+=(--exit-head "$EXIT_HEAD")
+    HEAD_FLAGS=(--exit-head "$EXIT_HEAD")
+    DRAFT_FLAGS+=("${HEAD_FLAGS[@]}")
 fi
 if [ -n "${DRAFT_MODEL:-}" ]; then
     METHODS="$METHODS,sps,sps/constant:4"
@@ -100,9 +103,11 @@ if [ -n "${DRAFT_MODEL:-}" ]; then
     PEERS="$PEERS,hf-assisted"
     SAMPLED_PEERS="$SAMPLED_PEERS,hf-assisted"
     DRAFT_FLAGS+=(--draft-model "$DRAFT_MODEL")
+    SAMPLED_FLAGS=(--draft-model "$DRAFT_MODEL")
 elif [ -n "${EXIT_HEAD:-}" ]; then  # sps and mtad draft with the exit head
     METHODS="$METHODS,sps"
     SAMPLED="$SAMPLED,sps,mtad,mtad/tau=0.1"
+    SAMPLED_FLAGS=("${HEAD_FLAGS[@]}")
 fi
 COMPILE_FLAGS=()
 if [ "${GPU_CHECK_COMPILE:-0}" = 1 ]; then
@@ -112,7 +117,7 @@ fi
 echo "== forward costs on $MODEL"
 set +e
 "$PYTHON" -m verispec.cli profile --model "$MODEL" --device cuda ${COMPILE_FLAGS[@]+"${COMPILE_FLAGS[@]}"} \
-    --widths 2,4,8,16,32 --sequences '' --prefill 0 2>&1 | tee "$OUT/profile.txt"
+    ${HEAD_FLAGS[@]+"${HEAD_FLAGS[@]}"} --widths 2,4,8,16,32 --sequences '' --prefill 0 2>&1 | tee "$OUT/profile.txt"
 PROFILE_STATUS=${PIPESTATUS[0]}
 
 echo "== benchmark on $MODEL: greedy"
@@ -123,7 +128,7 @@ BENCH_STATUS=${PIPESTATUS[0]}
 
 echo "== benchmark on $MODEL: sampled"
 "$PYTHON" -m verispec.cli bench --model "$MODEL" --device cuda ${COMPILE_FLAGS[@]+"${COMPILE_FLAGS[@]}"} \
-    ${DRAFT_FLAGS[@]+"${DRAFT_FLAGS[@]}"} --methods "$SAMPLED" --peers "$SAMPLED_PEERS" --dataset builtin \
+    ${SAMPLED_FLAGS[@]+"${SAMPLED_FLAGS[@]}"} --methods "$SAMPLED" --peers "$SAMPLED_PEERS" --dataset builtin \
     --temperature 1 --top-k 10 --top-p 0.9 --max-new-tokens "$TOKENS" --seed 0 --no-progress \
     --out "$OUT/bench-sampled" 2>&1 | tee "$OUT/bench-sampled.txt"
 SAMPLED_STATUS=${PIPESTATUS[0]}
