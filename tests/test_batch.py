@@ -136,12 +136,13 @@ def test_identical_prompts_start_together_once_their_shared_blocks_are_computed(
     assert target.pool.used_blocks == 0
 
 
-def test_draft_model_methods_join_the_batch_and_their_draft_model_runs_once_a_round_for_all():
+def test_draft_model_methods_join_the_batch_and_their_draft_model_runs_once_a_round_for_all(monkeypatch):
     """sps and mtad with a draft model that pages its KV: their verify rows join the shared
     forward, and the sps jobs' draft rows run together, one draft-model forward per draft
     position for all of them. Every output is the one it gives alone: greedy, and seeded
     sampling under a constant draft length (the draft model's rows are the bits they get alone,
-    so every draw sees the same q)."""
+    so every draw sees the same q). Drafts are not sized for the load here (the next test)."""
+    monkeypatch.setattr(BatchEngine, "_model_draft_rooms", lambda self, jobs: {})
     target = int8_target("llama", seed=0)
     draft = int8_target("llama", seed=5, num_hidden_layers=1)
     options = MethodOptions(draft_model=draft, controller="constant:3")
@@ -170,6 +171,34 @@ def test_draft_model_methods_join_the_batch_and_their_draft_model_runs_once_a_ro
     assert max(calls["target"]) >= 8  # their verify rows (and mtad's) joined the target's forward
     assert sum(result.stats.drafted for result in results) > 0
     assert target.pool.used_blocks == 0 and draft.pool.used_blocks == 0
+
+
+def test_under_load_model_drafts_are_sized_before_drafting_and_seeded_samples_keep_their_own(monkeypatch):
+    """Once both models' costs are measured, the jobs drafting with a draft model draft the
+    length `control.model_draft_length` gives (here: none, as when the draft model's rows cost
+    more than they save), decided before drafting; a seeded sampled job keeps its own lengths,
+    so its output stays the one it gives alone."""
+    import verispec.batch as batch
+
+    target = int8_target("llama", seed=0)
+    draft = int8_target("llama", seed=5, num_hidden_layers=1)
+    options = MethodOptions(draft_model=draft, controller="constant:3")
+    greedy = [make_request(target, PROMPTS[i], "sps", max_new_tokens=24, options=options) for i in range(3)]
+    seeded = [make_request(target, PROMPTS[i], "sps", max_new_tokens=24, temperature=1.0, top_k=20, seed=i,
+                           options=options) for i in range(2)]
+    expected = [solo(target, request) for request in greedy + seeded]
+    asked = []
+
+    def none_pays(rates, *args, **kwargs):
+        asked.append(len(rates))
+        return 0
+
+    monkeypatch.setattr(batch, "model_draft_length", none_pays)
+    results = generate_many(target, greedy + seeded)
+    assert [result.token_ids for result in results] == expected
+    assert asked and max(asked) == 3  # the greedy jobs, every step once the costs were known
+    assert all(result.stats.drafted <= 3 for result in results[:3])  # their first step's draft only
+    assert all(result.stats.drafted > 10 for result in results[3:])
 
 
 @pytest.mark.parametrize("arch", helpers.FAST_ARCHITECTURES)

@@ -17,6 +17,7 @@ import pytest
 
 import helpers
 from verispec.control import (
+    model_draft_length,
     BetaThompson, CalibratedThompson, ConstantLength, ControllerMemory, CostModel, ExpectedThroughput, Heuristic,
     agreement_runs, best_draft_length, break_even_thresholds, constant_trace_cost, oracle_trace_cost,
     parse_controller, threshold_trace_cost,
@@ -384,3 +385,34 @@ def test_row_costs_fit_a_line_and_fall_back_on_the_prior_slope():
         costs.observe(rows, 0.012 + 0.002 * rows)
     a, b = costs.fit()
     assert a == pytest.approx(0.012, rel=0.15) and b == pytest.approx(0.002, rel=0.15)
+
+
+def test_model_draft_length_is_the_best_length_under_both_models_costs():
+    """Brute force over k against the closed form's terms; a cheap draft model drafts long,
+    one that costs more than the tokens it saves drafts nothing, and more sequences sharing
+    the forward draft less."""
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        n = int(rng.integers(1, 12))
+        rates = rng.uniform(0, 1, n).tolist()
+        costs, draft_costs = tuple(rng.uniform(0.01, 0.1, 2)), tuple(rng.uniform(0.0, 0.05, 2))
+        rows, k_max = n + int(rng.integers(0, 20)), int(rng.integers(0, 8))
+        catch_up = float(rng.choice([0.0, rng.uniform(0, 50)]))
+
+        def rate(k):
+            gain = n + sum(r ** j for r in rates for j in range(1, k + 1))
+            seconds = costs[0] + costs[1] * (rows + n * k)
+            if k:
+                seconds += k * draft_costs[0] + draft_costs[1] * (n * (k + 1) + catch_up)
+            return gain / seconds
+
+        rates_by_k = [rate(k) for k in range(k_max + 1)]
+        assert model_draft_length(rates, k_max, costs, draft_costs, rows, n, catch_up) == int(np.argmax(rates_by_k))
+    memory_bound = (0.060, 0.004)  # a 1.5B step: 60 ms, 4 ms a row more
+    assert model_draft_length([0.9], 8, memory_bound, (0.001, 0.0001), 1, 1) == 8
+    assert model_draft_length([0.9], 8, memory_bound, (0.060, 0.004), 1, 1) == 0  # a draft model as dear as the target
+    compute_bound = (0.060, 0.020)
+    one = model_draft_length([0.8], 8, compute_bound, (0.010, 0.002), 1, 1)
+    eight = model_draft_length([0.8] * 8, 8, compute_bound, (0.010, 0.002), 8, 8)
+    assert one > eight
+    assert model_draft_length([0.9], 8, memory_bound, (0.030, 0.004), 1, 1, catch_up=300) == 0  # far behind

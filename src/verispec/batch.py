@@ -9,8 +9,9 @@ Owns `BatchEngine`, which runs the decode loops of many requests (`Job`s) in ste
 2. every decoding job drafts as `engine.decode` does (`engine.drafting`: its own drafter,
    controller and method); jobs that draft with a draft model paging its KV (`sps`, `mtad`
    with `--draft-model` on a GGUF file or int8 numerics) draft together: each draft position
-   is one forward of the draft model over every such job's rows (`_draft`); the drafts are then
-   cut together for the step's best expected tokens per second (`control.allocate_drafts`: a draft row costs more when the forward is
+   is one forward of the draft model over every such job's rows (`_draft`), their length set
+   before drafting for the step's goodput (`_model_draft_rooms`); the drafts are then cut
+   together for the step's best expected tokens per second (`control.allocate_drafts`: a draft row costs more when the forward is
    already wide), and to what each job's claim holds, and the verify rows (chains or trees)
    join the step's forward;
 3. waiting prompts are prefilled in chunks in the same forward, within a row budget
@@ -54,7 +55,7 @@ from typing import Iterator
 from . import scheduler
 from .batch_forward import ALL, LAST, NONE, Part, prepare
 from .cache import Tree
-from .control import RowCosts, allocate_drafts
+from .control import RowCosts, allocate_drafts, model_draft_length
 from .engine import (DecodeConfig, Decoding, Logprobs, Recipe, check_prompt, close_drafter, decode, drafting,
                      verify_tokens)
 from .errors import ConfigError
@@ -68,6 +69,7 @@ log = logging.getLogger("verispec.batch")
 WAITING, PREFILL, DECODE, DONE = "waiting", "prefill", "decode", "done"
 DEFAULT_MAX_ROWS = 256  # rows of one step's forward (verify rows first, then prompt chunks)
 DEFAULT_MAX_SEQUENCES = 64
+MAX_MODEL_DRAFT = 8  # the longest draft `_model_draft_rooms` considers (a job's controller may ask less)
 
 _ids = itertools.count(1)
 
@@ -135,6 +137,7 @@ class BatchEngine:
             log.info("%s keeps no paged KV (float32 numerics, transformers' forward or a GPU): its requests run "
                      "one at a time", target.name)
         self.row_costs = RowCosts()  # a step's seconds by its rows, for cutting drafts under load
+        self.draft_costs: dict[int, RowCosts] = {}  # a draft model's forward seconds by rows, by id of its backend
         self.waiting: collections.deque[Job] = collections.deque()
         self.running: list[Job] = []
         self.last_rows = 0  # rows of the last step's shared forward
@@ -418,9 +421,11 @@ class BatchEngine:
             spent[job.id] += time.perf_counter() - began
             asking.append((job, steps, part))
 
+        model_rooms = self._model_draft_rooms(jobs)
         for job in jobs:
             drafter, controller, _ = job.recipe
             room = scheduler.draft_room(share, job.config.max_new_tokens - job.stats.new_tokens)
+            room = min(room, model_rooms.get(job.id, room))
             spent[job.id] = 0.0
             advance(job, drafting(drafter, controller, job.context, room, True, cut=False), None)
         while asking:
@@ -432,6 +437,7 @@ class BatchEngine:
                                         backend.forward_parts)
                 rows = sum(len(part.tokens) for _, _, part in group)
                 seconds = time.perf_counter() - began
+                self.draft_costs.setdefault(id(backend), RowCosts()).observe(rows, seconds)
                 for (job, steps, part), logits in zip(group, results):
                     if job.done:  # its draft forward failed
                         steps.close()
@@ -440,6 +446,50 @@ class BatchEngine:
                     spent[job.id] += seconds * len(part.tokens) / rows
                     advance(job, steps, logits)
         return drafted, events
+
+    def _model_draft_rooms(self, jobs: list[Job]) -> dict[int, int]:
+        """By job id, the most tokens each job that drafts with a draft model paging its KV may
+        draft this step: the length of best expected goodput under the target's and that
+        model's fitted costs (`control.model_draft_length`, from each job's acceptance so far),
+        decided before drafting. Under load a draft model's rows cost more than they save and
+        its jobs draft nothing. A seeded sampled job keeps its own lengths (its draws, and so
+        its output, are then the ones it makes alone). Until the target's step costs are
+        measured, such jobs draft only alone; the draft model's costs are, until measured, the
+        target's scaled by the bytes of weights each reads a token. A job that drafted nothing
+        for a while must first catch its draft model up on what it skipped: those rows are
+        charged spread over the steps it has left (about two tokens a step)."""
+        costs = self.row_costs.fit()
+        groups: dict[int, list[Job]] = {}
+        draft_sequences: dict[int, TargetSequence] = {}
+        for job in jobs:
+            sequence = getattr(job.recipe.drafter, "draft_sequence", None)
+            sampling = job.config.sampling
+            if sequence is None or not sequence.paged or not hasattr(job.recipe.drafter, "proposing"):
+                continue
+            if not sampling.greedy and sampling.seed is not None:
+                continue
+            groups.setdefault(id(sequence.backend), []).append(job)
+            draft_sequences[id(sequence.backend)] = sequence
+        rooms: dict[int, int] = {}
+        for backend, members in groups.items():
+            if costs is None:
+                if len(jobs) > 1:
+                    rooms.update((job.id, 0) for job in members)
+                continue
+            draft_costs = self.draft_costs[backend].fit() if backend in self.draft_costs else None
+            if draft_costs is None:
+                share = draft_sequences[backend].weight_bytes_per_token / self.target.weight_bytes_per_token
+                draft_costs = (costs[0] * share, costs[1] * share)
+            rates = [(job.stats.accepted + 1) / (job.stats.drafted + 2) for job in members]
+            catch_up = 0.0
+            for job in members:
+                behind = len(job.context) - job.recipe.drafter.draft_sequence.length - 2  # past a usual step's
+                steps_left = max(1.0, (job.config.max_new_tokens - job.stats.new_tokens) / 2)
+                catch_up += max(0, behind) / steps_left
+            k = model_draft_length(rates, MAX_MODEL_DRAFT, costs, draft_costs, rows=len(jobs), committed=len(jobs),
+                                   catch_up=catch_up)
+            rooms.update((job.id, k) for job in members)
+        return rooms
 
     def _forward(self, parts: list[Part], jobs: list[Job], forward) -> list:
         """`forward` (the target's or a draft model's `forward_parts`) over every part; where it

@@ -52,7 +52,9 @@ draft token j of a sequence adds its survival (the product of its confidences up
 chance that it is accepted) to the tokens the step commits. Rows go, most probable first, while
 a row's survival exceeds the step's tokens per second times its cost b. One sequence alone
 drafts about as its adaptive controller would; sixteen sharing a forward draft only tokens that
-are very likely accepted. The same cut serves vLLM's batches (`integrations.vllm`) under a cost
+are very likely accepted. Drafts from a model cost the draft model's forwards too, and a drawn
+draft cannot be cut once drawn: their length is set before drafting, for the step's goodput
+under both models' fitted costs (`model_draft_length`). The same cut serves vLLM's batches (`integrations.vllm`) under a cost
 table measured per batch size instead of the line.
 
 Trace replay (`constant_trace_cost`, `threshold_trace_cost`, `oracle_trace_cost`): what a
@@ -307,6 +309,35 @@ class RowCosts:
         r, s = float(np.median(rows)), float(np.median(seconds))
         a = s / (1 + self.prior_slope * r)
         return a, a * self.prior_slope
+
+
+def model_draft_length(rates: Sequence[float], k_max: int, costs: tuple[float, float],
+                       draft_costs: tuple[float, float], rows: int, committed: float, catch_up: float = 0.0) -> int:
+    """One draft length k for the sequences of a shared step that draft with a model, chosen
+    before they draft (so it never biases a drawn draft): each draws k tokens in k rounds of
+    the draft model, one forward over all of them a round (the first also catches up the
+    tokens the last step accepted, about one more row each), and their k draft tokens join
+    the target's forward. rates: each sequence's per-token acceptance estimate; costs: the
+    target's step (a, b) and draft_costs the draft model's forward (a_d, b_d), each a + b R
+    seconds for R rows (`RowCosts`); rows: the step's other rows (one per sequence, other
+    drafts, prompt chunks); committed: the tokens the step commits without these drafts (one
+    per sequence); catch_up: more draft-model rows the first round would carry (sequences that
+    drafted nothing for a while must catch up, the caller's share of it charged to this step).
+    Returns the k in 0..k_max of most expected tokens per second (ties to fewer),
+    (committed + sum_i sum_{j<=k} rate_i^j) / (a + b (rows + n k) + k a_d + b_d (n (k + 1) + catch_up))."""
+    a, b = costs
+    a_d, b_d = draft_costs
+    n = len(rates)
+    best, best_rate = 0, committed / (a + b * rows)
+    gain = float(committed)
+    survival = np.ones(n)
+    for k in range(1, k_max + 1):
+        survival = survival * np.clip(np.asarray(rates, dtype=np.float64), 0.0, 1.0)
+        gain += float(survival.sum())
+        rate = gain / (a + b * (rows + n * k) + k * a_d + b_d * (n * (k + 1) + catch_up))
+        if rate > best_rate:
+            best, best_rate = k, rate
+    return best
 
 
 def allocate_drafts(confidences: Sequence[Sequence[float]],
