@@ -100,8 +100,9 @@ def test_a_request_that_fits_alone_never_preempts_itself_forever():
 
 @pytest.mark.parametrize("method", ["eesd", "sps", "mtad"])
 def test_model_drafted_methods_wait_for_blocks_instead_of_failing(method, tmp_path):
-    """eesd, sps and mtad run unbatched beside the batch on sequences of the same pool; they were
-    admitted without a block check and failed with PoolExhausted though each fits alone."""
+    """eesd (beside the batch), sps and mtad (in it, their draft model's sequences in its own
+    pool) hold sequences of the target's pool; they were admitted without a block check and
+    failed with PoolExhausted though each fits alone."""
     reference = int8_target(seed=3)
     target = int8_target(seed=3, blocks=6)
     options = _draft_options(method, reference, tmp_path)
