@@ -201,6 +201,34 @@ def test_under_load_model_drafts_are_sized_before_drafting_and_seeded_samples_ke
     assert all(result.stats.drafted > 10 for result in results[3:])
 
 
+def test_a_draft_forward_that_fails_for_one_job_ends_that_job_only(monkeypatch):
+    """The draft rows of several jobs share one forward of the draft model; where it fails, each
+    part runs again alone, so only the job whose own rows fail ends (with the error, its blocks
+    given back in both pools) and the others give what they give alone."""
+    monkeypatch.setattr(BatchEngine, "_model_draft_rooms", lambda self, jobs: {})
+    target = int8_target("llama", seed=0)
+    draft = int8_target("llama", seed=5, num_hidden_layers=1)
+    options = MethodOptions(draft_model=draft, controller="constant:3")
+    requests = [make_request(target, PROMPTS[i], "sps", max_new_tokens=20, options=options) for i in range(3)]
+    requests.append(make_request(target, PROMPTS[3], "anpd", max_new_tokens=20))
+    expected = [solo(target, request) for request in requests]
+    poisoned, forward_parts = set(), draft.backend.forward_parts
+    start = list(requests[1].prompt_ids[:8])
+
+    def failing(parts):  # fails wherever the second request's draft sequence has rows
+        poisoned.update(id(part.sequence) for part in parts if list(part.tokens[:8]) == start)
+        if any(id(part.sequence) in poisoned for part in parts):
+            raise RuntimeError("a fault in the draft model's forward")
+        return forward_parts(parts)
+
+    draft.backend.forward_parts = failing
+    results = generate_many(target, requests)
+    assert isinstance(results[1], RuntimeError)
+    assert [results[i].token_ids for i in (0, 2, 3)] == [expected[i] for i in (0, 2, 3)]
+    assert results[0].stats.drafted > 0
+    assert target.pool.used_blocks == 0 and draft.pool.used_blocks == 0
+
+
 def test_a_draft_models_tokenizer_is_compared_once_per_pair(monkeypatch):
     """Each request builds its own draft LM; comparing a 150k-entry vocabulary took 0.4 s, so
     the comparison is made for the first request of a (draft, target) pair only."""

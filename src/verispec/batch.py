@@ -11,9 +11,9 @@ Owns `BatchEngine`, which runs the decode loops of many requests (`Job`s) in ste
    with `--draft-model` on a GGUF file or int8 numerics) draft together: each draft position
    is one forward of the draft model over every such job's rows (`_draft`), their length set
    before drafting for the step's goodput (`_model_draft_rooms`); the drafts are then cut
-   together for the step's best expected tokens per second (`control.allocate_drafts`: a draft row costs more when the forward is
-   already wide), and to what each job's claim holds, and the verify rows (chains or trees)
-   join the step's forward;
+   together for the step's best expected tokens per second (`control.allocate_drafts`: a
+   draft row costs more when the forward is already wide), and to what each job's claim
+   holds, and the verify rows (chains or trees) join the step's forward;
 3. waiting prompts are prefilled in chunks in the same forward, within a row budget
    (`max_rows`), so a long prompt never stalls the sequences already decoding;
 4. one forward of the target runs all those rows (`batch_forward.forward_parts`): every row's
