@@ -73,12 +73,12 @@ def test_a_second_sequence_shares_the_cached_blocks_of_a_common_prefix():
     one = PagedKV(pool)
     fill(one, prompt)
     one.release()
-    assert len(pool.prefix) == 2 and pool.used_blocks == 0 and pool.prefix.evictable == 2
+    assert len(pool.prefix) == 3 and pool.used_blocks == 0 and pool.prefix.evictable == 3  # with its tail
     two = PagedKV(pool)
     other = prompt[:BLOCK] + [999] + prompt[BLOCK + 1 :]  # the second block differs in one token
     assert two.start_from_cache(other) == BLOCK
     assert two.blocks == [one_block := pool.prefix.match(prompt[:BLOCK])[0]]
-    assert pool.references(one_block) == 1 and pool.prefix.evictable == 1
+    assert pool.references(one_block) == 1 and pool.prefix.evictable == 2
     fill(two, other[BLOCK:])
     assert held(two) == other
     two.release()
@@ -152,7 +152,7 @@ def test_identical_blocks_computed_twice_are_cached_once():
     assert pool.used_blocks == 3
     one.release()
     two.release()
-    assert pool.used_blocks == 0 and len(pool.prefix) == 1
+    assert pool.used_blocks == 0 and len(pool.prefix) == 2  # the block, and one tail of the 5 tokens after it
 
 
 def test_without_the_prefix_cache_nothing_is_kept():
@@ -197,3 +197,53 @@ def test_a_thousand_random_requests_leave_every_block_free():
         sequence.release()
     assert pool.used_blocks == 0 and pool.free_blocks == pool.blocks
     assert refused > 0 and pool.prefix.hit_tokens > 0  # the run did exercise both
+
+
+@pytest.mark.parametrize("full_blocks", [0, 2])
+def test_a_prompt_that_goes_on_from_a_cached_tail_copies_it_instead_of_recomputing(full_blocks):
+    """The committed positions of a sequence's last, partial block are kept (its tail); a later
+    sequence whose tokens go on with them copies the block into one of its own (it writes the
+    rest), never its last token; the cached tail is never written."""
+    pool = tiny_pool(8)
+    prompt = list(range(1, full_blocks * BLOCK + 11))
+    one = PagedKV(pool)
+    fill(one, prompt)
+    tail = one.blocks[full_blocks]
+    one.release()
+    assert pool.prefix.cached(tail) and pool.used_blocks == 0
+    before = pool.keys[0][:, tail * BLOCK : (tail + 1) * BLOCK].clone()
+    two = PagedKV(pool)
+    turn = prompt + [500, 501, 502]  # the next turn of a chat: what was computed, then more
+    assert two.start_from_cache(turn) == len(prompt)
+    assert two.blocks[full_blocks] != tail and held(two) == prompt
+    fill(two, turn[len(prompt) :])
+    assert held(two) == turn
+    assert torch.equal(pool.keys[0][:, tail * BLOCK : (tail + 1) * BLOCK], before)
+    three = PagedKV(pool)
+    assert three.start_from_cache(prompt) == len(prompt) - 1  # the same prompt: its last token is recomputed
+    assert held(three) == prompt[:-1]
+    shorter = PagedKV(pool)  # a tail's leading positions serve a prompt that leaves it early
+    assert shorter.start_from_cache(prompt[: full_blocks * BLOCK + 5] + [900]) == full_blocks * BLOCK + 5
+    assert held(shorter) == prompt[: full_blocks * BLOCK + 5]
+    for sequence in (two, three, shorter):
+        sequence.release()
+    assert pool.used_blocks == 0
+
+
+def test_tails_are_evicted_before_the_blocks_they_follow_and_with_the_cache():
+    pool = tiny_pool(3)
+    one = PagedKV(pool)
+    fill(one, list(range(1, BLOCK + 11)))  # a full block and a tail of 10
+    one.release()
+    assert len(pool.prefix) == 2 and pool.free_blocks == 3
+    taken = pool.allocate(2)  # the free block, then the oldest idle one: the tail, before its block
+    assert len(pool.prefix) == 1 and pool.prefix.match(list(range(1, BLOCK + 1)))
+    pool.release(taken)
+    pool.allocate(3)
+    assert len(pool.prefix) == 0
+    pool.release(list(range(3)))
+    two = PagedKV(pool)
+    fill(two, [7] * 10)
+    two.release()
+    pool.clear_cache()
+    assert len(pool.prefix) == 0 and pool.free_blocks == 3 and pool.used_blocks == 0

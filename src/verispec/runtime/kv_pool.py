@@ -14,7 +14,12 @@ Owns three things, kept apart as vLLM keeps its block pool and KV-cache manager 
   tree or vLLM's chained block hashes; keys are the tokens themselves, compared exactly, so a
   hash collision can never hand a sequence another text's keys). A sequence whose tokens start
   with cached blocks shares them without copying (reference counts); blocks nobody references
-  are evicted least recently used first (leaves first) when the pool needs room. Exact because
+  are evicted least recently used first (leaves first) when the pool needs room. A sequence's
+  last, partial block is kept too (a tail: its first t positions, under the block before it),
+  and a later sequence whose tokens go on with the first of those tokens copies it into a block
+  of its own (it writes the rest of that block) and keeps the positions that match instead of
+  recomputing them: a repeated short prompt, or a chat's next turn, recomputes nothing it
+  already computed. Exact because
   the C layers are batch-invariant: a position's keys and values are the same bits however they
   were computed (prefill chunk, decode step, verify, alone or batched), so a cached block holds
   what recomputing it would write.
@@ -81,13 +86,15 @@ def parse_bytes(text: str) -> int:
 
 
 class _Node:
-    """A cached full block: its tokens, the node of the block before it, its children by tokens."""
+    """A cached full block: its tokens, the node of the block before it, its children by tokens,
+    and the tails cached after it (partial blocks, by their tokens)."""
 
-    __slots__ = ("block", "tokens", "parent", "children")
+    __slots__ = ("block", "tokens", "parent", "children", "tails")
 
     def __init__(self, block: int, tokens: tuple[int, ...], parent: "_Node | None"):
         self.block, self.tokens, self.parent = block, tokens, parent
         self.children: dict[tuple[int, ...], _Node] = {}
+        self.tails: dict[tuple[int, ...], int] = {}
 
 
 class PrefixCache:
@@ -97,15 +104,16 @@ class PrefixCache:
     def __init__(self):
         self._root = _Node(-1, (), None)
         self._nodes: dict[int, _Node] = {}  # block -> its node
+        self._tails: dict[int, tuple[_Node, tuple[int, ...]]] = {}  # tail block -> (the node it follows, its tokens)
         self._idle: collections.OrderedDict[int, None] = collections.OrderedDict()  # unreferenced, oldest first
         self.queried_tokens = 0
         self.hit_tokens = 0
 
     def __len__(self) -> int:
-        return len(self._nodes)
+        return len(self._nodes) + len(self._tails)
 
     def cached(self, block: int) -> bool:
-        return block in self._nodes
+        return block in self._nodes or block in self._tails
 
     def match(self, tokens: Sequence[int], count: bool = True) -> list[int]:
         """The blocks holding the longest run of whole blocks that `tokens` starts with (`count`:
@@ -137,6 +145,40 @@ class PrefixCache:
         self._nodes[block] = child
         return block
 
+    def insert_tail(self, parent: int | None, tokens: Sequence[int], block: int) -> bool:
+        """Cache `block` as a tail: its first len(tokens) (< BLOCK) positions hold `tokens`, after
+        the cached block `parent` (None: from the start). False (nothing cached) where an equal
+        tail is cached already."""
+        assert 0 < len(tokens) < BLOCK
+        node = self._root if parent is None else self._nodes[parent]
+        key = tuple(tokens)
+        if key in node.tails:
+            return False
+        assert not self.cached(block), f"block {block} is cached already"
+        node.tails[key] = block
+        self._tails[block] = (node, key)
+        return True
+
+    def match_tail(self, parent: int | None, tokens: Sequence[int]) -> tuple[int, int] | None:
+        """(block, t): the cached tail after `parent` whose first t positions hold the first t
+        of `tokens`, t > 0 the most any tail gives (a tail's leading positions are valid on
+        their own); None if none. Counted as hit tokens (the caller copies it)."""
+        node = self._root if parent is None else self._nodes.get(parent)
+        if node is None:
+            return None
+        best = None
+        for key, block in node.tails.items():
+            same = 0
+            for a, b in zip(key, tokens):
+                if a != b:
+                    break
+                same += 1
+            if same and (best is None or same > best[1]):
+                best = (block, same)
+        if best is not None:
+            self.hit_tokens += best[1]
+        return best
+
     def idle(self, block: int) -> None:
         """`block` (cached) has no reference any more: it may be evicted, least recently idle first."""
         self._idle[block] = None
@@ -155,8 +197,12 @@ class PrefixCache:
         idle block is a leaf; if not, its idle subtree goes first (a referenced child would mean
         a referenced parent)."""
         block = next(iter(self._idle))
+        if block in self._tails:
+            return self._drop_tail(block)
         node = self._nodes[block]
-        while node.children:
+        while node.children or node.tails:
+            if node.tails:  # a tail is never referenced: it goes before the block it follows
+                return self._drop_tail(next(iter(node.tails.values())))
             node = next(iter(node.children.values()))
             assert node.block in self._idle, "a cached block's child is referenced but not the block"
         del self._nodes[node.block]
@@ -164,11 +210,17 @@ class PrefixCache:
         del self._idle[node.block]
         return node.block
 
+    def _drop_tail(self, block: int) -> int:
+        node, key = self._tails.pop(block)
+        del node.tails[key]
+        del self._idle[block]
+        return block
+
     def clear(self) -> list[int]:
         """Forget every cached block; returns the idle ones (now free memory). Referenced ones stay
         with their sequences, uncached."""
         idle = list(self._idle)
-        self._root, self._nodes, self._idle = _Node(-1, (), None), {}, collections.OrderedDict()
+        self._root, self._nodes, self._tails, self._idle = _Node(-1, (), None), {}, {}, collections.OrderedDict()
         return idle
 
 
@@ -380,14 +432,44 @@ class PagedKV:
             return 0
         found = self.pool.prefix.match(tokens)
         if not found:
-            return 0
+            self._copy_tail(tokens)
+            return self.length
         self.pool.share(found)
         self.blocks, self._shared, self._table = list(found), len(found), None
         self.length = len(found) * BLOCK
         self.tokens = list(tokens[: self.length])
         if self.length == len(tokens):
             self.crop(self.length - 1)  # the last token is recomputed in a private copy of its block
+            return self.length
+        self._copy_tail(tokens)
         return self.length
+
+    def _copy_tail(self, tokens: Sequence[int]) -> None:
+        """After the shared full blocks: the cached tail that serves most of what follows in
+        `tokens` (never its last token), copied into a block of this sequence's own."""
+        tail = self.pool.prefix.match_tail(self.blocks[-1] if self.blocks else None, tokens[self.length : len(tokens) - 1])
+        if tail is None:
+            return
+        source, count = tail
+        block = self.pool.allocate(1)[0]  # may be the tail itself, evicted: its bits are still there
+        if block != source:
+            self.pool.copy_block(source, block)
+        self.blocks.append(block)
+        self._table = None
+        self.length += count
+        self.tokens = list(tokens[: self.length])
+
+    def _cache_tail(self) -> None:
+        """Offer the prefix cache the committed positions past the last full block, where every
+        block before them is cached (their chain names the tail)."""
+        committed = min(self.length, len(self.tokens))
+        full, count = divmod(committed, BLOCK)
+        if not self.pool.prefix_cache or not count or self._shared != full or len(self.blocks) <= full:
+            return
+        parent = self.blocks[full - 1] if full else None
+        if parent is not None and not self.pool.prefix.cached(parent):
+            return  # the cache was cleared under this sequence
+        self.pool.prefix.insert_tail(parent, self.tokens[full * BLOCK : committed], self.blocks[full])
 
     def cache_full_blocks(self) -> None:
         """Put the full blocks below `length` (committed positions: their tokens are final) into
@@ -407,7 +489,9 @@ class PagedKV:
             self._shared += 1
 
     def release(self) -> None:
-        """End the sequence: cache its full blocks, give every block back."""
+        """End the sequence: cache its full blocks and its tail (the committed positions of its
+        last, partial block), give every block back."""
         self.cache_full_blocks()
+        self._cache_tail()
         self.pool.release(self.blocks)
         self.blocks, self._shared, self._table, self.length, self.tokens = [], 0, None, 0, []
