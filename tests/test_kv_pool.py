@@ -247,3 +247,18 @@ def test_tails_are_evicted_before_the_blocks_they_follow_and_with_the_cache():
     two.release()
     pool.clear_cache()
     assert len(pool.prefix) == 0 and pool.free_blocks == 3 and pool.used_blocks == 0
+
+
+def test_a_prompt_that_ends_inside_a_block_another_sequence_filled_further_copies_its_start():
+    """A repeated prompt whose first answer ran past its block: the block is cached full, and the
+    prompt's positions at its start are copied from it."""
+    pool = tiny_pool(8)
+    prompt = list(range(1, BLOCK + 21))
+    one = PagedKV(pool)
+    fill(one, prompt + list(range(300, 360)))  # the answer fills the second block and more
+    one.release()
+    two = PagedKV(pool)
+    assert two.start_from_cache(prompt + [999]) == len(prompt)
+    assert held(two) == prompt
+    two.release()
+    assert pool.used_blocks == 0

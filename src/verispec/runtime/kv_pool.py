@@ -16,10 +16,10 @@ Owns three things, kept apart as vLLM keeps its block pool and KV-cache manager 
   with cached blocks shares them without copying (reference counts); blocks nobody references
   are evicted least recently used first (leaves first) when the pool needs room. A sequence's
   last, partial block is kept too (a tail: its first t positions, under the block before it),
-  and a later sequence whose tokens go on with the first of those tokens copies it into a block
-  of its own (it writes the rest of that block) and keeps the positions that match instead of
-  recomputing them: a repeated short prompt, or a chat's next turn, recomputes nothing it
-  already computed. Exact because
+  and a later sequence whose tokens go on with the first tokens of a cached block (a tail, or a
+  full block that goes on differently) copies it into a block of its own (it writes the rest of
+  that block) and keeps the positions that match instead of recomputing them: a repeated short
+  prompt, or a chat's next turn, recomputes nothing it already computed. Exact because
   the C layers are batch-invariant: a position's keys and values are the same bits however they
   were computed (prefill chunk, decode step, verify, alone or batched), so a cached block holds
   what recomputing it would write.
@@ -159,15 +159,17 @@ class PrefixCache:
         self._tails[block] = (node, key)
         return True
 
-    def match_tail(self, parent: int | None, tokens: Sequence[int]) -> tuple[int, int] | None:
-        """(block, t): the cached tail after `parent` whose first t positions hold the first t
-        of `tokens`, t > 0 the most any tail gives (a tail's leading positions are valid on
-        their own); None if none. Counted as hit tokens (the caller copies it)."""
+    def match_leading(self, parent: int | None, tokens: Sequence[int]) -> tuple[int, int] | None:
+        """(block, t): the cached block after `parent`, a tail or a full block, whose first t
+        positions hold the first t of `tokens`, t > 0 the most any gives (a block's leading
+        positions are valid on their own: a prompt that ends inside a block another sequence
+        filled further); None if none. Counted as hit tokens (the caller copies the block)."""
         node = self._root if parent is None else self._nodes.get(parent)
         if node is None:
             return None
         best = None
-        for key, block in node.tails.items():
+        candidates = [*node.tails.items(), *((key, child.block) for key, child in node.children.items())]
+        for key, block in candidates:
             same = 0
             for a, b in zip(key, tokens):
                 if a != b:
@@ -445,9 +447,11 @@ class PagedKV:
         return self.length
 
     def _copy_tail(self, tokens: Sequence[int]) -> None:
-        """After the shared full blocks: the cached tail that serves most of what follows in
-        `tokens` (never its last token), copied into a block of this sequence's own."""
-        tail = self.pool.prefix.match_tail(self.blocks[-1] if self.blocks else None, tokens[self.length : len(tokens) - 1])
+        """After the shared full blocks: the cached block (a tail, or a full block that goes on
+        differently) that serves most of what follows in `tokens` (never its last token), copied
+        into a block of this sequence's own."""
+        tail = self.pool.prefix.match_leading(self.blocks[-1] if self.blocks else None,
+                                              tokens[self.length : len(tokens) - 1])
         if tail is None:
             return
         source, count = tail
