@@ -262,3 +262,23 @@ def test_a_prompt_that_ends_inside_a_block_another_sequence_filled_further_copie
     assert held(two) == prompt
     two.release()
     assert pool.used_blocks == 0
+
+
+def test_a_tail_is_copied_even_when_it_is_the_only_block_left():
+    """No free block: the one block to take is the idle tail itself, evicted and kept in place
+    (its bits are still there), so the start still skips the positions it holds."""
+    pool = tiny_pool(2)
+    other = PagedKV(pool)
+    fill(other, [5])  # holds the other block
+    one = PagedKV(pool)
+    fill(one, list(range(1, 11)))
+    tail = one.blocks[0]
+    one.release()
+    assert pool.free_blocks == 1 and pool.prefix.cached(tail)
+    two = PagedKV(pool)
+    assert two.start_from_cache(list(range(1, 11)) + [42]) == 10
+    assert two.blocks == [tail] and not pool.prefix.cached(tail) and pool.free_blocks == 0
+    assert held(two) == list(range(1, 11))
+    for sequence in (two, other):
+        sequence.release()
+    assert pool.used_blocks == 0

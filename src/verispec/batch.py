@@ -459,8 +459,7 @@ class BatchEngine:
         for a while must first catch its draft model up on what it skipped: those rows are
         charged spread over the steps it has left (about two tokens a step)."""
         costs = self.row_costs.fit()
-        groups: dict[int, list[Job]] = {}
-        draft_sequences: dict[int, TargetSequence] = {}
+        groups: dict[int, list[tuple[Job, TargetSequence]]] = {}  # by id of the draft model's backend
         for job in jobs:
             sequence = getattr(job.recipe.drafter, "draft_sequence", None)
             sampling = job.config.sampling
@@ -468,27 +467,24 @@ class BatchEngine:
                 continue
             if not sampling.greedy and sampling.seed is not None:
                 continue
-            groups.setdefault(id(sequence.backend), []).append(job)
-            draft_sequences[id(sequence.backend)] = sequence
+            groups.setdefault(id(sequence.backend), []).append((job, sequence))
+        if costs is None:  # nothing measured yet: only a job alone drafts
+            return {job.id: 0 for members in groups.values() for job, _ in members} if len(jobs) > 1 else {}
         rooms: dict[int, int] = {}
         for backend, members in groups.items():
-            if costs is None:
-                if len(jobs) > 1:
-                    rooms.update((job.id, 0) for job in members)
-                continue
             draft_costs = self.draft_costs[backend].fit() if backend in self.draft_costs else None
             if draft_costs is None:
-                share = draft_sequences[backend].weight_bytes_per_token / self.target.weight_bytes_per_token
+                share = members[0][1].weight_bytes_per_token / self.target.weight_bytes_per_token
                 draft_costs = (costs[0] * share, costs[1] * share)
-            rates = [(job.stats.accepted + 1) / (job.stats.drafted + 2) for job in members]
+            rates = [(job.stats.accepted + 1) / (job.stats.drafted + 2) for job, _ in members]
             catch_up = 0.0
-            for job in members:
-                behind = len(job.context) - job.recipe.drafter.draft_sequence.length - 2  # past a usual step's
+            for job, sequence in members:
+                behind = len(job.context) - sequence.length - 2  # rows past a usual step's catch-up
                 steps_left = max(1.0, (job.config.max_new_tokens - job.stats.new_tokens) / 2)
                 catch_up += max(0, behind) / steps_left
             k = model_draft_length(rates, MAX_MODEL_DRAFT, costs, draft_costs, rows=len(jobs), committed=len(jobs),
                                    catch_up=catch_up)
-            rooms.update((job.id, k) for job in members)
+            rooms.update((job.id, k) for job, _ in members)
         return rooms
 
     def _forward(self, parts: list[Part], jobs: list[Job], forward) -> list:

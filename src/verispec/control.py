@@ -54,8 +54,8 @@ a row's survival exceeds the step's tokens per second times its cost b. One sequ
 drafts about as its adaptive controller would; sixteen sharing a forward draft only tokens that
 are very likely accepted. Drafts from a model cost the draft model's forwards too, and a drawn
 draft cannot be cut once drawn: their length is set before drafting, for the step's goodput
-under both models' fitted costs (`model_draft_length`). The same cut serves vLLM's batches (`integrations.vllm`) under a cost
-table measured per batch size instead of the line.
+under both models' fitted costs (`model_draft_length`). The same cut serves vLLM's batches
+(`integrations.vllm`) under a cost table measured per batch size instead of the line.
 
 Trace replay (`constant_trace_cost`, `threshold_trace_cost`, `oracle_trace_cost`): what a
 controller would cost on a recorded greedy trace of a drafter's agreement with the target,
@@ -330,9 +330,10 @@ def model_draft_length(rates: Sequence[float], k_max: int, costs: tuple[float, f
     n = len(rates)
     best, best_rate = 0, committed / (a + b * rows)
     gain = float(committed)
+    per_token = np.clip(np.asarray(rates, dtype=np.float64), 0.0, 1.0)  # [n]
     survival = np.ones(n)
     for k in range(1, k_max + 1):
-        survival = survival * np.clip(np.asarray(rates, dtype=np.float64), 0.0, 1.0)
+        survival = survival * per_token
         gain += float(survival.sum())
         rate = gain / (a + b * (rows + n * k) + k * a_d + b_d * (n * (k + 1) + catch_up))
         if rate > best_rate:
