@@ -64,7 +64,7 @@
  * path for M = 1 is what keeps a one-token step near memory bandwidth; with more rows the products
  * (one vpmaddubsw per 32 of them, as in blockmm_int8.c) dominate. While a task's rows are read,
  * the next task's rows (contiguous in the file) are prefetched front to back, one slice per chunk.
- * Row-wise (M <= 2 on the K-quants, AVX2 builds without VNNI; `rows_group`): the transposition and
+ * Row-wise (M <= 3 on the K-quants, AVX2 builds without VNNI; `rows_group`): the transposition and
  * the broadcasts cost more instructions than the products at M = 1, so there the 8 rows' bytes are
  * used as they lie: a 32-byte vector holds 16 consecutive code bytes of two outputs (Q4_K, Q5_K:
  * rows q and q + 4, one per 128-bit half) or 32 of one (Q6_K: one row, two sub-blocks of 16),
@@ -74,7 +74,9 @@
  * a group over all of K with the float accumulators in registers, the scale products xs * ws_j of a
  * super-block made once from its transposed headers, and the prefetching of the next task spread in
  * 8 parts per super-block. About 1.5 times fewer instructions per weight than the transposed fused
- * path at M = 1 on Zen 2.
+ * path at M = 1 on Zen 2. At M = 3 (a verify of 3 tokens) one row-wise pass over the weights took
+ * 90.5 ms on Qwen2.5-1.5B against the buffered path's 97.3 ms (`verispec profile --widths 3`, two
+ * runs each, 2 threads, Zen 2); at M = 4 it was 2% slower, so from M = 4 on the buffer is used.
  * The portable build decodes the same chunks with scalar code and computes each (m, n) lane by lane.
  *
  * Threads (OpenMP) split the outputs: tasks of 1 group (4 from M = 32 on), taken in runs of
@@ -122,6 +124,7 @@ enum { T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q5_0 = 6, T_Q8_0 = 8, T_Q4_K = 12, T_
 #define MANY_ROWS 32      /* from this M on, a task holds MAX_TASK_GROUPS groups, else 1 */
 #define FUSED_ROWS 2      /* up to this M, chunks are decoded and multiplied at once (no buffer) */
 #define FUSED_TILE 2      /* rows per fused call (3 or 4 were measured no faster than the buffer) */
+#define ROWWISE_ROWS 3    /* up to this M, the K-quants take the row-wise path (AVX2 without VNNI), one call */
 #define PREFETCH_NEAR 16384 /* a task's rows up to this many bytes are prefetched into L1, more into L2 */
 
 typedef struct {
@@ -639,7 +642,7 @@ static inline __attribute__((always_inline)) void decode_chunk(const int TYPE, c
 
 #ifndef QMM_VNNI
 #define QMM_ROWWISE 1
-/* Row-wise fused path (M <= 2, K-quants, AVX2 without VNNI): instead of transposing the 8 rows'
+/* Row-wise fused path (M <= 3, K-quants, AVX2 without VNNI): instead of transposing the 8 rows'
  * bytes into 4-input steps, each 32-byte vector holds 16 consecutive code bytes of two outputs
  * (Q4_K, Q5_K: rows q and q + 4, one per 128-bit half, as they lie in the file) or 32 of one output
  * (Q6_K: one row, two sub-blocks of 16), so the activations are 16 or 32 consecutive bytes (broadcast
@@ -666,7 +669,7 @@ static inline __attribute__((always_inline)) void k4_sums(const int FIVE, const 
 #pragma GCC unroll 2
     for (int hi = 0; hi < 2; hi++) {
         const int j = 2 * c + hi; /* the sub-block */
-        __m256i E[FUSED_TILE][2];
+        __m256i E[ROWWISE_ROWS][2];
 #pragma GCC unroll 4
         for (int q = 0; q < 4; q++) { /* rows q and q + 4 */
             const __m256i v0 = load_pair(p[q] + qs, p[q + 4] + qs), v1 = load_pair(p[q] + qs + 16, p[q + 4] + qs + 16);
@@ -700,7 +703,7 @@ static inline __attribute__((always_inline)) void q6_sums(const int h, const int
                                                           int64_t off, const int R, const int8_t *x, int64_t ldq,
                                                           __m256i *a_out, __m256i *b_out) {
     const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30), ones = _mm256_set1_epi16(1);
-    __m256i P[FUSED_TILE], H[FUSED_TILE], G[FUSED_TILE];
+    __m256i P[ROWWISE_ROWS], H[ROWWISE_ROWS], G[ROWWISE_ROWS];
 #pragma GCC unroll 8
     for (int n = 0; n < LANES; n++) {
         const uint8_t *row = p[n] + off;
@@ -756,8 +759,8 @@ static inline __attribute__((always_inline)) void rows_group(const int TYPE, con
                                                              int64_t K, const int8_t *xq, int64_t ldq, const float *xs,
                                                              const float *xo, int64_t ldx, const int32_t *xsum,
                                                              int64_t ldsum, Ahead *ahead, __m256 *out) {
-    __m256 acc[FUSED_TILE], shift[FUSED_TILE];
-    float buffer[FUSED_TILE * MAX_SUBS * (LANES + 1)] __attribute__((aligned(32)));
+    __m256 acc[ROWWISE_ROWS], shift[ROWWISE_ROWS];
+    float buffer[ROWWISE_ROWS * MAX_SUBS * (LANES + 1)] __attribute__((aligned(32)));
     for (int r = 0; r < R; r++) acc[r] = shift[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < K / 256; b++) {
         const int8_t *x = xq + 256 * b;
@@ -784,7 +787,7 @@ static inline __attribute__((always_inline)) void rows_group(const int TYPE, con
                 for (int r = 0; r < R; r++) _mm256_store_ps(scale + (r * MAX_SUBS + j) * LANES, _mm256_mul_ps(_mm256_broadcast_ss(s + r * ldx + j / 2), ws));
             }
             /* the bias correction of sub-block j, 32 * (sum of xq over it), at correct[r * MAX_SUBS + j] */
-            int32_t *correct = (int32_t *)(scale + FUSED_TILE * MAX_SUBS * LANES);
+            int32_t *correct = (int32_t *)(scale + ROWWISE_ROWS * MAX_SUBS * LANES);
             for (int r = 0; r < R; r++)
                 for (int i = 0; i < 2; i++)
                     _mm256_store_si256((__m256i *)(correct + r * MAX_SUBS + 8 * i),
@@ -794,7 +797,7 @@ static inline __attribute__((always_inline)) void rows_group(const int TYPE, con
             for (int h = 0; h < 2; h++)
 #pragma GCC unroll 8
                 for (int q = 0; q < 4; q++) {
-                    __m256i sa[FUSED_TILE], sb[FUSED_TILE];
+                    __m256i sa[ROWWISE_ROWS], sb[ROWWISE_ROWS];
                     const int j = 8 * h + 2 * q;
                     ahead_step(ahead);
                     q6_sums(h, q, p, off, R, x, ldq, sa, sb);
@@ -824,7 +827,7 @@ static inline __attribute__((always_inline)) void rows_group(const int TYPE, con
             __asm__ volatile("" : "+r"(scale));
 #pragma GCC unroll 8
             for (int c = 0; c < 4; c++) {
-                __m256i e[FUSED_TILE], od[FUSED_TILE];
+                __m256i e[ROWWISE_ROWS], od[ROWWISE_ROWS];
                 ahead_step(ahead);
                 ahead_step(ahead);
                 k4_sums(five, c, p, off, R, x, ldq, e, od);
@@ -844,8 +847,11 @@ typedef void (*RowsGroup)(const uint8_t *const[LANES], int64_t, int, const int8_
     static __attribute__((noinline)) void rows_##NAME(const uint8_t *const p[LANES], int64_t K, int R, const int8_t *xq, \
                                                       int64_t ldq, const float *xs, const float *xo, int64_t ldx,  \
                                                       const int32_t *xsum, int64_t ldsum, Ahead *ahead, __m256 *out) { \
-        if (R == 1) rows_group(TYPE, 1, p, K, xq, ldq, xs, xo, ldx, xsum, ldsum, ahead, out);                    \
-        else rows_group(TYPE, 2, p, K, xq, ldq, xs, xo, ldx, xsum, ldsum, ahead, out);                           \
+        switch (R) {                                                                                             \
+            case 1: rows_group(TYPE, 1, p, K, xq, ldq, xs, xo, ldx, xsum, ldsum, ahead, out); break;             \
+            case 2: rows_group(TYPE, 2, p, K, xq, ldq, xs, xo, ldx, xsum, ldsum, ahead, out); break;             \
+            default: rows_group(TYPE, 3, p, K, xq, ldq, xs, xo, ldx, xsum, ldsum, ahead, out); break;            \
+        }                                                                                                        \
     }
 ROWS_KERNEL(q4_k, T_Q4_K)
 ROWS_KERNEL(q5_k, T_Q5_K)
@@ -1126,7 +1132,7 @@ static void run_task(int type, const TypeInfo *t, const uint8_t *w, int64_t row_
     const int near = region <= PREFETCH_NEAR;
 #ifdef QMM_ROWWISE
     const RowsGroup rows = type == T_Q4_K ? rows_q4_k : type == T_Q5_K ? rows_q5_k : type == T_Q6_K ? rows_q6_k : NULL;
-    if (fused && rows) { /* the whole of K per call, accumulators in registers */
+    if (M <= ROWWISE_ROWS && rows) { /* the whole of K per call, accumulators in registers */
         /* prefetched in 8 parts per super-block, spread between the sums: a burst of a whole slice at
          * once was measured slower (fewer misses in flight where they are needed) */
         Ahead ahead = {next, end, ((slice + 7) / 8 + 63) & ~(int64_t)63, near};
@@ -1137,12 +1143,11 @@ static void run_task(int type, const TypeInfo *t, const uint8_t *w, int64_t row_
                 p[l] = w + (n < N ? n : N - 1) * row_bytes; /* a short last group repeats its last row */
             }
             const int64_t n0 = (g0 + g) * LANES, count = N - n0 < LANES ? N - n0 : LANES;
-            for (int64_t m0 = 0; m0 < M; m0 += FUSED_TILE) {
-                const int R = (int)(M - m0 < FUSED_TILE ? M - m0 : FUSED_TILE);
-                __m256 out[FUSED_TILE];
-                rows(p, K, R, xq + m0 * K, K, xs + m0 * nb, xo + m0 * nb, nb, xsum + m0 * ldsum, ldsum, &ahead, out);
-                for (int r = 0; r < R; r++) {
-                    float *yr = y + (m0 + r) * ldy + n0;
+            {
+                __m256 out[ROWWISE_ROWS];
+                rows(p, K, (int)M, xq, K, xs, xo, nb, xsum, ldsum, &ahead, out);
+                for (int r = 0; r < M; r++) {
+                    float *yr = y + r * ldy + n0;
                     if (count == LANES) {
                         _mm256_storeu_ps(yr, out[r]);
                     } else {
