@@ -129,6 +129,19 @@ $(VLLM_VENV)/.installed-stamp:
 	$(VLLM_VENV)/bin/python -c "import vllm"
 	touch $@
 
+# Optional peer for `verispec bench --peers ov-ar,ov-pld`: OpenVINO GenAI, which reads a GGUF file of
+# llama/qwen2/qwen3 itself, in an environment of its own (.peers/openvino; about 100 MB of wheels).
+# verispec runs it as a worker process there (src/verispec/bench/openvino_worker.py).
+OPENVINO_VENV := .peers/openvino
+.PHONY: openvino
+openvino: $(OPENVINO_VENV)/.installed-stamp
+
+$(OPENVINO_VENV)/.installed-stamp:
+	test -x $(OPENVINO_VENV)/bin/python || $(PYTHON) -m venv $(OPENVINO_VENV)
+	$(OPENVINO_VENV)/bin/python -m pip install -q openvino-genai==2026.4.1 openvino-tokenizers==2026.4.1
+	$(OPENVINO_VENV)/bin/python -c "import openvino_genai"
+	touch $@
+
 # verispec's ANPD proposer inside vLLM (docs/vllm.md): verispec installed into vLLM's environment
 # without its dependencies (vLLM pins transformers 5.19 and numpy 2.3; the proposer imports only
 # verispec's pure parts), then the end-to-end check (greedy outputs with the proposer equal

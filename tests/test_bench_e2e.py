@@ -296,3 +296,65 @@ def test_method_variants_parse_to_options():
     assert parse_variant("eesd/head_int8=false") == ("eesd", None, {"head_int8": False})
     assert parse_variant("eesd/constant:4/head_int8=Yes") == ("eesd", "constant:4", {"head_int8": True})
     assert parse_variant("mtad/tau=0.1/beams=2") == ("mtad", None, {"tau": 0.1, "beams": 2})
+
+
+# -- the OpenVINO GenAI peer: a worker process in its own environment ----------------------------
+
+FAKE_WORKER = '''
+import json, sys
+if "fail-load" in sys.argv[1]:
+    print(json.dumps({"error": "RuntimeError: cannot read the file"}), flush=True)
+    sys.exit(1)
+print(json.dumps({"ready": True, "load_s": 0.0}), flush=True)
+for line in sys.stdin:
+    request = json.loads(line)
+    if request["max_new_tokens"] == 13:
+        print(json.dumps({"error": "RuntimeError: bad request"}), flush=True)
+        continue
+    if request["max_new_tokens"] == 14:
+        sys.exit(3)
+    sum(i * i for i in range(200000))  # some CPU time of its own
+    print(json.dumps({"tokens": [t + 1 for t in request["ids"]][: request["max_new_tokens"]]}), flush=True)
+'''
+
+
+def fake_openvino_python(tmp_path: Path) -> Path:
+    """An 'interpreter' that runs FAKE_WORKER in place of the worker script it is given."""
+    worker = tmp_path / "fake_worker.py"
+    worker.write_text(FAKE_WORKER)
+    interpreter = tmp_path / "python"
+    interpreter.write_text(f'#!/bin/sh\nshift\nexec "{sys.executable}" "{worker}" "$@"\n')
+    interpreter.chmod(0o755)
+    return interpreter
+
+
+def test_openvino_peer_speaks_to_its_worker_and_counts_the_workers_cpu(tmp_path):
+    from types import SimpleNamespace
+
+    from verispec.bench.peers import PeerError, PeerSettings, _openvino
+
+    run = _openvino(SimpleNamespace(name="model.gguf"), PeerSettings(), prompt_lookup=True,
+                    python=str(fake_openvino_python(tmp_path)))
+    output = run([5, 6, 7], 2)
+    assert output.token_ids == [6, 7] and output.target_forwards is None
+    assert output.other_cpu_s is not None and output.other_cpu_s > 0
+    with pytest.raises(PeerError, match="bad request"):  # an error of one request
+        run([1], 13)
+    assert run([1, 2], 5).token_ids == [2, 3]  # and the worker goes on
+    with pytest.raises(PeerError, match="worker stopped"):
+        run([1], 14)
+
+
+def test_openvino_peer_reports_a_failed_load_and_a_missing_environment(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    from verispec.bench import peers
+    from verispec.errors import ConfigError
+
+    with pytest.raises(peers.PeerError, match="cannot read the file"):
+        peers._openvino(SimpleNamespace(name="fail-load.gguf"), peers.PeerSettings(), prompt_lookup=False,
+                        python=str(fake_openvino_python(tmp_path)))
+    monkeypatch.setattr(peers, "OPENVINO_PYTHON", Path(".peers/no-such-openvino/bin/python"))
+    for peer in ("ov-ar", "ov-pld"):
+        with pytest.raises(ConfigError, match="make openvino"):
+            peers.get_peer(peer).prepare(SimpleNamespace(name="model.gguf"), peers.PeerSettings())

@@ -10,7 +10,9 @@ prompts and token budget are the ones our methods get. Also llama.cpp on the sam
 its own quantized arithmetic: `llamacpp-ar` / `llamacpp-pld` through llama-cpp-python (optional),
 and `llama-ar` / `llama-draft` (its draft-model speculation, `--draft-model` as `-md`) /
 `llama-ngram` (its n-gram speculation) through its own server, `llama-server` (`make
-llama-native` builds it for this CPU), one request at a time.
+llama-native` builds it for this CPU), one request at a time; and OpenVINO GenAI on the same file,
+`ov-ar` / `ov-pld` (its prompt lookup), in a worker process of its own environment (`make
+openvino`; `openvino_worker.py`).
 
 Target forwards are counted with a forward hook on `target.model`, registered around each call and
 removed after it. `hf-early-exit` drafts with the same module object, shallowed by temporarily
@@ -23,6 +25,7 @@ Does not own timing, records or metrics (see `runner` and `metrics`).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Sequence
 
 import torch
@@ -56,6 +59,7 @@ class PeerSettings:
 class PeerOutput:
     token_ids: list[int]  # the generated ids only (no prompt), EOS included when generated
     target_forwards: int | None  # full-depth forward passes of target.model, prefill included (None: not visible)
+    other_cpu_s: float | None = 0.0  # CPU seconds spent in the peer's own processes (a server, a worker); None: unknown
 
 
 PeerRun = Callable[[Sequence[int], int], PeerOutput]  # (prompt ids, max_new_tokens) -> output
@@ -200,6 +204,12 @@ def _llamacpp(target: Target, settings: PeerSettings, prompt_lookup: bool) -> Pe
     return run
 
 
+def _cpu_since(watch, start: float | None) -> float | None:
+    """CPU seconds of the watched process tree since `start` (None where either reading failed)."""
+    now = watch.cpu_s()
+    return None if now is None or start is None else now - start
+
+
 LLAMA_DRAFT_MAX = 8  # llama-draft's --spec-draft-n-max
 LLAMA_NGRAM = "ngram-simple"  # llama-ngram's --spec-type
 
@@ -231,6 +241,7 @@ def _llama_server(target: Target, settings: PeerSettings, speculation: list[str]
         server.stop()
         raise PeerError(f"llama-server did not start: {error}\n{server.log_tail()}") from error
     client = httpx.Client(timeout=None)
+    watch = servers.ProcessWatch(server.pid)
     sampling = settings.temperature > 0
 
     def run(prompt_ids: Sequence[int], max_new_tokens: int) -> PeerOutput:
@@ -238,13 +249,69 @@ def _llama_server(target: Target, settings: PeerSettings, speculation: list[str]
                 "temperature": settings.temperature if sampling else 0.0, "top_k": settings.top_k if sampling else 1,
                 "top_p": settings.top_p if sampling else 1.0, "min_p": 0.0, "repeat_penalty": 1.0,
                 "seed": settings.seed if settings.seed is not None else 0}
+        cpu_start = watch.cpu_s()
         try:
             answer = client.post(f"{server.base_url}/completion", json=body)
             answer.raise_for_status()
             tokens = answer.json()["tokens"]
         except (httpx.HTTPError, ValueError, KeyError) as error:
             raise PeerError(f"llama-server failed ({type(error).__name__}: {error})\n{server.log_tail()}") from error
-        return PeerOutput([int(t) for t in tokens], None)
+        return PeerOutput([int(t) for t in tokens], None, _cpu_since(watch, cpu_start))
+
+    return run
+
+
+OPENVINO_PYTHON = Path(".peers/openvino/bin/python")  # `make openvino`'s environment
+
+
+def _openvino(target: Target, settings: PeerSettings, prompt_lookup: bool, python: str | None = None) -> PeerRun:
+    """OpenVINO GenAI's `LLMPipeline` on the target's GGUF file (its own reading of the blocks), in a
+    worker process of OpenVINO's environment (`openvino_worker.py`: JSON lines over its stdin and
+    stdout), with torch's thread count; `prompt_lookup`: its prompt-lookup speculation. `python`:
+    that environment's interpreter (default: `make openvino`'s). Target forwards are not visible."""
+    import atexit
+    import json
+    import subprocess
+
+    from . import openvino_worker, servers
+
+    interpreter = servers.find_peer(python, OPENVINO_PYTHON, "openvino")
+    argv = [str(interpreter), openvino_worker.__file__, _gguf_of(target), str(torch.get_num_threads())]
+    worker = subprocess.Popen([*argv, *(["--prompt-lookup"] if prompt_lookup else [])], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    atexit.register(worker.kill)
+
+    def exchange(message: dict | None) -> dict:
+        if message is not None:
+            worker.stdin.write(json.dumps(message) + "\n")
+            worker.stdin.flush()
+        line = worker.stdout.readline()
+        try:
+            reply = json.loads(line)
+        except ValueError:
+            reply = {"error": f"the worker stopped (exit code {worker.poll()})"}
+        if "error" in reply:
+            raise PeerError(f"OpenVINO GenAI failed: {reply['error']}")
+        return reply
+
+    try:
+        exchange(None)  # loaded
+    except (PeerError, OSError):
+        worker.kill()
+        raise
+    watch = servers.ProcessWatch(worker.pid)
+    sampling = settings.temperature > 0
+
+    def run(prompt_ids: Sequence[int], max_new_tokens: int) -> PeerOutput:
+        cpu_start = watch.cpu_s()
+        request = {"ids": [int(t) for t in prompt_ids], "max_new_tokens": max_new_tokens,
+                   "temperature": settings.temperature if sampling else 0.0, "top_k": settings.top_k,
+                   "top_p": settings.top_p, "seed": settings.seed if settings.seed is not None else 0}
+        try:
+            tokens = exchange(request)["tokens"]
+        except OSError as error:
+            raise PeerError(f"OpenVINO GenAI's worker is gone ({error})") from error
+        return PeerOutput([int(t) for t in tokens], None, _cpu_since(watch, cpu_start))
 
     return run
 
@@ -278,6 +345,10 @@ PEERS: dict[str, Peer] = {
              _llama_draft, needs_draft_model=True),
         Peer("llama-ngram", f"llama-server: n-gram speculation from the context (--spec-type {LLAMA_NGRAM})",
              lambda target, s: _llama_server(target, s, ["--spec-type", LLAMA_NGRAM])),
+        Peer("ov-ar", "OpenVINO GenAI (`make openvino`) on the same GGUF file: autoregressive decoding",
+             lambda target, s: _openvino(target, s, prompt_lookup=False)),
+        Peer("ov-pld", "OpenVINO GenAI on the same GGUF file: its prompt-lookup speculation (10 tokens, 3-grams)",
+             lambda target, s: _openvino(target, s, prompt_lookup=True)),
     )
 }
 

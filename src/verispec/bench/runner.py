@@ -13,8 +13,8 @@ Fair measurement:
 - one stopwatch for every method: a generation's `total_s` is the wall time of the whole call
   (ours: `verispec.api.stream` built and consumed, detokenization included; peers: `generate()`).
   Our methods also report the engine's own prefill and decode times; peers report null there.
-- CPU seconds (`time.process_time`) and energy (`energy.EnergyProbe`) are read around the same
-  call; perplexity is scored afterwards, outside the timed region.
+- CPU seconds (`time.process_time`, plus a peer's own server or worker processes) and energy
+  (`energy.EnergyProbe`) are read around the same call; perplexity is scored afterwards, outside the timed region.
 - code tasks (a question with `tests`, the `code-tasks` set): after the timed region, the answer's
   code runs with the tests in a sandboxed subprocess (`code_eval.check_completion`, once per
   distinct answer to a question); its record adds CODE_CHECK_FIELDS: `passed` (true/false) and
@@ -251,6 +251,7 @@ class Outcome:
     prefill_s: float | None = None
     decode_s: float | None = None
     text: str | None = None  # None: decoded after timing
+    other_cpu_s: float | None = 0.0  # CPU seconds in other processes (a peer's server or worker); None: unknown
 
 
 Generate = Callable[[Sequence[int], int], Outcome]  # (prompt ids, max_new_tokens) -> Outcome
@@ -290,7 +291,7 @@ def peer_runner(target: Target, name: str, settings: BenchSettings) -> Generate:
             output = run_peer(prompt_ids, max_new_tokens)
         except PeerError as error:
             raise PeerError(f"peer {name} failed: {error}") from error
-        return Outcome(output.token_ids, output.target_forwards)
+        return Outcome(output.token_ids, output.target_forwards, other_cpu_s=output.other_cpu_s)
 
     return run
 
@@ -299,7 +300,7 @@ def peer_runner(target: Target, name: str, settings: BenchSettings) -> Generate:
 class Timed:
     outcome: Outcome
     total_s: float
-    cpu_s: float
+    cpu_s: float | None  # this process's CPU time plus the peer's own processes'
     energy_j: float | None
 
 
@@ -311,6 +312,7 @@ def timed(generate: Generate, prompt_ids: Sequence[int], max_new_tokens: int, pr
     outcome = generate(prompt_ids, max_new_tokens)
     total_s = time.perf_counter() - started
     cpu_s = time.process_time() - cpu_start
+    cpu_s = None if outcome.other_cpu_s is None else cpu_s + outcome.other_cpu_s
     return Timed(outcome, total_s, cpu_s, probe.stop(energy_start))
 
 
