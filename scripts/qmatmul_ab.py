@@ -7,7 +7,7 @@ quantized once and every build multiplies the same random blocks, the builds tak
 shuffled order per round so that the machine's drift falls on all of them; the table gives each
 build's fastest call (ms and G multiply-adds per second), its ratio to the first build, and whether
 its output has the first build's bits (an edit meant to keep the numerics must print "same").
-Shapes are Qwen2.5-1.5B's; "q4l3" (4096 x 1536 Q4_K, 3.5 MB) stays in the last-level cache, so it
+Shapes are Qwen2.5-1.5B's and two of the embedded Gemma 3 270M's ("gemma-*"); "q4l3" (4096 x 1536 Q4_K, 3.5 MB) stays in the last-level cache, so it
 times the arithmetic rather than the memory.
 
     mkdir -p /tmp/a /tmp/b && cp src/verispec/runtime/kernels/qmatmul.c /tmp/a && cp /tmp/a/qmatmul.c /tmp/b
@@ -33,6 +33,7 @@ SHAPES = {  # name: (type, N outputs, K inputs)
     "q4k": ("Q4_K", 8960, 1536), "q4l3": ("Q4_K", 4096, 1536), "q5k": ("Q5_K", 8960, 1536),
     "q6k": ("Q6_K", 1536, 8960), "head": ("Q6_K", 16384, 1536),
     "q8": ("Q8_0", 8960, 1536), "q50": ("Q5_0", 8960, 1536), "q40": ("Q4_0", 8960, 1536),
+    "gemma-head": ("Q8_0", 262144, 640), "gemma-up": ("Q5_0", 2048, 640),  # the embedded Gemma 3 270M's
 }
 P, I64, INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 
