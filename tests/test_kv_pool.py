@@ -282,3 +282,21 @@ def test_a_tail_is_copied_even_when_it_is_the_only_block_left():
     for sequence in (two, other):
         sequence.release()
     assert pool.used_blocks == 0
+
+
+def test_a_start_with_no_block_to_copy_into_shares_what_it_can_and_never_fails():
+    """Every block referenced: the cached full block whose start a prompt shares cannot be copied
+    (no block to copy into), so the start shares the whole blocks it can and computes the rest
+    (it used to raise PoolExhausted from the lookup)."""
+    pool = tiny_pool(3)
+    prompt = list(range(1, 2 * BLOCK + 11))
+    alive = PagedKV(pool)
+    fill(alive, prompt)
+    alive.cache_full_blocks()  # its two full blocks cached, still referenced; all 3 blocks held
+    assert pool.free_blocks == 0
+    two = PagedKV(pool)
+    assert two.start_from_cache(prompt[: BLOCK + 10] + [999]) == BLOCK
+    assert two.blocks == alive.blocks[:1] and held(two) == prompt[:BLOCK]
+    two.release()
+    alive.release()
+    assert pool.used_blocks == 0

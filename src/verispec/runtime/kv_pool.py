@@ -449,13 +449,17 @@ class PagedKV:
     def _copy_tail(self, tokens: Sequence[int]) -> None:
         """After the shared full blocks: the cached block (a tail, or a full block that goes on
         differently) that serves most of what follows in `tokens` (never its last token), copied
-        into a block of this sequence's own."""
+        into a block of this sequence's own. Without a block to copy into (every one referenced),
+        nothing is copied: a cache lookup never fails a start, the positions are computed."""
         tail = self.pool.prefix.match_leading(self.blocks[-1] if self.blocks else None,
                                               tokens[self.length : len(tokens) - 1])
         if tail is None:
             return
         source, count = tail
-        block = self.pool.allocate(1)[0]  # may be the tail itself, evicted: its bits are still there
+        try:
+            block = self.pool.allocate(1)[0]  # may be the tail itself, evicted: its bits are still there
+        except PoolExhausted:
+            return
         if block != source:
             self.pool.copy_block(source, block)
         self.blocks.append(block)
