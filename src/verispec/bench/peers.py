@@ -277,8 +277,9 @@ def _openvino(target: Target, settings: PeerSettings, prompt_lookup: bool, pytho
 
     interpreter = servers.find_peer(python, OPENVINO_PYTHON, "openvino")
     argv = [str(interpreter), openvino_worker.__file__, _gguf_of(target), str(torch.get_num_threads())]
-    worker = subprocess.Popen([*argv, *(["--prompt-lookup"] if prompt_lookup else [])], stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, text=True)
+    if prompt_lookup:
+        argv.append("--prompt-lookup")
+    worker = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     atexit.register(worker.kill)
 
     def exchange(message: dict | None) -> dict:

@@ -1143,18 +1143,16 @@ static void run_task(int type, const TypeInfo *t, const uint8_t *w, int64_t row_
                 p[l] = w + (n < N ? n : N - 1) * row_bytes; /* a short last group repeats its last row */
             }
             const int64_t n0 = (g0 + g) * LANES, count = N - n0 < LANES ? N - n0 : LANES;
-            {
-                __m256 out[ROWWISE_ROWS];
-                rows(p, K, (int)M, xq, K, xs, xo, nb, xsum, ldsum, &ahead, out);
-                for (int r = 0; r < M; r++) {
-                    float *yr = y + r * ldy + n0;
-                    if (count == LANES) {
-                        _mm256_storeu_ps(yr, out[r]);
-                    } else {
-                        float lanes[LANES];
-                        _mm256_storeu_ps(lanes, out[r]);
-                        memcpy(yr, lanes, sizeof(float) * (size_t)count);
-                    }
+            __m256 out[ROWWISE_ROWS];
+            rows(p, K, (int)M, xq, K, xs, xo, nb, xsum, ldsum, &ahead, out);
+            for (int64_t r = 0; r < M; r++) {
+                float *yr = y + r * ldy + n0;
+                if (count == LANES) {
+                    _mm256_storeu_ps(yr, out[r]);
+                } else {
+                    float lanes[LANES];
+                    _mm256_storeu_ps(lanes, out[r]);
+                    memcpy(yr, lanes, sizeof(float) * (size_t)count);
                 }
             }
         }
