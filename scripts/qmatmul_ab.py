@@ -6,7 +6,9 @@ this CPU runs (as `blockmm` compiles it). For each shape and row count M, the ac
 quantized once and every build multiplies the same random blocks, the builds taking turns in a
 shuffled order per round so that the machine's drift falls on all of them; the table gives each
 build's fastest call (ms and G multiply-adds per second), its ratio to the first build, and whether
-its output has the first build's bits (an edit meant to keep the numerics must print "same").
+its output has the first build's bits (an edit meant to keep the numerics must print "same"). Each
+build quantizes the activations itself, in the form it reads (`qmm_quantize_super` for the K-quants
+where the build has it), so builds of different numerics can be timed side by side.
 Shapes are Qwen2.5-1.5B's and two of the embedded Gemma 3 270M's ("gemma-*"); "q4l3" (4096 x 1536 Q4_K, 3.5 MB) stays in the last-level cache, so it
 times the arithmetic rather than the memory.
 
@@ -44,6 +46,8 @@ def build(folder: Path) -> ctypes.CDLL:
     subprocess.run([blockmm._compiler() or "cc", *flags, str(folder / "qmatmul.c"), "-o", str(library), "-lm"], check=True)
     lib = ctypes.CDLL(str(library))
     lib.qmm_quantize.argtypes = [P, I64, I64, P, P, P, P, INT]
+    if hasattr(lib, "qmm_quantize_super"):
+        lib.qmm_quantize_super.argtypes = [P, I64, I64, P, P, P, P, INT]
     lib.qmm_matmul.argtypes = [P, P, P, P, P, I64, I64, P, INT, I64, P, I64, INT]
     return lib
 
@@ -73,10 +77,15 @@ def main() -> None:
         w = weights(type_name, n, k, rng)
         for m in (int(r) for r in args.rows.split(",")):
             x = rng.standard_normal((m, k)).astype(np.float32)
-            xq, xs = np.zeros((m, k), np.int8), np.zeros((m, k // 32), np.float32)
-            xo, xsum = np.zeros_like(xs), np.zeros((m, k // 16), np.int32)
-            libraries[0].qmm_quantize(x.ctypes.data, m, k, xq.ctypes.data, xs.ctypes.data, xo.ctypes.data,
-                                      xsum.ctypes.data, 1)
+            forms = []
+            for library in libraries:
+                xq, xs = np.zeros((m, k), np.int8), np.zeros((m, k // 32), np.float32)
+                xo, xsum = np.zeros_like(xs), np.zeros((m, k // 16), np.int32)
+                quantize = library.qmm_quantize
+                if type_name.endswith("_K") and hasattr(library, "qmm_quantize_super"):
+                    quantize = library.qmm_quantize_super
+                quantize(x.ctypes.data, m, k, xq.ctypes.data, xs.ctypes.data, xo.ctypes.data, xsum.ctypes.data, 1)
+                forms.append((xq, xs, xo, xsum))
             outputs = [np.zeros((m, n), np.float32) for _ in libraries]
             best = [float("inf")] * len(libraries)
             for _ in range(args.rounds):
@@ -84,9 +93,8 @@ def main() -> None:
                 random.shuffle(order)
                 for i in order:
                     start = time.perf_counter()
-                    libraries[i].qmm_matmul(None, xq.ctypes.data, xs.ctypes.data, xo.ctypes.data, xsum.ctypes.data, m, k,
-                                            w.ctypes.data, qmatmul.TYPES[type_name], n, outputs[i].ctypes.data, n,
-                                            args.threads)
+                    libraries[i].qmm_matmul(None, *(a.ctypes.data for a in forms[i]), m, k, w.ctypes.data,
+                                            qmatmul.TYPES[type_name], n, outputs[i].ctypes.data, n, args.threads)
                     best[i] = min(best[i], time.perf_counter() - start)
             cells = [f"{t * 1e3:8.3f} ms {m * n * k / t / 1e9:6.1f} GMAC/s {t / best[0]:5.3f}x" for t in best]
             same = all(np.array_equal(outputs[0].view(np.int32), y.view(np.int32)) for y in outputs)

@@ -3,9 +3,9 @@
 Small GGUF files are written with gguf-py's writer (its quantizers where it has one, else random
 valid blocks) and read back memory-mapped; the kernels read those bytes as they lie. Every product
 must equal, bit for bit, a numpy emulation of the numerics in qmatmul.c's header (activations
-quantized per row and block of 32, exact integer sums per weight sub-block, then one fixed
-sequence of float32 operations), for every row count, on every build this CPU runs (AVX2, the
-portable C, the VNNI paths emulated on AVX2); for Q8_0, Q5_0 and Q4_K it must give the bits of the
+quantized per row and block of 32, or super-block of 256 for the K-quants, exact integer sums, then
+one fixed sequence of float32 operations), for every row count, on every build this CPU runs (AVX2,
+the portable C, the VNNI paths emulated on AVX2); for Q8_0 and Q5_0 it must give the bits of the
 existing int8 block kernel on the matrix's exact block form. A row's result must not depend on the
 other rows of the call, the thread count or where the output is written; `get_rows` must equal
 gguf-py's dequantization; bad arguments must raise, not crash.
@@ -156,38 +156,67 @@ def reference_form(w: qmatmul.QMatrix) -> tuple[np.ndarray, np.ndarray, np.ndarr
     return (q - 32).reshape(rows, cols), ws, None, 16
 
 
-def quantize_rows(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """x [M, K] float32 -> (xq [M, K] int64, xs, xo [M, K / 32] float32), as blockmm_int8.c's quantize_row."""
+def quantize_rows(x: np.ndarray, group: int = 32) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """x [M, K] float32 -> (xq [M, K] int64, xs, xo [M, K / 32] float32) with one scale per `group`
+    inputs (32: blockmm_int8.c's quantize_row; 256: the K-quants' super-block form, xs repeating each
+    super-block's scale for its 8 blocks of 32)."""
     m, k = x.shape
-    grouped = x.reshape(m, k // 32, 32)
-    xs = (np.abs(grouped).max(-1) / F32(127)).astype(F32)
-    safe = np.where(xs > 0, xs, F32(1))[..., None]
+    grouped = x.reshape(m, k // group, group)
+    scale = (np.abs(grouped).max(-1) / F32(127)).astype(F32)
+    safe = np.where(scale > 0, scale, F32(1))[..., None]
     q = np.clip(np.rint(grouped / safe), -127, 127)
-    q = np.where(xs[..., None] > 0, q, 0).astype(np.int64)
+    q = np.where(scale[..., None] > 0, q, 0).astype(np.int64).reshape(m, k // 32, 32)
+    xs = np.repeat(scale, group // 32, axis=1)
     xo = (xs * q.sum(-1).astype(F32)).astype(F32)
     return q.reshape(m, k), xs, xo
 
 
-def reference_quantized(x: np.ndarray, w: qmatmul.QMatrix) -> np.ndarray:
-    """y [M, N] by the header's definition: per sub-block j in order, acc = acc + (float)isum_j * (xs * ws_j),
-    shift = shift + wo_j * xo; y = acc - shift (float32 operations, one at a time)."""
-    codes, ws, wo, sub = reference_form(w)
-    xq, xs, xo = quantize_rows(x)
+def k_header(w: qmatmul.QMatrix) -> tuple[np.ndarray, np.ndarray | None, np.ndarray, np.ndarray | None]:
+    """A K-quant's (sc [N, K / S] int64, m or None, d [N, K / 256] float32, dmin or None) as the file stores them."""
+    blocks = np.asarray(w.data).reshape(w.rows, w.cols // 256, -1)
+    if w.type_name == "Q6_K":
+        return blocks[..., 192:208].view(np.int8).astype(np.int64).reshape(w.rows, -1), None, f16(blocks[..., 208:210]), None
+    sc, m = Q4_K.get_scale_min(np.ascontiguousarray(blocks[..., 4:16]).reshape(-1, 12))
+    return (sc.astype(np.int64).reshape(w.rows, -1), m.astype(np.int64).reshape(w.rows, -1), f16(blocks[..., 0:2]),
+            f16(blocks[..., 2:4]))
+
+
+def reference_quantized(x: np.ndarray, w: qmatmul.QMatrix, reverse: bool = False) -> np.ndarray:
+    """y [M, N] by the header's definition, float32 operations one at a time (`reverse`: the float
+    steps in the opposite order, to show that the comparison sees the order).
+    32-blocks: per block j in order, acc = acc + (float)isum_j * (xs * ws_j).
+    K-quants: per super-block B in order, isum_B = sum_j sc_j * isum_j (exact), acc = acc + (float)isum_B
+    * (D_B * d_B); Q4_K / Q5_K also shift = shift + (float)msum_B * (D_B * dmin_B), msum_B = sum_j m_j *
+    (sum of xq over sub-block j), y = acc - shift."""
+    codes, ws, _, sub = reference_form(w)
+    kquant = w.type_name in K_QUANTS
+    xq, xs, _ = quantize_rows(x, 256 if kquant else 32)
     m, n, k = x.shape[0], codes.shape[0], x.shape[1]
     subs = k // sub
     isum = np.einsum("mjs,njs->mnj", xq.reshape(m, subs, sub), codes.reshape(n, subs, sub))  # exact (int64)
-    a = np.arange(subs) * sub // 32
-    scale = (xs[:, None, a] * ws[None, :, :]).astype(F32)
-    terms = (isum.astype(F32) * scale).astype(F32)
+    shift = None
+    if kquant:
+        sc, mins, d, dmin = k_header(w)
+        per = 256 // sub  # sub-blocks per super-block
+        total = (isum * sc[None]).reshape(m, n, -1, per).sum(-1)  # [M, N, K / 256], exact
+        assert np.abs(total).max() < 2**31
+        D = xs[:, ::8]  # [M, K / 256]
+        terms = (total.astype(F32) * (D[:, None, :] * d[None]).astype(F32)).astype(F32)
+        if mins is not None:
+            block_sums = xq.reshape(m, subs, sub).sum(-1)  # [M, subs]
+            msum = (mins[None] * block_sums[:, None, :]).reshape(m, n, -1, per).sum(-1)
+            shift = (msum.astype(F32) * (D[:, None, :] * dmin[None]).astype(F32)).astype(F32)
+    else:
+        terms = (isum.astype(F32) * (xs[:, None, :] * ws[None, :, :]).astype(F32)).astype(F32)
+    order = range(terms.shape[2] - 1, -1, -1) if reverse else range(terms.shape[2])
     acc = np.zeros((m, n), dtype=F32)
-    for j in range(subs):
+    for j in order:
         acc = (acc + terms[..., j]).astype(F32)
-    if wo is not None:
-        products = (wo[None, :, :] * xo[:, None, a]).astype(F32)
-        shift = np.zeros_like(acc)
-        for j in range(subs):
-            shift = (shift + products[..., j]).astype(F32)
-        acc = (acc - shift).astype(F32)
+    if shift is not None:
+        total_shift = np.zeros_like(acc)
+        for j in range(shift.shape[2]):
+            total_shift = (total_shift + shift[..., j]).astype(F32)
+        acc = (acc - total_shift).astype(F32)
     return acc
 
 
@@ -277,22 +306,14 @@ def test_product_equals_its_numpy_definition_bit_for_bit_on_every_build(weights,
             assert np.array_equal(got.numpy().view(np.uint32), expected[:m].view(np.uint32)), (variant, m)
 
 
-def test_reference_sees_a_different_float_order():
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K", "Q8_0"])
+def test_reference_sees_a_different_float_order(type_name):
     """The bit-exact comparison can fail: summing the same terms in another order changes bits."""
-    w = qmatmul.QMatrix(random_raw("Q4_K", 16, 512, np.random.default_rng(5)).reshape(-1), "Q4_K", 16, 512)
-    x = activations(8, 512, seed=5).numpy()
-    codes, ws, wo, sub = reference_form(w)
-    xq, xs, xo = quantize_rows(x)
-    isum = np.einsum("mjs,njs->mnj", xq.reshape(8, -1, sub), codes.reshape(16, -1, sub))
-    a = np.arange(isum.shape[2]) * sub // 32
-    terms = (isum.astype(F32) * (xs[:, None, a] * ws[None]).astype(F32)).astype(F32)
-    reversed_order = np.zeros((8, 16), dtype=F32)
-    for j in reversed(range(terms.shape[2])):
-        reversed_order = (reversed_order + terms[..., j]).astype(F32)
-    shift = np.zeros_like(reversed_order)
-    for j in range(terms.shape[2]):
-        shift = (shift + (wo[None] * xo[:, None, a]).astype(F32)[..., j]).astype(F32)
-    assert not np.array_equal(reversed_order - shift, reference_quantized(x, w))
+    rng = np.random.default_rng(5)
+    w = qmatmul.QMatrix(random_raw(type_name, 16, 1024, rng).reshape(-1), type_name, 16, 1024)
+    x = activations(8, 1024, seed=5).numpy()
+    x[2:4] = rng.standard_normal((2, 1024)).astype(F32)  # rows of ordinary size
+    assert not np.array_equal(reference_quantized(x, w, reverse=True), reference_quantized(x, w))
     assert np.array_equal(qmatmul.matmul(torch.from_numpy(x), w).numpy(), reference_quantized(x, w))
 
 
@@ -309,16 +330,16 @@ def test_product_is_close_to_the_float_product(weights, case):
     if w.type in qmatmul.FLOAT_TYPES:
         bound = magnitude * 1e-6
     else:
-        _, xs, _ = quantize_rows(x.numpy())
+        _, xs, _ = quantize_rows(x.numpy(), 256 if w.type_name in K_QUANTS else 32)
         step = torch.from_numpy(np.repeat(xs, 32, axis=1)).double()  # xs per input
         bound = (step / 2) @ weight.abs().T * 1.001 + magnitude * 1e-5
     assert bool(((got - exact).abs() <= bound + 1e-30).all())
 
 
-@pytest.mark.parametrize("type_name", ["Q8_0", "Q5_0", "Q4_K"])
+@pytest.mark.parametrize("type_name", ["Q8_0", "Q5_0"])
 @pytest.mark.parametrize("rows", [1, 5, 33])
 def test_same_bits_as_the_int8_block_kernel(weights, type_name, rows):
-    """For Q8_0, Q5_0 and Q4_K the sequence is blockmm_int8's on the exact block form."""
+    """For Q8_0 and Q5_0 the sequence is blockmm_int8's on the exact block form."""
     old, why = blockmm.kernel()
     assert old is not None, why
     for (name, n, k), w in weights.items():

@@ -9,13 +9,14 @@ kernels multiply by those blocks directly (4.5-6.6 bits per weight for the K-qua
 embedding lookup) exactly as gguf-py's `dequantize` does.
 
 Why hand-written instead of ggml's kernels: the numerics must be batch-invariant and exact. Every
-row of activations is quantized per block of 32 from that row alone (blockmm_int8.c's int8
-numerics), the integer sums per weight sub-block are exact, and one fixed sequence of float32
-operations per (row, output) turns them into the result (see qmatmul.c's header), so a token's
-output does not depend on how many rows share the call, on the thread count or on the instruction
-set, and equals bit for bit what the int8 block form (`blockmm`, numerics "int8") computes for Q8_0,
-Q5_0 and Q4_K. ggml's own kernels quantize activations per 256 (Q8_K) and sum in another float
-order, so they could not give these bits.
+row of activations is quantized from that row alone: per block of 32 for the 32-block types
+(blockmm_int8.c's int8 numerics), per super-block of 256 for the K-quants (as ggml's Q8_K); the
+integer sums are exact (for the K-quants scaled by the sub-block scales in the integer domain), and
+one fixed sequence of float32 operations per (row, output) turns them into the result (see
+qmatmul.c's header), so a token's output does not depend on how many rows share the call, on the
+thread count or on the instruction set; for Q8_0 and Q5_0 it equals bit for bit what the int8 block
+form (`blockmm`, numerics "int8") computes. ggml's own kernels sum in another float order and
+split sums across threads, so they could not give these bits.
 
 Decoder layers that feed one input to several matrices (q, k, v; gate, up) quantize it once
 (`QKernel.quantize` -> `Activations`) and call `QKernel.matmul(activations, w, out=...)` per matrix,
@@ -40,6 +41,7 @@ TYPE_NAMES = {number: name for name, number in TYPES.items()}
 BLOCKS = {0: (1, 4), 1: (1, 2), 30: (1, 2), 2: (32, 18), 6: (32, 22), 8: (32, 34), 12: (256, 144), 13: (256, 176),
           14: (256, 210)}
 FLOAT_TYPES = (0, 1, 30)  # x is used in float32, not quantized
+K_QUANT_TYPES = (12, 13, 14)  # read activations in the super-block form (one scale per 256 inputs)
 
 
 def type_number(type_: int | str) -> int:
@@ -123,17 +125,56 @@ class QMatrix:
 
 
 @dataclass(frozen=True)
-class Activations:
-    """Rows x [M, K] float32 quantized per block of 32 (qmatmul.c's header), in one uint8 buffer:
-    xq [M, K] int8, then xs and xo [M, K / 32] float32, then xsum [M, K / 16] int32 (sums of xq per
-    16 inputs). `x` is kept for float-typed weights."""
+class QuantizedForm:
+    """Rows [M, K] quantized in one of qmatmul.c's forms, in one uint8 buffer: xq [M, K] int8, then xs
+    and xo [M, K / 32] float32, then xsum [M, K / 16] int32 (sums of xq per 16 inputs). `group` is the
+    inputs sharing one scale: 32 (the block form) or 256 (the K-quants' super-block form, whose xs
+    repeats each super-block's scale 8 times and whose xo bytes hold the sums per 16 as int16)."""
 
-    x: torch.Tensor
+    rows: int
+    cols: int
+    group: int
     buffer: torch.Tensor
 
     @staticmethod
     def nbytes(rows: int, cols: int) -> int:
         return rows * cols + rows * cols // 32 * 8 + rows * cols // 16 * 4
+
+    def _offsets(self) -> tuple[int, int, int]:
+        m, k = self.rows, self.cols
+        return m * k, m * k + m * k // 32 * 4, m * k + m * k // 32 * 8  # xs, xo, xsum
+
+    @property
+    def pointers(self) -> tuple[int, int, int, int]:
+        """(xq, xs, xo, xsum) addresses."""
+        base = self.buffer.data_ptr()
+        xs, xo, xsum = self._offsets()
+        return base, base + xs, base + xo, base + xsum
+
+    @property
+    def xq(self) -> torch.Tensor:
+        return self.buffer[: self.rows * self.cols].view(torch.int8).view(self.rows, self.cols)
+
+    @property
+    def xs(self) -> torch.Tensor:
+        xs, xo, _ = self._offsets()
+        return self.buffer[xs:xo].view(torch.float32).view(self.rows, self.cols // 32)
+
+    @property
+    def xsum(self) -> torch.Tensor:
+        _, _, xsum = self._offsets()
+        return self.buffer[xsum:].view(torch.int32).view(self.rows, self.cols // 16)
+
+
+@dataclass(frozen=True)
+class Activations:
+    """Rows x [M, K] float32 quantized once for several products: `block` (per 32 inputs, for the
+    32-block types) and, where K is a multiple of 256, `super` (per 256, for the K-quants). `x` is
+    kept for float-typed weights."""
+
+    x: torch.Tensor
+    block: QuantizedForm
+    super: QuantizedForm | None
 
     @property
     def rows(self) -> int:
@@ -143,39 +184,17 @@ class Activations:
     def cols(self) -> int:
         return self.x.shape[1]
 
-    def _offsets(self) -> tuple[int, int, int]:
-        m, k = self.x.shape
-        return m * k, m * k + m * k // 32 * 4, m * k + m * k // 32 * 8  # xs, xo, xsum
+    def form(self, type_: int) -> QuantizedForm:
+        """The form a weight of ggml type `type_` reads."""
+        if type_ in K_QUANT_TYPES:
+            if self.super is None:
+                raise ValueError(f"K-quant weights need K to be a multiple of 256 (got {self.cols})")
+            return self.super
+        return self.block
 
-    @property
-    def pointers(self) -> tuple[int, int, int, int, int]:
-        """(x, xq, xs, xo, xsum) addresses, the first arguments of `qmm_matmul`."""
-        base = self.buffer.data_ptr()
-        xs, xo, xsum = self._offsets()
-        return self.x.data_ptr(), base, base + xs, base + xo, base + xsum
-
-    @property
-    def xq(self) -> torch.Tensor:
-        m, k = self.x.shape
-        return self.buffer[: m * k].view(torch.int8).view(m, k)
-
-    @property
-    def xs(self) -> torch.Tensor:
-        m, k = self.x.shape
-        xs, xo, _ = self._offsets()
-        return self.buffer[xs:xo].view(torch.float32).view(m, k // 32)
-
-    @property
-    def xo(self) -> torch.Tensor:
-        m, k = self.x.shape
-        _, xo, xsum = self._offsets()
-        return self.buffer[xo:xsum].view(torch.float32).view(m, k // 32)
-
-    @property
-    def xsum(self) -> torch.Tensor:
-        m, k = self.x.shape
-        _, _, xsum = self._offsets()
-        return self.buffer[xsum:].view(torch.int32).view(m, k // 16)
+    def pointers(self, type_: int) -> tuple[int, int, int, int, int]:
+        """(x, xq, xs, xo, xsum) addresses for a weight of type `type_`, the first arguments of `qmm_matmul`."""
+        return (self.x.data_ptr(), *self.form(type_).pointers)
 
 
 class QKernel:
@@ -191,6 +210,7 @@ class QKernel:
             "qmm_row_bytes": (size, [ctypes.c_int, size]),
             # x, M, K, xq, xs, xo, xsum, threads
             "qmm_quantize": (ctypes.c_int, [pointer, size, size, pointer, pointer, pointer, pointer, ctypes.c_int]),
+            "qmm_quantize_super": (ctypes.c_int, [pointer, size, size, pointer, pointer, pointer, pointer, ctypes.c_int]),
             # x, xq, xs, xo, xsum, M, K, w, type, N, y, ldy, threads
             "qmm_matmul": (ctypes.c_int, [pointer, pointer, pointer, pointer, pointer, size, size, pointer, ctypes.c_int,
                                           size, pointer, size, ctypes.c_int]),
@@ -225,12 +245,16 @@ class QKernel:
         m, k = x.shape
         if k % 32:
             raise ValueError(f"activations are quantized per block of 32: K = {k} is not a multiple of 32")
-        rows = Activations(x, torch.empty(Activations.nbytes(m, k), dtype=torch.uint8))
-        address, xq, xs, xo, xsum = rows.pointers
-        status = self.functions["qmm_quantize"](address, m, k, xq, xs, xo, xsum, self._threads(threads))
-        if status != 0:
-            raise RuntimeError(f"qmm_quantize refused its arguments (M={m}, K={k})")
-        return rows
+        forms = []
+        for group, function in ((32, "qmm_quantize"), (256, "qmm_quantize_super")):
+            if k % group:
+                forms.append(None)
+                continue
+            form = QuantizedForm(m, k, group, torch.empty(QuantizedForm.nbytes(m, k), dtype=torch.uint8))
+            if self.functions[function](x.data_ptr(), m, k, *form.pointers, self._threads(threads)) != 0:
+                raise RuntimeError(f"{function} refused its arguments (M={m}, K={k})")
+            forms.append(form)
+        return Activations(x, forms[0], forms[1])
 
     def matmul(self, x: torch.Tensor | Activations, w: QMatrix, out: torch.Tensor | None = None,
                threads: int | None = None) -> torch.Tensor:
@@ -251,7 +275,7 @@ class QKernel:
             raise ValueError(f"out must be a CPU float32 [{m}, {w.rows}] view with unit column stride")
         threads = self._threads(threads)
         if quantized and w.type not in FLOAT_TYPES:
-            status = self.functions["qmm_matmul"](*x.pointers, m, k, w.address, w.type, w.rows, out.data_ptr(),
+            status = self.functions["qmm_matmul"](*x.pointers(w.type), m, k, w.address, w.type, w.rows, out.data_ptr(),
                                                   out.stride(0), threads)
         else:  # float weights (x as is), or float x quantized inside the call
             status = self.functions["qmm_matmul_f32"](rows.data_ptr(), m, k, w.address, w.type, w.rows, out.data_ptr(),

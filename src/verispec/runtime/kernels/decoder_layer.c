@@ -41,6 +41,7 @@ int blockmm_int8(const float *x, int64_t M, int64_t K, const int8_t *codes, cons
                  int threads);
 
 int qmm_quantize(const float *x, int64_t M, int64_t K, int8_t *xq, float *xs, float *xo, int32_t *xsum, int threads);
+int qmm_quantize_super(const float *x, int64_t M, int64_t K, int8_t *xq, float *xs, float *xo, int32_t *xsum, int threads);
 int qmm_matmul(const float *x, const int8_t *xq, const float *xs, const float *xo, const int32_t *xsum, int64_t M,
                int64_t K, const void *w, int type, int64_t N, float *y, int64_t ldy, int threads);
 typedef struct {
@@ -56,6 +57,7 @@ enum { ACT_GELU_TANH = 0, ACT_SILU = 1 };
 /* the linears: blockmm_int8.c or blockmm.c on int8 block forms, or qmatmul.c on a GGUF file's blocks */
 enum { NUMERICS_INT8 = 0, NUMERICS_FP32 = 1, NUMERICS_GGUF = 2 };
 enum { GGUF_F32 = 0, GGUF_F16 = 1, GGUF_BF16 = 30 }; /* the float types qmatmul.c multiplies in float32 */
+enum { GGUF_Q4_K = 12, GGUF_Q5_K = 13, GGUF_Q6_K = 14 }; /* the K-quants: activations in the super-block form */
 
 typedef struct {
     const int8_t *codes;
@@ -95,55 +97,75 @@ typedef struct {
     int rope_interleaved; /* rotate adjacent pairs (a GGUF Llama's permuted q/k), not halves */
 } Layer;
 
-/* y [n, width] = x [n, in] times the parts' matrices, side by side; x is quantized once for
- * every quantized part (qmatmul.c's numerics: a row's result depends on that row alone). */
+/* Activations quantized in one of qmatmul.c's forms (block: per 32 inputs; super: per 256, the
+ * K-quants'), in one allocation: xq [n, in], xs and xo [n, in / 32], xsum [n, in / 16]. */
+typedef struct {
+    int8_t *xq;
+    float *xs, *xo;
+    int32_t *xsum;
+} Quantized;
+
+static int quantize_form(const float *x, int64_t n, int64_t in, int super, Quantized *q, int threads) {
+    const int64_t blocks = n * (in / 32);
+    char *memory = malloc((size_t)(n * in) + sizeof(float) * (size_t)(2 * blocks) + sizeof(int32_t) * (size_t)(2 * blocks));
+    if (!memory) return -1;
+    q->xs = (float *)(void *)memory;
+    q->xo = q->xs + blocks;
+    q->xsum = (int32_t *)(void *)(q->xo + blocks);
+    q->xq = (int8_t *)(q->xsum + 2 * blocks);
+    const int status = super ? qmm_quantize_super(x, n, in, q->xq, q->xs, q->xo, q->xsum, threads)
+                             : qmm_quantize(x, n, in, q->xq, q->xs, q->xo, q->xsum, threads);
+    if (status != 0) {
+        free(memory);
+        q->xs = NULL;
+        return -1;
+    }
+    return 0;
+}
+
+static int is_float_type(int type) { return type == GGUF_F32 || type == GGUF_F16 || type == GGUF_BF16; }
+static int is_k_quant(int type) { return type == GGUF_Q4_K || type == GGUF_Q5_K || type == GGUF_Q6_K; }
+
+/* y [n, width] = x [n, in] times the parts' matrices, side by side; x is quantized once per form the
+ * parts read (qmatmul.c's numerics: a row's result depends on that row alone). */
 static int gguf_linear(const GgufLinear *l, const float *x, int64_t n, int64_t in, float *y, int threads) {
     int64_t width = 0;
-    int quantized = 0, all_quantized = 1;
-    for (int p = 0; p < 3 && l->part[p].data; p++) {
-        width += l->part[p].out;
-        const int type = l->part[p].type;
-        const int is_float = type == GGUF_F32 || type == GGUF_F16 || type == GGUF_BF16;
-        quantized |= !is_float;
-        all_quantized &= !is_float;
+    int blocks = 0, supers = 0, floats = 0, count = 0;
+    for (; count < 3 && l->part[count].data; count++) {
+        const int type = l->part[count].type;
+        width += l->part[count].out;
+        floats |= is_float_type(type);
+        supers |= is_k_quant(type);
+        blocks |= !is_float_type(type) && !is_k_quant(type);
     }
-    int8_t *xq = NULL;
-    float *xs = NULL;
-    int32_t *xsum = NULL;
-    if (quantized) {
-        xq = malloc((size_t)(n * in));
-        xs = malloc(sizeof(float) * (size_t)(n * (in / 32) * 2));
-        xsum = malloc(sizeof(int32_t) * (size_t)(n * (in / 16)));
-        if (!xq || !xs || !xsum || qmm_quantize(x, n, in, xq, xs, xs + n * (in / 32), xsum, threads) != 0) {
-            free(xq), free(xs), free(xsum);
-            return -1;
-        }
-    }
+    Quantized block = {0}, super = {0};
     int status = 0;
-    if (quantized && all_quantized) { /* one call (one parallel region) for every part */
+    if (blocks) status |= quantize_form(x, n, in, 0, &block, threads);
+    if (supers && status == 0) status |= quantize_form(x, n, in, 1, &super, threads);
+    if (status == 0 && !floats && blocks + supers == 1) { /* one call (one parallel region) for every part */
+        const Quantized *q = supers ? &super : &block;
         QmmPart parts[3];
-        int count = 0;
-        for (; count < 3 && l->part[count].data; count++)
-            parts[count] = (QmmPart){l->part[count].data, l->part[count].type, l->part[count].out};
-        status = qmm_matmul_parts(xq, xs, xs + n * (in / 32), xsum, n, in, parts, count, y, width, threads);
-    } else {
+        for (int p = 0; p < count; p++) parts[p] = (QmmPart){l->part[p].data, l->part[p].type, l->part[p].out};
+        status = qmm_matmul_parts(q->xq, q->xs, q->xo, q->xsum, n, in, parts, count, y, width, threads);
+    } else if (status == 0) {
         int64_t offset = 0;
-        for (int p = 0; p < 3 && l->part[p].data && status == 0; p++) {
+        for (int p = 0; p < count && status == 0; p++) {
             const GgufPart *part = &l->part[p];
-            status = qmm_matmul(x, xq, xs, quantized ? xs + n * (in / 32) : NULL, xsum, n, in, part->data, part->type,
-                                part->out, y + offset, width, threads); /* float types read x itself */
+            const Quantized *q = is_k_quant(part->type) ? &super : &block; /* float types read x itself */
+            status = qmm_matmul(x, q->xq, q->xs, q->xo, q->xsum, n, in, part->data, part->type, part->out, y + offset,
+                                width, threads);
             offset += part->out;
         }
     }
     int64_t offset = 0;
-    for (int p = 0; p < 3 && l->part[p].data; p++) {
+    for (int p = 0; p < count; p++) {
         const GgufPart *part = &l->part[p];
         if (part->bias)
             for (int64_t r = 0; r < n; r++)
                 for (int64_t j = 0; j < part->out; j++) y[r * width + offset + j] += part->bias[j];
         offset += part->out;
     }
-    free(xq), free(xs), free(xsum);
+    free(block.xs), free(super.xs);
     return status ? -1 : 0;
 }
 

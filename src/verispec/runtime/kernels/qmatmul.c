@@ -14,24 +14,37 @@
  *                              bits 4-5 = (qh[32h + l] >> 2s) & 3                               code q - 32
  *   F32 (0), F16 (1), BF16 (30): plain rows.
  *
- * Activations (quantized types): each row of x [M, K] is quantized per block of 32 inputs from that
- * row alone, exactly as blockmm_int8.c's quantize_row: xs[m, a] = max |x| / 127 (float32 division),
- * xq = round-half-even(x / xs) clamped to [-127, 127] (all 0 and xs = 0 where the block is),
- * xo[m, a] = xs[m, a] * (float)sum(xq over the block), xsum[m, b] = sum(xq over inputs 16b .. 16b+15)
- * (exact int32: the bias corrections below need the sums per 16 inputs for Q6_K, per 32 elsewhere).
+ * Activations (quantized types): each row of x [M, K] is quantized from that row alone, with one scale
+ * per group of inputs: xs = max |x| / 127 over the group (float32 division), xq = round-half-even(x /
+ * xs) clamped to [-127, 127] (all 0 and xs = 0 where the group is). Two forms, the same sizes:
+ *   block form (`qmm_quantize`, the 32-block types Q4_0, Q5_0, Q8_0): groups of 32, exactly as
+ *     blockmm_int8.c's quantize_row; xs[m, a] per block a of 32, xo[m, a] = xs[m, a] * (float)sum(xq
+ *     over the block), xsum[m, b] = sum(xq over inputs 16b .. 16b + 15) (exact int32);
+ *   super-block form (`qmm_quantize_super`, the K-quants, as ggml's Q8_K): groups of 256 (K a
+ *     multiple of 256); xs[m, a] holds the scale D of the super-block of block a (8 copies), xo is 0,
+ *     and xsum holds a record of 16 int32 per super-block: the sums of xq per 16 inputs as 8 pairs of
+ *     int16 (low, high), the sums per 32 as 4 pairs, 4 zeros.
  *
- * Then for every (row m, output n), over the weight's sub-blocks j in order (S = 32 inputs, Q6_K 16;
- * a = j * S / 32 the activation block holding sub-block j):
- *   isum_j = exact integer sum of code[n, k] * xq[m, k] over sub-block j
- *   ws_j   = (float)d (Q4_0, Q5_0, Q8_0), (float)d * (float)sc_j (Q4_K, Q5_K, Q6_K; sc_j int8 for Q6_K)
- *   acc    = acc + (float)isum_j * (xs[m, a] * ws_j)
- *   shift  = shift + wo_j * xo[m, a],  wo_j = (float)dmin * (float)m_j       (Q4_K, Q5_K only)
- *   y[m, n] = acc - shift (Q4_K, Q5_K), else acc
- * each a correctly rounded float32 operation in this order (built with -ffp-contract=off, no FMA
- * here). This is blockmm_int8.c's sequence, so for Q8_0, Q5_0 and Q4_K the result has the bits of
- * blockmm_int8 on those matrices' exact block form (gguf_blocks). A row's result depends on nothing
- * else: not on M, the row tiling, the thread count (threads split the outputs, never a sum) nor the
- * instruction set (portable C, AVX2, AVX2 + VNNI and AVX-512 VNNI give the same bits).
+ * Then for every (row m, output n):
+ *   32-blocks, over the blocks a in order:
+ *     isum_a = exact integer sum of code[n, k] * xq[m, k] over block a
+ *     acc    = acc + (float)isum_a * (xs[m, a] * (float)d_a)
+ *     y[m, n] = acc
+ *   K-quants, over the super-blocks B in order (sub-blocks j of S = 32 inputs, Q6_K 16; sc_j, m_j the
+ *   6-bit scales and mins, Q6_K's sc_j int8; d, dmin the super-block's float16 factors):
+ *     isum_B = sum_j sc_j * (exact integer sum of code[n, k] * xq[m, k] over sub-block j)   (exact int32)
+ *     acc    = acc + (float)isum_B * (D_B * d)
+ *     shift  = shift + (float)msum_B * (D_B * dmin), msum_B = sum_j m_j * sum(xq over j)   (Q4_K, Q5_K)
+ *     y[m, n] = acc - shift (Q4_K, Q5_K), else acc
+ * each float step a correctly rounded float32 operation in this order (built with -ffp-contract=off,
+ * no FMA here), the integer sums exact (|isum_B| < 2^28). For the 32-blocks this is blockmm_int8.c's
+ * sequence, so Q8_0 and Q5_0 give the bits of blockmm_int8 on those matrices' exact block form
+ * (gguf_blocks). The K-quants' sub-block scales multiply in the integer domain, so their float work
+ * is one step per super-block instead of one per sub-block: 8-row products of Q4_K 0.91x the time of
+ * the per-32 numerics, Q6_K 0.92x (`scripts/qmatmul_ab.py --rows 8`, one thread, Zen 2). A row's
+ * result depends on nothing else: not on M, the row tiling, the thread count (threads split the
+ * outputs, never a sum) nor the instruction set (portable C, AVX2, AVX2 + VNNI and AVX-512 VNNI give
+ * the same bits).
  *
  * Float weights (F32, F16, BF16): x is used as float32 (not quantized); per (m, n) eight partial sums,
  * lane l over the inputs k = l, l + 8, l + 16, ... in order, p_l = fma(w[n, k], x[m, k], p_l) (one
@@ -49,12 +62,14 @@
  * each) from the transposed block headers. The integer sums are blockmm_int8.c's: per 4 inputs,
  * per row one broadcast of 4 activations and vpmaddubsw + vpaddw (int16 sums over at most 8 steps
  * for codes 0..15, 4 for 0..31, 2 for 0..63, so no lane exceeds 32767: steps * 2 * max_code * 127),
- * vpmaddwd into int32 per sub-block, minus bias * sum(xq) (bias a power of two: a shift); signed
- * Q8_0 codes use vpabsb / vpsignb as blockmm_int8.c does; VNNI builds use vpdpbusd (exact int32).
- * Then the float32 sequence above once per sub-block. Two ways to feed them:
+ * vpmaddwd into int32 per sub-block (for the K-quants vpmaddwd by sc_j instead of by 1, or vpmulld by
+ * sc_j after vpdpbusd), minus bias * sum(xq) (bias a power of two: a shift; for Q6_K once per
+ * super-block, 32 * sum_j sc_j * sum(xq over j) from the record's pairs with vpmaddwd); signed Q8_0
+ * codes use vpabsb / vpsignb as blockmm_int8.c does; VNNI builds use vpdpbusd (exact int32). Then the
+ * float32 sequence above once per block (32-blocks) or super-block (K-quants). Two ways to feed them:
  *   fused (M <= 2, the one-token step and the smallest drafts): each code vector goes from the
  *     transpose straight into the products of the 1 or 2 rows (no buffer); the float steps follow
- *     in sub-block order from the kept int32 sums;
+ *     from the kept int32 sums;
  *   buffered (M > 2): the chunk's codes are written once into a 2 KB buffer (L1) and `consume` runs
  *     tiles of up to 4 rows over it (one load of codes per 4 inputs for all rows of the tile), so
  *     the weights are read from memory and decoded once per call whatever M is; the float
@@ -70,13 +85,14 @@
  * rows q and q + 4, one per 128-bit half) or 32 of one (Q6_K: one row, two sub-blocks of 16),
  * multiplied by 16 or 32 consecutive activations (no broadcast per step), and a short tree of
  * vphaddw / vpmaddwd / vphaddd turns the int16 partial sums of the 8 outputs into the same exact
- * int32 sum per (output, sub-block), lanes = outputs; the float sequence is unchanged. One call runs
- * a group over all of K with the float accumulators in registers, the scale products xs * ws_j of a
- * super-block made once from its transposed headers, and the prefetching of the next task spread in
- * 8 parts per super-block. About 1.5 times fewer instructions per weight than the transposed fused
+ * int32 sum per (output, sub-block), lanes = outputs, then times sc_j (vpmulld); the numbers are the
+ * same. One call runs a group over all of K with the float accumulators in registers, the header of
+ * a super-block decoded once from its transposed bytes, and the prefetching of the next task spread
+ * in 8 parts per super-block. About 1.5 times fewer instructions per weight than the transposed fused
  * path at M = 1 on Zen 2. At M = 3 (a verify of 3 tokens) one row-wise pass over the weights took
  * 90.5 ms on Qwen2.5-1.5B against the buffered path's 97.3 ms (`verispec profile --widths 3`, two
- * runs each, 2 threads, Zen 2); at M = 4 it was 2% slower, so from M = 4 on the buffer is used.
+ * runs each, 2 threads, Zen 2, per-32 numerics); at M = 4 it was 2% slower, so from M = 4 on the
+ * buffer is used.
  * The portable build decodes the same chunks with scalar code and computes each (m, n) lane by lane.
  *
  * Threads (OpenMP) split the outputs: tasks of 1 group (4 from M = 32 on), taken in runs of
@@ -88,16 +104,19 @@
  *       a multiple of the block, 32 or 256; float types: a multiple of 8)
  *   int qmm_quantize(const float *x, int64_t M, int64_t K, int8_t *xq, float *xs, float *xo,
  *                    int32_t *xsum, int threads)
- *       x [M, K] (K a multiple of 32) -> xq [M, K], xs [M, K/32], xo [M, K/32], xsum [M, K/16]
+ *       x [M, K] (K a multiple of 32) -> the block form: xq [M, K], xs [M, K/32], xo [M, K/32], xsum [M, K/16]
+ *   int qmm_quantize_super(same arguments)
+ *       the super-block form (K a multiple of 256), in arrays of the same sizes
  *   int qmm_matmul(const float *x, const int8_t *xq, const float *xs, const float *xo,
  *                  const int32_t *xsum, int64_t M, int64_t K, const void *w, int type, int64_t N,
  *                  float *y, int64_t ldy, int threads)
  *       y[m * ldy + n] for the N x K weight w (the file's bytes); quantized types read xq, xs, xo,
- *       xsum (x may be NULL), float types read x (the others may be NULL); ldy >= N, so that several
+ *       xsum (x may be NULL) in the form of their type (K-quants: the super-block form), float types
+ *       read x (the others may be NULL); ldy >= N, so that several
  *       matrices fed by the same activations can write column ranges of one output buffer
  *   int qmm_matmul_f32(const float *x, int64_t M, int64_t K, const void *w, int type, int64_t N,
  *                      float *y, int64_t ldy, int threads)
- *       qmm_quantize (buffers allocated inside) then qmm_matmul, for one matrix
+ *       qmm_quantize or qmm_quantize_super (buffers allocated inside) then qmm_matmul, for one matrix
  *   int qmm_get_rows(const void *w, int type, int64_t N, int64_t K, const int64_t *ids, int64_t count,
  *                    float *out)
  *       out [count, K] = rows ids of W dequantized exactly as gguf-py does (Q4_K / Q5_K:
@@ -275,65 +294,111 @@ static void decode_scalar(int type, const uint8_t *row, int64_t k0, int64_t coun
     }
 }
 
+/* A K-quant super-block's header at blk: sc[j * stride], mn[j * stride] (Q4_K / Q5_K mins; Q6_K: 0)
+ * for its sub-blocks, and d, dmin (Q6_K: 0) as float32. */
+static inline void k_header_scalar(int type, const uint8_t *blk, int32_t *sc, int32_t *mn, int stride, float *d, float *dmin) {
+    if (type == T_Q6_K) {
+        for (int j = 0; j < 16; j++) sc[j * stride] = (int8_t)blk[192 + j], mn[j * stride] = 0;
+        *d = half_to_float(ld16(blk + 208));
+        *dmin = 0.0f;
+        return;
+    }
+    for (int j = 0; j < 8; j++) {
+        int s, m;
+        scale_min_k4(j, blk + 4, &s, &m);
+        sc[j * stride] = s, mn[j * stride] = m;
+    }
+    *d = half_to_float(ld16(blk));
+    *dmin = half_to_float(ld16(blk + 2));
+}
+
 /* ---------------------------------------------------------------------------------------------
  * Activations */
 
-/* Row x [K] quantized per block of 32: q [K], xs, xo [K / 32], xsum [K / 16]. */
-static void quantize_row(const float *x, int64_t K, int8_t *q, float *xs, float *xo, int32_t *xsum) {
-    for (int64_t b = 0; b < K / 32; b++) {
-        const float *xb = x + b * 32;
-        int8_t *qb = q + b * 32;
-        int64_t i = 0;
+/* Row x [K] quantized with one scale per GROUP inputs: q [K], xs [K / 32] (the scale of each block of
+ * 32's group). GROUP 32, the block form: xo [K / 32] = scale * (sum of q over the block), xsum [K / 16]
+ * the sums of q per 16. GROUP 256, the super-block form of the K-quants: xo is 0, and xsum holds per
+ * super-block a record of 16 int32: 8 pairs of int16 (low, high) = the sums of q over inputs 16t ..
+ * 16t + 15 for t = 2i, 2i + 1, then 4 pairs of the sums over 32 inputs (sub-blocks 2i, 2i + 1), then
+ * 4 zeros (|sum| <= 32 * 127 fits int16); the K-quant kernels multiply them in pairs (vpmaddwd). */
+static void quantize_row(const float *x, int64_t K, const int GROUP, int8_t *q, float *xs, float *xo, int32_t *xsum) {
+    for (int64_t g = 0; g < K / GROUP; g++) {
+        const float *xg = x + g * GROUP;
         float amax = 0.0f;
+        int64_t i = 0;
 #ifdef QMM_SIMD
         const __m256 sign = _mm256_set1_ps(-0.0f);
         __m256 m8 = _mm256_setzero_ps();
-        for (; i + 8 <= 32; i += 8) m8 = _mm256_max_ps(m8, _mm256_andnot_ps(sign, _mm256_loadu_ps(xb + i)));
+        for (; i + 8 <= GROUP; i += 8) m8 = _mm256_max_ps(m8, _mm256_andnot_ps(sign, _mm256_loadu_ps(xg + i)));
         float lanes[8];
         _mm256_storeu_ps(lanes, m8);
         for (int j = 0; j < 8; j++) amax = lanes[j] > amax ? lanes[j] : amax;
 #endif
-        for (; i < 32; i++) {
-            const float a = fabsf(xb[i]);
+        for (; i < GROUP; i++) {
+            const float a = fabsf(xg[i]);
             amax = a > amax ? a : amax;
         }
         const float scale = amax / 127.0f;
-        int32_t half[2] = {0, 0};
-        i = 0;
-        if (scale > 0.0f) {
+        for (int64_t b = g * (GROUP / 32); b < (g + 1) * (GROUP / 32); b++) {
+            const float *xb = x + b * 32;
+            int8_t *qb = q + b * 32;
+            int32_t half[2] = {0, 0};
+            i = 0;
+            if (scale > 0.0f) {
 #ifdef QMM_SIMD
-            const __m256 s = _mm256_set1_ps(scale), low = _mm256_set1_ps(-127.0f), high = _mm256_set1_ps(127.0f);
-            for (; i + 8 <= 32; i += 8) {
-                __m256 r = _mm256_round_ps(_mm256_div_ps(_mm256_loadu_ps(xb + i), s),
-                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-                r = _mm256_min_ps(_mm256_max_ps(r, low), high);
-                int32_t codes[8];
-                _mm256_storeu_si256((__m256i *)codes, _mm256_cvtps_epi32(r));
-                for (int j = 0; j < 8; j++) qb[i + j] = (int8_t)codes[j], half[(i + j) / 16] += codes[j];
-            }
+                const __m256 s = _mm256_set1_ps(scale), low = _mm256_set1_ps(-127.0f), high = _mm256_set1_ps(127.0f);
+                for (; i + 8 <= 32; i += 8) {
+                    __m256 r = _mm256_round_ps(_mm256_div_ps(_mm256_loadu_ps(xb + i), s),
+                                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+                    r = _mm256_min_ps(_mm256_max_ps(r, low), high);
+                    int32_t codes[8];
+                    _mm256_storeu_si256((__m256i *)codes, _mm256_cvtps_epi32(r));
+                    for (int j = 0; j < 8; j++) qb[i + j] = (int8_t)codes[j], half[(i + j) / 16] += codes[j];
+                }
 #endif
-            for (; i < 32; i++) {
-                float r = nearbyintf(xb[i] / scale); /* the default rounding: to nearest, ties to even */
-                r = r < -127.0f ? -127.0f : r > 127.0f ? 127.0f : r;
-                qb[i] = (int8_t)r;
-                half[i / 16] += (int32_t)r;
+                for (; i < 32; i++) {
+                    float r = nearbyintf(xb[i] / scale); /* the default rounding: to nearest, ties to even */
+                    r = r < -127.0f ? -127.0f : r > 127.0f ? 127.0f : r;
+                    qb[i] = (int8_t)r;
+                    half[i / 16] += (int32_t)r;
+                }
+            } else {
+                memset(qb, 0, 32);
             }
-        } else {
-            memset(qb, 0, 32);
+            xs[b] = scale;
+            if (GROUP == 256) {
+                int32_t *record = xsum + 16 * g;
+                const int i = (int)(b % 8); /* the block within the super-block */
+                xo[b] = 0.0f;
+                record[i] = (int32_t)(((uint32_t)half[0] & 0xFFFFu) | ((uint32_t)half[1] << 16));
+                const int32_t block_sum = half[0] + half[1];
+                record[8 + i / 2] = i % 2 == 0 ? (int32_t)((uint32_t)block_sum & 0xFFFFu)
+                                               : (int32_t)(((uint32_t)record[8 + i / 2] & 0xFFFFu) | ((uint32_t)block_sum << 16));
+                if (i < 4) record[12 + i] = 0;
+            } else {
+                xo[b] = scale * (float)(half[0] + half[1]);
+                xsum[2 * b] = half[0];
+                xsum[2 * b + 1] = half[1];
+            }
         }
-        xs[b] = scale;
-        xo[b] = scale * (float)(half[0] + half[1]);
-        xsum[2 * b] = half[0];
-        xsum[2 * b + 1] = half[1];
     }
 }
 
-int qmm_quantize(const float *x, int64_t M, int64_t K, int8_t *xq, float *xs, float *xo, int32_t *xsum, int threads) {
-    if (!x || !xq || !xs || !xo || !xsum || M < 1 || K < 32 || K % 32 != 0) return -1;
+static int quantize_rows(const float *x, int64_t M, int64_t K, const int GROUP, int8_t *xq, float *xs, float *xo,
+                         int32_t *xsum, int threads) {
+    if (!x || !xq || !xs || !xo || !xsum || M < 1 || K < GROUP || K % GROUP != 0) return -1;
     const int64_t nb = K / 32;
 #pragma omp parallel for num_threads(threads > 0 ? threads : 1) schedule(static) if (threads > 1 && M * K >= 65536)
-    for (int64_t m = 0; m < M; m++) quantize_row(x + m * K, K, xq + m * K, xs + m * nb, xo + m * nb, xsum + m * 2 * nb);
+    for (int64_t m = 0; m < M; m++) quantize_row(x + m * K, K, GROUP, xq + m * K, xs + m * nb, xo + m * nb, xsum + m * 2 * nb);
     return 0;
+}
+
+int qmm_quantize(const float *x, int64_t M, int64_t K, int8_t *xq, float *xs, float *xo, int32_t *xsum, int threads) {
+    return quantize_rows(x, M, K, 32, xq, xs, xo, xsum, threads);
+}
+
+int qmm_quantize_super(const float *x, int64_t M, int64_t K, int8_t *xq, float *xs, float *xo, int32_t *xsum, int threads) {
+    return quantize_rows(x, M, K, 256, xq, xs, xo, xsum, threads);
 }
 
 /* ---------------------------------------------------------------------------------------------
@@ -374,10 +439,23 @@ static inline __m256i dpbusd(__m256i acc, __m256i u, __m256i s) { return _mm256_
 /* A chunk of 8 outputs, decoded: codes[s] holds inputs 4s .. 4s + 3 of the chunk for lanes 0..7
  * (byte 4 * lane + t: input 4s + t), as unsigned u = code + bias (signed codes for Q8_0 on AVX2);
  * ws[j] / wo[j] the float scales of sub-block j, one lane per output. */
+/* A K-quant super-block's header for 8 outputs, one 32-bit lane each: sc[j] the scale of sub-block j
+ * (int32; Q6_K signed), sc2[j] the same as two int16 (a vpmaddwd operand), pair[i] two int16 that
+ * multiply a pair of the activations' sums (the super-block form's record): Q4_K / Q5_K (m_2i,
+ * m_2i+1) times the sums over sub-blocks 2i, 2i + 1 (i < 4); Q6_K (sc_2i, sc_2i+1) times the sums over
+ * its sub-blocks 2i, 2i + 1 of 16 (i < 8); d, dmin the super-block's float16 factors as float32. */
+typedef struct {
+    int32_t sc[MAX_SUBS][LANES] __attribute__((aligned(32)));
+    int32_t sc2[MAX_SUBS][LANES] __attribute__((aligned(32)));
+    int32_t pair[8][LANES] __attribute__((aligned(32)));
+    float d[LANES] __attribute__((aligned(32)));
+    float dmin[LANES] __attribute__((aligned(32)));
+} KScales;
+
 typedef struct {
     uint8_t codes[MAX_STEPS][32] __attribute__((aligned(32)));
-    float ws[MAX_SUBS][LANES] __attribute__((aligned(32)));
-    float wo[MAX_SUBS][LANES] __attribute__((aligned(32)));
+    float ws[MAX_SUBS][LANES] __attribute__((aligned(32))); /* 32-blocks: d of block j */
+    KScales k;                                               /* K-quants */
 } Decoded;
 
 static inline __m256i load_pair(const uint8_t *lo, const uint8_t *hi) {
@@ -444,37 +522,84 @@ static inline __attribute__((always_inline)) K4Header k4_header(const uint8_t *c
     return h;
 }
 
-/* Byte t (0..3) of each 32-bit lane of v, as floats. */
-static inline __attribute__((always_inline)) __m256 k4_byte(__m256i v, const int t) {
+/* Byte t (0..3) of each 32-bit lane of v, as int32 (unsigned). */
+static inline __attribute__((always_inline)) __m256i k4_byte(__m256i v, const int t) {
     const __m256i pick = _mm256_setr_epi32((int)(0x80808000u + t), (int)(0x80808004u + t), (int)(0x80808008u + t),
                                            (int)(0x8080800Cu + t), (int)(0x80808000u + t), (int)(0x80808004u + t),
                                            (int)(0x80808008u + t), (int)(0x8080800Cu + t));
-    return _mm256_cvtepi32_ps(_mm256_shuffle_epi8(v, pick));
+    return _mm256_shuffle_epi8(v, pick);
 }
 
-/* Q4_K / Q5_K: ws_j = d * sc_j, wo_j = dmin * m_j of the block at p[l] + off, one lane per output. */
-static inline __attribute__((always_inline)) void k4_scales(const uint8_t *const p[LANES], int64_t off, Decoded *dec) {
+/* Two int16 copies of each lane's int32 v (|v| < 2^15) in that lane. */
+static inline __m256i twice16(__m256i v) {
+    return _mm256_or_si256(_mm256_and_si256(v, _mm256_set1_epi32(0xFFFF)), _mm256_slli_epi32(v, 16));
+}
+
+/* The lanes' int16 (low, high) pair. */
+static inline __m256i pair16(__m256i low, __m256i high) {
+    return _mm256_or_si256(_mm256_and_si256(low, _mm256_set1_epi32(0xFFFF)), _mm256_slli_epi32(high, 16));
+}
+
+/* Q4_K / Q5_K: the header of the super-block at p[l] + off, one lane per output. */
+static inline __attribute__((always_inline)) void k4_scales(const uint8_t *const p[LANES], int64_t off, KScales *k) {
     const K4Header h = k4_header(p, off);
+    _mm256_store_ps(k->d, h.d);
+    _mm256_store_ps(k->dmin, h.dmin);
 #pragma GCC unroll 4
     for (int t = 0; t < 4; t++) {
-        _mm256_store_ps(dec->ws[t], _mm256_mul_ps(h.d, k4_byte(h.sc_low, t)));
-        _mm256_store_ps(dec->wo[t], _mm256_mul_ps(h.dmin, k4_byte(h.m_low, t)));
-        _mm256_store_ps(dec->ws[4 + t], _mm256_mul_ps(h.d, k4_byte(h.sc_high, t)));
-        _mm256_store_ps(dec->wo[4 + t], _mm256_mul_ps(h.dmin, k4_byte(h.m_high, t)));
+        const __m256i s0 = k4_byte(h.sc_low, t), s1 = k4_byte(h.sc_high, t);
+        const __m256i m0 = k4_byte(h.m_low, t), m1 = k4_byte(h.m_high, t);
+        _mm256_store_si256((__m256i *)k->sc[t], s0);
+        _mm256_store_si256((__m256i *)k->sc[4 + t], s1);
+        _mm256_store_si256((__m256i *)k->sc2[t], twice16(s0));
+        _mm256_store_si256((__m256i *)k->sc2[4 + t], twice16(s1));
+        if (t % 2 == 0) { /* (m_t, m_t+1) and (m_4+t, m_5+t) */
+            _mm256_store_si256((__m256i *)k->pair[t / 2], pair16(m0, k4_byte(h.m_low, t + 1)));
+            _mm256_store_si256((__m256i *)k->pair[2 + t / 2], pair16(m1, k4_byte(h.m_high, t + 1)));
+        }
     }
 }
 
-/* Q6_K: ws_j = d * sc_j of the block at p[l] + off, one lane per output. */
-static inline __attribute__((always_inline)) void q6_scales(const uint8_t *const p[LANES], int64_t off, Decoded *dec) {
+/* Q6_K: the header of the super-block at p[l] + off, one lane per output. */
+static inline __attribute__((always_inline)) void q6_scales(const uint8_t *const p[LANES], int64_t off, KScales *k) {
     __m256i S[4];
     transpose16(p, off + 192, S); /* the 16 int8 scales */
-    const __m256 d = half8(p, off + 208);
-#define Q6_SCALE(j)                                                                                             \
-    _mm256_store_ps(dec->ws[j], _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_srai_epi32(                          \
-                                                     _mm256_slli_epi32(S[(j) / 4], 24 - 8 * ((j) % 4)), 24))))
-    Q6_SCALE(0); Q6_SCALE(1); Q6_SCALE(2); Q6_SCALE(3); Q6_SCALE(4); Q6_SCALE(5); Q6_SCALE(6); Q6_SCALE(7);
-    Q6_SCALE(8); Q6_SCALE(9); Q6_SCALE(10); Q6_SCALE(11); Q6_SCALE(12); Q6_SCALE(13); Q6_SCALE(14); Q6_SCALE(15);
-#undef Q6_SCALE
+    _mm256_store_ps(k->d, half8(p, off + 208));
+    __m256i sc[MAX_SUBS];
+#pragma GCC unroll 16
+    for (int j = 0; j < 16; j++) {
+        sc[j] = _mm256_srai_epi32(_mm256_slli_epi32(S[j / 4], 24 - 8 * (j % 4)), 24);
+        _mm256_store_si256((__m256i *)k->sc[j], sc[j]);
+        _mm256_store_si256((__m256i *)k->sc2[j], twice16(sc[j]));
+    }
+#pragma GCC unroll 8
+    for (int i = 0; i < 8; i++) _mm256_store_si256((__m256i *)k->pair[i], pair16(sc[2 * i], sc[2 * i + 1]));
+}
+
+/* sum over i < n of k->pair[i] times the row's pair of int16 sums pairs[i] (exact int32 per lane):
+ * Q4_K / Q5_K (n = 4, the sums per 32) sum_j m_j * (sum of xq over sub-block j), Q6_K (n = 8, the sums
+ * per 16) sum_j sc_j * (sum of xq over sub-block j). */
+static inline __attribute__((always_inline)) __m256i pair_sums(const KScales *k, const int32_t *pairs, const int n) {
+    __m256i total = _mm256_madd_epi16(_mm256_load_si256((const __m256i *)k->pair[0]), _mm256_set1_epi32(pairs[0]));
+#pragma GCC unroll 8
+    for (int i = 1; i < n; i++)
+        total = _mm256_add_epi32(total, _mm256_madd_epi16(_mm256_load_si256((const __m256i *)k->pair[i]), _mm256_set1_epi32(pairs[i])));
+    return total;
+}
+
+/* The float sequence of a K-quant super-block for one row, from isum = sum_j sc_j * (exact sum of
+ * sub-block j, codes as stored): Q6_K first takes off the bias 32 * sum_j sc_j * (sum of xq over j);
+ * acc = acc + (float)isum * (D * d), and for Q4_K / Q5_K shift = shift + (float)msum * (D * dmin),
+ * msum = sum_j m_j * (sum of xq over j). D: the row's super-block scale xs, record: its sums. */
+static inline __attribute__((always_inline)) void k_floats(const KScales *k, const int OFFS, const int BIAS_LOG,
+                                                           __m256i isum, float D, const int32_t *record, __m256 *acc,
+                                                           __m256 *shift) {
+    if (BIAS_LOG >= 0) isum = _mm256_sub_epi32(isum, _mm256_slli_epi32(pair_sums(k, record, 8), BIAS_LOG));
+    const __m256 row = _mm256_set1_ps(D);
+    *acc = _mm256_add_ps(*acc, _mm256_mul_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(row, _mm256_load_ps(k->d))));
+    if (OFFS)
+        *shift = _mm256_add_ps(*shift, _mm256_mul_ps(_mm256_cvtepi32_ps(pair_sums(k, record + 8, 4)),
+                                                     _mm256_mul_ps(row, _mm256_load_ps(k->dmin))));
 }
 
 /* Bit 4 of byte t of each lane = bit 4q + t of that lane of H (Q5_0's high bits, q = 0..7). */
@@ -588,7 +713,7 @@ static inline __attribute__((always_inline)) void decode_chunk(const int TYPE, c
         const int five = TYPE == T_Q5_K;
         const int64_t off = (k0 / 256) * (five ? 176 : 144), qs = off + (five ? 48 : 16);
         __m256i Q[8];
-        k4_scales(p, off, dec);
+        k4_scales(p, off, &dec->k);
         if (five) {
             transpose16(p, off + 16, Q);
             transpose16(p, off + 32, Q + 4);
@@ -617,7 +742,7 @@ static inline __attribute__((always_inline)) void decode_chunk(const int TYPE, c
         }
     } else { /* Q6_K */
         const int64_t off = (k0 / 256) * 210;
-        q6_scales(p, off, dec);
+        q6_scales(p, off, &dec->k);
         for (int h = 0; h < 2; h++)
             for (int half = 0; half < 2; half++) { /* inputs 128h + 32s + 16 half + 0..15, s = 0..3 */
                 __m256i A[4], B[4], Q[4], v[4];
@@ -750,49 +875,23 @@ static inline void ahead_step(Ahead *a) {
     }
 }
 
-/* The fused row-wise product of the group p[0..7] with rows r < R of the activations (xq, xs, xo,
- * xsum at input 0, row strides ldq, ldx, ldsum) over all K inputs: out[r] = y (acc - shift). Per
- * super-block, the header first: scale_j = xs * ws_j of every sub-block into a small buffer, and the
- * shift sequence (it needs no integer sum); then the integer sums, each followed by its float step
- * acc = acc + (float)isum_j * scale_j, in sub-block order. */
+/* The fused row-wise product of the group p[0..7] with rows r < R of the activations (super-block
+ * form: xq, xs, xsum at input 0, row strides ldq, ldx, ldsum) over all K inputs: out[r] = y (acc - shift). Per super-block, the
+ * header first (KScales), then the integer sums of the sub-blocks, each times sc_j (vpmulld) into
+ * one int32 sum, then the super-block's float step (k_floats). */
 static inline __attribute__((always_inline)) void rows_group(const int TYPE, const int R, const uint8_t *const p[LANES],
                                                              int64_t K, const int8_t *xq, int64_t ldq, const float *xs,
-                                                             const float *xo, int64_t ldx, const int32_t *xsum,
-                                                             int64_t ldsum, Ahead *ahead, __m256 *out) {
+                                                             int64_t ldx, const int32_t *xsum, int64_t ldsum, Ahead *ahead,
+                                                             __m256 *out) {
     __m256 acc[ROWWISE_ROWS], shift[ROWWISE_ROWS];
-    float buffer[ROWWISE_ROWS * MAX_SUBS * (LANES + 1)] __attribute__((aligned(32)));
+    KScales k;
     for (int r = 0; r < R; r++) acc[r] = shift[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < K / 256; b++) {
         const int8_t *x = xq + 256 * b;
-        const float *s = xs + 8 * b, *o = xo + 8 * b;
-        /* scale_j of row r at scale + (r * MAX_SUBS + j) * LANES, stored, then read back by the float
-         * steps (the pointer is laundered so that the compiler keeps them in memory, not in registers) */
-        float *scale = buffer;
-        __asm__ volatile("" : "+r"(scale));
+        __m256i isum[ROWWISE_ROWS];
         if (TYPE == T_Q6_K) {
             const int64_t off = b * 210;
-            /* ws_j = d * sc_j: sc_j moved to the top byte of each lane (sc_j * 2^24, exact in float32)
-             * times d * 2^-24 (exact: d is a float16) is exactly d * sc_j */
-            __m256i S[4];
-            transpose16(p, off + 192, S);
-            const __m256 d = _mm256_mul_ps(half8(p, off + 208), _mm256_set1_ps(0x1p-24f));
-#pragma GCC unroll 16
-            for (int j = 0; j < 16; j++) {
-                const uint32_t u = (uint32_t)j % 4;
-                const __m256i top = _mm256_setr_epi32((int)(0x00808080u | (0u + u) << 24), (int)(0x00808080u | (4u + u) << 24),
-                                                      (int)(0x00808080u | (8u + u) << 24), (int)(0x00808080u | (12u + u) << 24),
-                                                      (int)(0x00808080u | (0u + u) << 24), (int)(0x00808080u | (4u + u) << 24),
-                                                      (int)(0x00808080u | (8u + u) << 24), (int)(0x00808080u | (12u + u) << 24));
-                const __m256 ws = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_shuffle_epi8(S[j / 4], top)));
-                for (int r = 0; r < R; r++) _mm256_store_ps(scale + (r * MAX_SUBS + j) * LANES, _mm256_mul_ps(_mm256_broadcast_ss(s + r * ldx + j / 2), ws));
-            }
-            /* the bias correction of sub-block j, 32 * (sum of xq over it), at correct[r * MAX_SUBS + j] */
-            int32_t *correct = (int32_t *)(scale + ROWWISE_ROWS * MAX_SUBS * LANES);
-            for (int r = 0; r < R; r++)
-                for (int i = 0; i < 2; i++)
-                    _mm256_store_si256((__m256i *)(correct + r * MAX_SUBS + 8 * i),
-                                       _mm256_slli_epi32(_mm256_loadu_si256((const __m256i *)(xsum + r * ldsum + 16 * b + 8 * i)), 5));
-            __asm__ volatile("" : "+r"(scale), "+r"(correct));
+            q6_scales(p, off, &k);
 #pragma GCC unroll 8
             for (int h = 0; h < 2; h++)
 #pragma GCC unroll 8
@@ -801,56 +900,46 @@ static inline __attribute__((always_inline)) void rows_group(const int TYPE, con
                     const int j = 8 * h + 2 * q;
                     ahead_step(ahead);
                     q6_sums(h, q, p, off, R, x, ldq, sa, sb);
+                    const __m256i sc_a = _mm256_load_si256((const __m256i *)k.sc[j]), sc_b = _mm256_load_si256((const __m256i *)k.sc[j + 1]);
                     for (int r = 0; r < R; r++) {
-                        sa[r] = _mm256_sub_epi32(sa[r], _mm256_set1_epi32(correct[r * MAX_SUBS + j]));
-                        acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(_mm256_cvtepi32_ps(sa[r]), _mm256_load_ps(scale + (r * MAX_SUBS + j) * LANES)));
-                        sb[r] = _mm256_sub_epi32(sb[r], _mm256_set1_epi32(correct[r * MAX_SUBS + j + 1]));
-                        acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(_mm256_cvtepi32_ps(sb[r]), _mm256_load_ps(scale + (r * MAX_SUBS + j + 1) * LANES)));
+                        const __m256i both = _mm256_add_epi32(_mm256_mullo_epi32(sa[r], sc_a), _mm256_mullo_epi32(sb[r], sc_b));
+                        isum[r] = j == 0 ? both : _mm256_add_epi32(isum[r], both);
                     }
                 }
         } else {
             const int five = TYPE == T_Q5_K;
             const int64_t off = b * (five ? 176 : 144);
-            {
-                const K4Header h = k4_header(p, off);
-#pragma GCC unroll 8
-                for (int j = 0; j < 8; j++) {
-                    const int t = j % 4; /* byte t of sc_low / m_low (j < 4) or of sc_high / m_high */
-                    const __m256 ws = _mm256_mul_ps(h.d, k4_byte(j < 4 ? h.sc_low : h.sc_high, t));
-                    const __m256 wo = _mm256_mul_ps(h.dmin, k4_byte(j < 4 ? h.m_low : h.m_high, t));
-                    for (int r = 0; r < R; r++) {
-                        _mm256_store_ps(scale + (r * MAX_SUBS + j) * LANES, _mm256_mul_ps(_mm256_broadcast_ss(s + r * ldx + j), ws));
-                        shift[r] = _mm256_add_ps(shift[r], _mm256_mul_ps(wo, _mm256_broadcast_ss(o + r * ldx + j)));
-                    }
-                }
-            }
-            __asm__ volatile("" : "+r"(scale));
+            k4_scales(p, off, &k);
 #pragma GCC unroll 8
             for (int c = 0; c < 4; c++) {
                 __m256i e[ROWWISE_ROWS], od[ROWWISE_ROWS];
                 ahead_step(ahead);
                 ahead_step(ahead);
                 k4_sums(five, c, p, off, R, x, ldq, e, od);
+                const __m256i sc_e = _mm256_load_si256((const __m256i *)k.sc[2 * c]), sc_o = _mm256_load_si256((const __m256i *)k.sc[2 * c + 1]);
                 for (int r = 0; r < R; r++) {
-                    acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(_mm256_cvtepi32_ps(e[r]), _mm256_load_ps(scale + (r * MAX_SUBS + 2 * c) * LANES)));
-                    acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(_mm256_cvtepi32_ps(od[r]), _mm256_load_ps(scale + (r * MAX_SUBS + 2 * c + 1) * LANES)));
+                    const __m256i both = _mm256_add_epi32(_mm256_mullo_epi32(e[r], sc_e), _mm256_mullo_epi32(od[r], sc_o));
+                    isum[r] = c == 0 ? both : _mm256_add_epi32(isum[r], both);
                 }
             }
         }
+        for (int r = 0; r < R; r++)
+            k_floats(&k, TYPE != T_Q6_K, TYPE == T_Q6_K ? 5 : -1, isum[r], xs[r * ldx + 8 * b], xsum + r * ldsum + 16 * b,
+                     &acc[r], &shift[r]);
     }
     for (int r = 0; r < R; r++) out[r] = TYPE == T_Q6_K ? acc[r] : _mm256_sub_ps(acc[r], shift[r]);
 }
 
-typedef void (*RowsGroup)(const uint8_t *const[LANES], int64_t, int, const int8_t *, int64_t, const float *, const float *,
-                          int64_t, const int32_t *, int64_t, Ahead *, __m256 *);
+typedef void (*RowsGroup)(const uint8_t *const[LANES], int64_t, int, const int8_t *, int64_t, const float *, int64_t,
+                          const int32_t *, int64_t, Ahead *, __m256 *);
 #define ROWS_KERNEL(NAME, TYPE)                                                                                  \
     static __attribute__((noinline)) void rows_##NAME(const uint8_t *const p[LANES], int64_t K, int R, const int8_t *xq, \
-                                                      int64_t ldq, const float *xs, const float *xo, int64_t ldx,  \
-                                                      const int32_t *xsum, int64_t ldsum, Ahead *ahead, __m256 *out) { \
+                                                      int64_t ldq, const float *xs, int64_t ldx, const int32_t *xsum, \
+                                                      int64_t ldsum, Ahead *ahead, __m256 *out) {                  \
         switch (R) {                                                                                             \
-            case 1: rows_group(TYPE, 1, p, K, xq, ldq, xs, xo, ldx, xsum, ldsum, ahead, out); break;             \
-            case 2: rows_group(TYPE, 2, p, K, xq, ldq, xs, xo, ldx, xsum, ldsum, ahead, out); break;             \
-            default: rows_group(TYPE, 3, p, K, xq, ldq, xs, xo, ldx, xsum, ldsum, ahead, out); break;            \
+            case 1: rows_group(TYPE, 1, p, K, xq, ldq, xs, ldx, xsum, ldsum, ahead, out); break;                 \
+            case 2: rows_group(TYPE, 2, p, K, xq, ldq, xs, ldx, xsum, ldsum, ahead, out); break;                 \
+            default: rows_group(TYPE, 3, p, K, xq, ldq, xs, ldx, xsum, ldsum, ahead, out); break;                \
         }                                                                                                        \
     }
 ROWS_KERNEL(q4_k, T_Q4_K)
@@ -867,12 +956,11 @@ static inline __m256i correction(const int BIAS_LOG, const int S, const int32_t 
     return _mm256_slli_epi32(count, BIAS_LOG);
 }
 
-/* The float sequence of sub-block j for rows 0..R-1, from their exact integer sums (minus the
+/* The float sequence of block j (32-blocks) for rows 0..R-1, from their exact integer sums (minus the
  * bias correction, BIAS_LOG >= 0: codes stored as code + 2^BIAS_LOG). */
 static inline __attribute__((always_inline)) void float_step(const Decoded *dec, int j, const int R, const int S,
-                                                             const int OFFS, const int BIAS_LOG, const __m256i *sums,
-                                                             const float *xs, const float *xo, int64_t ldx,
-                                                             const int32_t *xsum, int64_t ldsum, float *acc, float *shift) {
+                                                             const int BIAS_LOG, const __m256i *sums, const float *xs,
+                                                             int64_t ldx, const int32_t *xsum, int64_t ldsum, float *acc) {
     const int64_t ai = (int64_t)j * S / 32;
     const __m256 ws = _mm256_load_ps(dec->ws[j]);
     for (int r = 0; r < R; r++) {
@@ -880,12 +968,6 @@ static inline __attribute__((always_inline)) void float_step(const Decoded *dec,
         if (BIAS_LOG >= 0) total = _mm256_sub_epi32(total, correction(BIAS_LOG, S, xsum + r * ldsum, j));
         const __m256 scale = _mm256_mul_ps(_mm256_set1_ps(xs[r * ldx + ai]), ws);
         _mm256_storeu_ps(acc + 8 * r, _mm256_add_ps(_mm256_loadu_ps(acc + 8 * r), _mm256_mul_ps(_mm256_cvtepi32_ps(total), scale)));
-    }
-    if (OFFS) {
-        const __m256 wo = _mm256_load_ps(dec->wo[j]);
-        for (int r = 0; r < R; r++)
-            _mm256_storeu_ps(shift + 8 * r, _mm256_add_ps(_mm256_loadu_ps(shift + 8 * r),
-                                                          _mm256_mul_ps(wo, _mm256_set1_ps(xo[r * ldx + ai]))));
     }
 }
 
@@ -896,15 +978,14 @@ static inline __m256i row_step(const int8_t *xq, int64_t ldq, int r, int64_t s) 
     return _mm256_set1_epi32(four);
 }
 
-/* Rows 0..R-1 (xq, xs, xo, xsum at the chunk's start, row strides ldq, ldx, ldsum) times a decoded
- * chunk of J sub-blocks of S inputs: acc / shift [R][8] (in memory between chunks) advanced by the
- * float sequence of the header. SIGNED: Q8_0's signed codes on AVX2; STEPS16: steps summed in int16
- * before vpmaddwd (unsigned codes); OFFS: wo / shift. R, S, SIGNED, STEPS16, OFFS are compile-time
- * constants after inlining. */
-static inline __attribute__((always_inline)) void consume(
-        const Decoded *dec, int J, const int R, const int S, const int SIGNED, const int STEPS16, const int OFFS,
-        const int BIAS_LOG, const int8_t *xq, int64_t ldq, const float *xs, const float *xo, int64_t ldx, const int32_t *xsum,
-        int64_t ldsum, float *acc, float *shift) {
+/* Rows 0..R-1 (xq, xs, xsum at the chunk's start, row strides ldq, ldx, ldsum) times a decoded chunk
+ * of J blocks of 32 (S = 32): acc [R][8] (in memory between chunks) advanced by the float sequence of
+ * the header. SIGNED: Q8_0's signed codes on AVX2; STEPS16: steps summed in int16 before vpmaddwd
+ * (unsigned codes). R, S, SIGNED, STEPS16 are compile-time constants after inlining. */
+static inline __attribute__((always_inline)) void consume(const Decoded *dec, int J, const int R, const int S,
+                                                          const int SIGNED, const int STEPS16, const int BIAS_LOG,
+                                                          const int8_t *xq, int64_t ldq, const float *xs, int64_t ldx,
+                                                          const int32_t *xsum, int64_t ldsum, float *acc) {
     const int steps = S / 4;
     const __m256i ones = _mm256_set1_epi16(1);
     for (int j = 0; j < J; j++) {
@@ -945,28 +1026,84 @@ static inline __attribute__((always_inline)) void consume(
             }
         }
 #endif
-        float_step(dec, j, R, S, OFFS, BIAS_LOG, sums, xs, xo, ldx, xsum, ldsum, acc, shift);
+        float_step(dec, j, R, S, BIAS_LOG, sums, xs, ldx, xsum, ldsum, acc);
     }
 }
 
-/* The float sequence of a fused chunk, sub-block by sub-block, accumulators in registers. */
+/* Rows 0..R-1 times a decoded K-quant super-block (J = 256 / S sub-blocks): per sub-block the exact
+ * sums scaled by sc_j in the integer domain (vpmaddwd by sc_j instead of by 1, or vpmulld after
+ * vpdpbusd), then one float step per row (k_floats); acc / shift [R][8] in memory between chunks. */
+static inline __attribute__((always_inline)) void consume_k(const Decoded *dec, const int R, const int S, const int STEPS16,
+                                                            const int OFFS, const int BIAS_LOG, const int8_t *xq,
+                                                            int64_t ldq, const float *xs, int64_t ldx, const int32_t *xsum,
+                                                            int64_t ldsum, float *acc, float *shift) {
+    const int steps = S / 4, J = CHUNK / S;
+    __m256i isum[ROW_TILE];
+    for (int r = 0; r < R; r++) isum[r] = _mm256_setzero_si256();
+    for (int j = 0; j < J; j++) {
+        const int64_t first = (int64_t)j * steps, end = first + steps;
+#ifdef QMM_VNNI
+        (void)STEPS16;
+        __m256i sums[ROW_TILE];
+        for (int r = 0; r < R; r++) sums[r] = _mm256_setzero_si256();
+        for (int64_t s = first; s < end; s++) {
+            const __m256i w = _mm256_load_si256((const __m256i *)dec->codes[s]);
+            for (int r = 0; r < R; r++) sums[r] = dpbusd(sums[r], w, row_step(xq, ldq, r, s));
+        }
+        const __m256i sc = _mm256_load_si256((const __m256i *)dec->k.sc[j]);
+        for (int r = 0; r < R; r++) isum[r] = _mm256_add_epi32(isum[r], _mm256_mullo_epi32(sums[r], sc));
+#else
+        const __m256i sc2 = _mm256_load_si256((const __m256i *)dec->k.sc2[j]);
+        for (int64_t c = first; c < end; c += STEPS16) {
+            __m256i pairs[ROW_TILE];
+            for (int r = 0; r < R; r++)
+                pairs[r] = _mm256_maddubs_epi16(_mm256_load_si256((const __m256i *)dec->codes[c]), row_step(xq, ldq, r, c));
+            for (int i = 1; i < STEPS16; i++) {
+                const __m256i w = _mm256_load_si256((const __m256i *)dec->codes[c + i]);
+                for (int r = 0; r < R; r++) {
+                    pairs[r] = _mm256_add_epi16(pairs[r], _mm256_maddubs_epi16(w, row_step(xq, ldq, r, c + i)));
+                    PIN(pairs[r]);
+                }
+            }
+            for (int r = 0; r < R; r++) isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(pairs[r], sc2));
+        }
+#endif
+    }
+    for (int r = 0; r < R; r++) {
+        __m256 a = _mm256_loadu_ps(acc + 8 * r), sh = OFFS ? _mm256_loadu_ps(shift + 8 * r) : _mm256_setzero_ps();
+        k_floats(&dec->k, OFFS, BIAS_LOG, isum[r], xs[r * ldx], xsum + r * ldsum, &a, &sh);
+        _mm256_storeu_ps(acc + 8 * r, a);
+        if (OFFS) _mm256_storeu_ps(shift + 8 * r, sh);
+    }
+}
+
+/* The float sequence of a fused chunk, accumulators in registers: 32-blocks block by block (KQ = 0),
+ * a K-quant super-block's sums scaled by sc_j in the integer domain, then k_floats (KQ = 1). */
 static inline __attribute__((always_inline)) void fused_floats(const Decoded *dec, const Fused *f, int J, const int R,
-                                                               const int S, const int OFFS, const int BIAS_LOG, const float *xs,
-                                                               const float *xo, int64_t ldx, const int32_t *xsum,
+                                                               const int S, const int KQ, const int OFFS, const int BIAS_LOG,
+                                                               const float *xs, int64_t ldx, const int32_t *xsum,
                                                                int64_t ldsum, float *acc, float *shift) {
     __m256 a[FUSED_TILE], sh[FUSED_TILE];
     for (int r = 0; r < R; r++) {
         a[r] = _mm256_loadu_ps(acc + 8 * r);
-        if (OFFS) sh[r] = _mm256_loadu_ps(shift + 8 * r);
+        sh[r] = OFFS ? _mm256_loadu_ps(shift + 8 * r) : _mm256_setzero_ps();
     }
-    for (int j = 0; j < J; j++) {
-        const int64_t ai = (int64_t)j * S / 32;
-        const __m256 ws = _mm256_load_ps(dec->ws[j]);
+    if (KQ) {
         for (int r = 0; r < R; r++) {
-            __m256i total = f->isum[j][r];
-            if (BIAS_LOG >= 0) total = _mm256_sub_epi32(total, correction(BIAS_LOG, S, xsum + r * ldsum, j));
-            a[r] = _mm256_add_ps(a[r], _mm256_mul_ps(_mm256_cvtepi32_ps(total), _mm256_mul_ps(_mm256_set1_ps(xs[r * ldx + ai]), ws)));
-            if (OFFS) sh[r] = _mm256_add_ps(sh[r], _mm256_mul_ps(_mm256_load_ps(dec->wo[j]), _mm256_set1_ps(xo[r * ldx + ai])));
+            __m256i isum = _mm256_mullo_epi32(f->isum[0][r], _mm256_load_si256((const __m256i *)dec->k.sc[0]));
+            for (int j = 1; j < J; j++)
+                isum = _mm256_add_epi32(isum, _mm256_mullo_epi32(f->isum[j][r], _mm256_load_si256((const __m256i *)dec->k.sc[j])));
+            k_floats(&dec->k, OFFS, BIAS_LOG, isum, xs[r * ldx], xsum + r * ldsum, &a[r], &sh[r]);
+        }
+    } else {
+        for (int j = 0; j < J; j++) {
+            const int64_t ai = (int64_t)j * S / 32;
+            const __m256 ws = _mm256_load_ps(dec->ws[j]);
+            for (int r = 0; r < R; r++) {
+                __m256i total = f->isum[j][r];
+                if (BIAS_LOG >= 0) total = _mm256_sub_epi32(total, correction(BIAS_LOG, S, xsum + r * ldsum, j));
+                a[r] = _mm256_add_ps(a[r], _mm256_mul_ps(_mm256_cvtepi32_ps(total), _mm256_mul_ps(_mm256_set1_ps(xs[r * ldx + ai]), ws)));
+            }
         }
     }
     for (int r = 0; r < R; r++) {
@@ -982,9 +1119,12 @@ typedef void (*FusedRows)(const uint8_t *const[LANES], int64_t, int64_t, int, De
                           const float *, const float *, int64_t, const int32_t *, int64_t, float *, float *);
 
 /* Per type: decode_* fills the buffer, consume_* runs tiles of up to 4 rows over it, fused_* decodes
- * and multiplies 1 or 2 rows at once (no buffer), then runs the float sequence in sub-block order.
- * BIAS_LOG: codes stored as code + 2^BIAS_LOG (-1: as they are). */
-#define TYPE_KERNELS(NAME, TYPE, S, SIGNED, STEPS16, OFFS, BIAS_LOG)                                             \
+ * and multiplies 1 or 2 rows at once (no buffer), then runs the float sequence. KQ: a K-quant (the
+ * super-block numerics, OFFS: with mins); BIAS_LOG: codes stored as code + 2^BIAS_LOG (-1: as they are). */
+#define CONSUME(R_, S_, SIGNED_, STEPS16_, KQ_, OFFS_, BIAS_LOG_)                                              \
+    (KQ_ ? consume_k(dec, R_, S_, STEPS16_, OFFS_, BIAS_LOG_, xq, ldq, xs, ldx, xsum, ldsum, acc, shift)                  \
+         : consume(dec, J, R_, S_, SIGNED_, STEPS16_, BIAS_LOG_, xq, ldq, xs, ldx, xsum, ldsum, acc))
+#define TYPE_KERNELS(NAME, TYPE, S_, SIGNED_, STEPS16_, KQ_, OFFS_, BIAS_LOG_)                                   \
     static __attribute__((noinline)) void decode_##NAME(const uint8_t *const p[LANES], int64_t k0, int64_t count, \
                                                         Decoded *dec) {                                           \
         decode_chunk(TYPE, p, k0, count, dec, NULL, 0);                                                          \
@@ -992,11 +1132,12 @@ typedef void (*FusedRows)(const uint8_t *const[LANES], int64_t, int64_t, int, De
     static __attribute__((noinline)) void consume_##NAME(const Decoded *dec, int J, int R, const int8_t *xq,     \
                                                          int64_t ldq, const float *xs, const float *xo, int64_t ldx, \
                                                          const int32_t *xsum, int64_t ldsum, float *acc, float *shift) { \
+        (void)J, (void)xo, (void)xsum, (void)ldsum, (void)shift;                                                 \
         switch (R) {                                                                                             \
-            case 1: consume(dec, J, 1, S, SIGNED, STEPS16, OFFS, BIAS_LOG, xq, ldq, xs, xo, ldx, xsum, ldsum, acc, shift); break; \
-            case 2: consume(dec, J, 2, S, SIGNED, STEPS16, OFFS, BIAS_LOG, xq, ldq, xs, xo, ldx, xsum, ldsum, acc, shift); break; \
-            case 3: consume(dec, J, 3, S, SIGNED, STEPS16, OFFS, BIAS_LOG, xq, ldq, xs, xo, ldx, xsum, ldsum, acc, shift); break; \
-            default: consume(dec, J, 4, S, SIGNED, STEPS16, OFFS, BIAS_LOG, xq, ldq, xs, xo, ldx, xsum, ldsum, acc, shift); break; \
+            case 1: CONSUME(1, S_, SIGNED_, STEPS16_, KQ_, OFFS_, BIAS_LOG_); break; \
+            case 2: CONSUME(2, S_, SIGNED_, STEPS16_, KQ_, OFFS_, BIAS_LOG_); break; \
+            case 3: CONSUME(3, S_, SIGNED_, STEPS16_, KQ_, OFFS_, BIAS_LOG_); break; \
+            default: CONSUME(4, S_, SIGNED_, STEPS16_, KQ_, OFFS_, BIAS_LOG_); break; \
         }                                                                                                        \
     }                                                                                                            \
     static __attribute__((noinline)) void fused_##NAME(const uint8_t *const p[LANES], int64_t k0, int64_t count, int R, \
@@ -1004,18 +1145,19 @@ typedef void (*FusedRows)(const uint8_t *const[LANES], int64_t, int64_t, int, De
                                                        const float *xs, const float *xo, int64_t ldx,             \
                                                        const int32_t *xsum, int64_t ldsum, float *acc, float *shift) { \
         Fused f;                                                                                                 \
+        (void)xo;                                                                                                \
         const uint8_t *rows[LANES];                                                                              \
         for (int l = 0; l < LANES; l++) rows[l] = p[l];                                                          \
         f.xq = xq, f.ldq = ldq;                                                                                  \
-        const int J = (int)(count / S);                                                                          \
+        const int J = (int)(count / S_);                                                                         \
         switch (R) {                                                                                             \
             case 1:                                                                                              \
                 decode_chunk(TYPE, rows, k0, count, dec, &f, 1);                                                 \
-                fused_floats(dec, &f, J, 1, S, OFFS, BIAS_LOG, xs, xo, ldx, xsum, ldsum, acc, shift);            \
+                fused_floats(dec, &f, J, 1, S_, KQ_, OFFS_, BIAS_LOG_, xs, ldx, xsum, ldsum, acc, shift);    \
                 break;                                                                                           \
             default:                                                                                             \
                 decode_chunk(TYPE, rows, k0, count, dec, &f, 2);                                                 \
-                fused_floats(dec, &f, J, 2, S, OFFS, BIAS_LOG, xs, xo, ldx, xsum, ldsum, acc, shift);            \
+                fused_floats(dec, &f, J, 2, S_, KQ_, OFFS_, BIAS_LOG_, xs, ldx, xsum, ldsum, acc, shift);    \
                 break;                                                                                           \
         }                                                                                                        \
     }
@@ -1023,18 +1165,19 @@ typedef void (*FusedRows)(const uint8_t *const[LANES], int64_t, int64_t, int, De
  * (GCC cannot see that decode_chunk sets f.isum[j] for every j < J that fused_floats reads.) */
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-TYPE_KERNELS(q4_0, T_Q4_0, 32, 0, 8, 0, 3)
-TYPE_KERNELS(q5_0, T_Q5_0, 32, 0, 4, 0, 4)
+TYPE_KERNELS(q4_0, T_Q4_0, 32, 0, 8, 0, 0, 3)
+TYPE_KERNELS(q5_0, T_Q5_0, 32, 0, 4, 0, 0, 4)
 #ifdef QMM_VNNI
-TYPE_KERNELS(q8_0, T_Q8_0, 32, 0, 1, 0, 7) /* codes + 128, unsigned */
+TYPE_KERNELS(q8_0, T_Q8_0, 32, 0, 1, 0, 0, 7) /* codes + 128, unsigned */
 #else
-TYPE_KERNELS(q8_0, T_Q8_0, 32, 1, 1, 0, -1)
+TYPE_KERNELS(q8_0, T_Q8_0, 32, 1, 1, 0, 0, -1)
 #endif
-TYPE_KERNELS(q4_k, T_Q4_K, 32, 0, 8, 1, -1)
-TYPE_KERNELS(q5_k, T_Q5_K, 32, 0, 4, 1, -1)
-TYPE_KERNELS(q6_k, T_Q6_K, 16, 0, 2, 0, 5)
+TYPE_KERNELS(q4_k, T_Q4_K, 32, 0, 8, 1, 1, -1)
+TYPE_KERNELS(q5_k, T_Q5_K, 32, 0, 4, 1, 1, -1)
+TYPE_KERNELS(q6_k, T_Q6_K, 16, 0, 2, 1, 0, 5)
 #pragma GCC diagnostic pop
 #undef TYPE_KERNELS
+#undef CONSUME
 
 typedef struct {
     Decoder decode;
@@ -1074,29 +1217,53 @@ static void store_group(const float *acc, const float *shift, int offsets, int64
 
 typedef struct {
     int8_t codes[LANES][CHUNK]; /* signed codes, lane by lane */
-    float ws[MAX_SUBS][LANES];
-    float wo[MAX_SUBS][LANES];
+    float ws[MAX_SUBS][LANES];  /* 32-blocks: d */
+    int32_t sc[MAX_SUBS][LANES], mn[MAX_SUBS][LANES];
+    float d[LANES], dmin[LANES]; /* K-quants: the super-block's header */
 } Decoded;
 
 static void decode8(int type, const uint8_t *const p[LANES], int64_t k0, int64_t count, Decoded *dec) {
-    for (int l = 0; l < LANES; l++) decode_scalar(type, p[l], k0, count, dec->codes[l], &dec->ws[0][l], &dec->wo[0][l], LANES);
+    float wo[MAX_SUBS * LANES]; /* the K-quants' float mins, not used here */
+    for (int l = 0; l < LANES; l++) {
+        decode_scalar(type, p[l], k0, count, dec->codes[l], &dec->ws[0][l], wo + l, LANES);
+        if (type == T_Q4_K || type == T_Q5_K || type == T_Q6_K)
+            k_header_scalar(type, p[l] + (k0 / 256) * qmm_row_bytes(type, 256), &dec->sc[0][l], &dec->mn[0][l], LANES,
+                            &dec->d[l], &dec->dmin[l]);
+    }
 }
 
-static void consume_portable(const Decoded *dec, int J, int R, int S, int offsets, const int8_t *xq, int64_t ldq,
-                             const float *xs, const float *xo, int64_t ldx, float *acc, float *shift) {
+/* The header's float sequences lane by lane: 32-blocks block by block; a K-quant super-block (J
+ * sub-blocks of S, the chunk) with its integer sums scaled by sc_j, then one float step. */
+static void consume_portable(const Decoded *dec, int J, int R, int S, int kquant, int offsets, const int8_t *xq,
+                             int64_t ldq, const float *xs, int64_t ldx, const int32_t *xsum, int64_t ldsum, float *acc,
+                             float *shift) {
     for (int r = 0; r < R; r++)
         for (int l = 0; l < LANES; l++) {
             float a = acc[8 * r + l], sh = shift[8 * r + l];
+            int32_t isum = 0, msum = 0;
             for (int j = 0; j < J; j++) {
                 int32_t sum = 0;
                 for (int k = j * S; k < (j + 1) * S; k++) sum += (int32_t)dec->codes[l][k] * xq[r * ldq + k];
+                if (kquant) {
+                    isum += dec->sc[j][l] * sum;
+                    if (offsets) { /* the record's sum over sub-block j: int16 pair 8 + j / 2, half j % 2 */
+                        const uint32_t pair = (uint32_t)xsum[r * ldsum + 8 + j / 2];
+                        msum += dec->mn[j][l] * (int32_t)(int16_t)(j % 2 ? pair >> 16 : pair & 0xFFFFu);
+                    }
+                    continue;
+                }
                 const int64_t ai = (int64_t)j * S / 32;
                 const float scale = xs[r * ldx + ai] * dec->ws[j][l];
                 const float term = (float)sum * scale;
                 a = a + term;
+            }
+            if (kquant) {
+                const float D = xs[r * ldx];
+                const float scale = D * dec->d[l], term = (float)isum * scale;
+                a = a + term;
                 if (offsets) {
-                    const float p = dec->wo[j][l] * xo[r * ldx + ai];
-                    sh = sh + p;
+                    const float mscale = D * dec->dmin[l], mterm = (float)msum * mscale;
+                    sh = sh + mterm;
                 }
             }
             acc[8 * r + l] = a;
@@ -1122,7 +1289,7 @@ static void run_task(int type, const TypeInfo *t, const uint8_t *w, int64_t row_
     const int fused = M <= FUSED_ROWS;
 #else
     const int fused = 0;
-    (void)xsum, (void)ldsum;
+    (void)xo;
 #endif
     /* While this task's rows are read chunk by chunk, the rows of the next task's groups (the same
      * number of bytes, contiguous in the file) are prefetched front to back, one slice per chunk. */
@@ -1144,7 +1311,7 @@ static void run_task(int type, const TypeInfo *t, const uint8_t *w, int64_t row_
             }
             const int64_t n0 = (g0 + g) * LANES, count = N - n0 < LANES ? N - n0 : LANES;
             __m256 out[ROWWISE_ROWS];
-            rows(p, K, (int)M, xq, K, xs, xo, nb, xsum, ldsum, &ahead, out);
+            rows(p, K, (int)M, xq, K, xs, nb, xsum, ldsum, &ahead, out);
             for (int64_t r = 0; r < M; r++) {
                 float *yr = y + r * ldy + n0;
                 if (count == LANES) {
@@ -1195,8 +1362,8 @@ static void run_task(int type, const TypeInfo *t, const uint8_t *w, int64_t row_
                 ops.consume(dec + g, J, R, xq + m0 * K + k0, K, xs + m0 * nb + k0 / 32, xo + m0 * nb + k0 / 32,
                             nb, xsum + m0 * ldsum + k0 / 16, ldsum, a, s);
 #else
-                consume_portable(dec + g, J, R, t->sub, t->offsets, xq + m0 * K + k0, K, xs + m0 * nb + k0 / 32,
-                                 xo + m0 * nb + k0 / 32, nb, a, s);
+                consume_portable(dec + g, J, R, t->sub, t->block == 256, t->offsets, xq + m0 * K + k0, K,
+                                 xs + m0 * nb + k0 / 32, nb, xsum + m0 * ldsum + k0 / 16, ldsum, a, s);
 #endif
             }
         }
@@ -1430,7 +1597,10 @@ int qmm_matmul_f32(const float *x, int64_t M, int64_t K, const void *weights, in
     float *xs = on_stack ? small_s : malloc(sizeof(float) * (size_t)(2 * M * nb));
     int32_t *xsum = on_stack ? small_sum : malloc(sizeof(int32_t) * (size_t)(2 * M * nb));
     int status = -1;
-    if (xq && xs && xsum && qmm_quantize(x, M, K, xq, xs, xs + M * nb, xsum, threads) == 0)
+    const int super = t.block == 256; /* the K-quants read the super-block form */
+    if (xq && xs && xsum &&
+        (super ? qmm_quantize_super(x, M, K, xq, xs, xs + M * nb, xsum, threads)
+               : qmm_quantize(x, M, K, xq, xs, xs + M * nb, xsum, threads)) == 0)
         status = qmm_matmul(x, xq, xs, xs + M * nb, xsum, M, K, weights, type, N, y, ldy, threads);
     if (!on_stack) {
         free(xq);
