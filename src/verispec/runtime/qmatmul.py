@@ -127,9 +127,11 @@ class QMatrix:
 @dataclass(frozen=True)
 class QuantizedForm:
     """Rows [M, K] quantized in one of qmatmul.c's forms, in one uint8 buffer: xq [M, K] int8, then xs
-    and xo [M, K / 32] float32, then xsum [M, K / 16] int32 (sums of xq per 16 inputs). `group` is the
-    inputs sharing one scale: 32 (the block form) or 256 (the K-quants' super-block form, whose xs
-    repeats each super-block's scale 8 times and whose xo bytes hold the sums per 16 as int16)."""
+    and xo [M, K / 32] float32, then xsum [M, K / 16] int32. `group` is the inputs sharing one scale:
+    32 (the block form: xo = xs * the sum of xq per block of 32, xsum the sums of xq per 16) or 256
+    (the K-quants' super-block form: xs repeats each super-block's scale 8 times, xo is 0, and xsum
+    holds a record of 16 int32 per super-block, the sums per 16 and per 32 as int16 pairs; see
+    qmatmul.c's header)."""
 
     rows: int
     cols: int

@@ -978,6 +978,21 @@ static inline __m256i row_step(const int8_t *xq, int64_t ldq, int r, int64_t s) 
     return _mm256_set1_epi32(four);
 }
 
+/* pairs[r] = the int16 sums over steps c .. c + STEPS16 - 1 of the buffered codes (unsigned) times
+ * row r's activations (vpmaddubsw, vpaddw), for rows r < R. */
+static inline __attribute__((always_inline)) void step_pairs(const Decoded *dec, int64_t c, const int STEPS16, const int R,
+                                                             const int8_t *xq, int64_t ldq, __m256i *pairs) {
+    for (int r = 0; r < R; r++)
+        pairs[r] = _mm256_maddubs_epi16(_mm256_load_si256((const __m256i *)dec->codes[c]), row_step(xq, ldq, r, c));
+    for (int i = 1; i < STEPS16; i++) {
+        const __m256i w = _mm256_load_si256((const __m256i *)dec->codes[c + i]);
+        for (int r = 0; r < R; r++) {
+            pairs[r] = _mm256_add_epi16(pairs[r], _mm256_maddubs_epi16(w, row_step(xq, ldq, r, c + i)));
+            PIN(pairs[r]);
+        }
+    }
+}
+
 /* Rows 0..R-1 (xq, xs, xsum at the chunk's start, row strides ldq, ldx, ldsum) times a decoded chunk
  * of J blocks of 32 (S = 32): acc [R][8] (in memory between chunks) advanced by the float sequence of
  * the header. SIGNED: Q8_0's signed codes on AVX2; STEPS16: steps summed in int16 before vpmaddwd
@@ -1010,15 +1025,7 @@ static inline __attribute__((always_inline)) void consume(const Decoded *dec, in
         } else {
             for (int64_t c = first; c < end; c += STEPS16) {
                 __m256i pairs[ROW_TILE];
-                for (int r = 0; r < R; r++)
-                    pairs[r] = _mm256_maddubs_epi16(_mm256_load_si256((const __m256i *)dec->codes[c]), row_step(xq, ldq, r, c));
-                for (int i = 1; i < STEPS16; i++) {
-                    const __m256i w = _mm256_load_si256((const __m256i *)dec->codes[c + i]);
-                    for (int r = 0; r < R; r++) {
-                        pairs[r] = _mm256_add_epi16(pairs[r], _mm256_maddubs_epi16(w, row_step(xq, ldq, r, c + i)));
-                        PIN(pairs[r]);
-                    }
-                }
+                step_pairs(dec, c, STEPS16, R, xq, ldq, pairs);
                 for (int r = 0; r < R; r++) {
                     const __m256i wide = _mm256_madd_epi16(pairs[r], ones);
                     sums[r] = c == first ? wide : _mm256_add_epi32(sums[r], wide);
@@ -1056,15 +1063,7 @@ static inline __attribute__((always_inline)) void consume_k(const Decoded *dec, 
         const __m256i sc2 = _mm256_load_si256((const __m256i *)dec->k.sc2[j]);
         for (int64_t c = first; c < end; c += STEPS16) {
             __m256i pairs[ROW_TILE];
-            for (int r = 0; r < R; r++)
-                pairs[r] = _mm256_maddubs_epi16(_mm256_load_si256((const __m256i *)dec->codes[c]), row_step(xq, ldq, r, c));
-            for (int i = 1; i < STEPS16; i++) {
-                const __m256i w = _mm256_load_si256((const __m256i *)dec->codes[c + i]);
-                for (int r = 0; r < R; r++) {
-                    pairs[r] = _mm256_add_epi16(pairs[r], _mm256_maddubs_epi16(w, row_step(xq, ldq, r, c + i)));
-                    PIN(pairs[r]);
-                }
-            }
+            step_pairs(dec, c, STEPS16, R, xq, ldq, pairs);
             for (int r = 0; r < R; r++) isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(pairs[r], sc2));
         }
 #endif
