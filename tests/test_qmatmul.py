@@ -258,8 +258,8 @@ def reference(x: np.ndarray, w: qmatmul.QMatrix) -> np.ndarray:
 
 
 def activations(rows: int, cols: int, seed: int) -> torch.Tensor:
-    """Random rows with the cases quantization must get right: an all-zero block, a block of one
-    repeated value (a code of exactly 127), huge and tiny magnitudes."""
+    """Random rows with the cases quantization must get right: an all-zero block (and super-block), a
+    block of one repeated value (a code of exactly 127), huge and tiny magnitudes."""
     generator = torch.Generator().manual_seed(seed)
     x = torch.randn(rows, cols, generator=generator)
     x[0, :32] = 0.0
@@ -269,6 +269,8 @@ def activations(rows: int, cols: int, seed: int) -> torch.Tensor:
         x[2] *= 1e4
     if rows > 3:
         x[3] *= 1e-4
+    if rows > 4 and cols >= 512:
+        x[4, 256:512] = 0.0  # a whole super-block of zeros (its scale 0)
     return x
 
 

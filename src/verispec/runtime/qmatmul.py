@@ -124,59 +124,18 @@ class QMatrix:
         return get_rows(self, torch.arange(self.rows), kernel=kernel)
 
 
-@dataclass(frozen=True)
-class QuantizedForm:
-    """Rows [M, K] quantized in one of qmatmul.c's forms, in one uint8 buffer: xq [M, K] int8, then xs
-    and xo [M, K / 32] float32, then xsum [M, K / 16] int32. `group` is the inputs sharing one scale:
-    32 (the block form: xo = xs * the sum of xq per block of 32, xsum the sums of xq per 16) or 256
-    (the K-quants' super-block form: xs repeats each super-block's scale 8 times, xo is 0, and xsum
-    holds a record of 16 int32 per super-block, the sums per 16 and per 32 as int16 pairs; see
-    qmatmul.c's header)."""
-
-    rows: int
-    cols: int
-    group: int
-    buffer: torch.Tensor
-
-    @staticmethod
-    def nbytes(rows: int, cols: int) -> int:
-        return rows * cols + rows * cols // 32 * 8 + rows * cols // 16 * 4
-
-    def _offsets(self) -> tuple[int, int, int]:
-        m, k = self.rows, self.cols
-        return m * k, m * k + m * k // 32 * 4, m * k + m * k // 32 * 8  # xs, xo, xsum
-
-    @property
-    def pointers(self) -> tuple[int, int, int, int]:
-        """(xq, xs, xo, xsum) addresses."""
-        base = self.buffer.data_ptr()
-        xs, xo, xsum = self._offsets()
-        return base, base + xs, base + xo, base + xsum
-
-    @property
-    def xq(self) -> torch.Tensor:
-        return self.buffer[: self.rows * self.cols].view(torch.int8).view(self.rows, self.cols)
-
-    @property
-    def xs(self) -> torch.Tensor:
-        xs, xo, _ = self._offsets()
-        return self.buffer[xs:xo].view(torch.float32).view(self.rows, self.cols // 32)
-
-    @property
-    def xsum(self) -> torch.Tensor:
-        _, _, xsum = self._offsets()
-        return self.buffer[xsum:].view(torch.int32).view(self.rows, self.cols // 16)
-
-
-@dataclass(frozen=True)
 class Activations:
-    """Rows x [M, K] float32 quantized once for several products: `block` (per 32 inputs, for the
-    32-block types) and, where K is a multiple of 256, `super` (per 256, for the K-quants). `x` is
-    kept for float-typed weights."""
+    """Rows x [M, K] float32, quantized for several products in the form each weight type reads, each
+    form once, on first use (qmatmul.c's header): the block form (per 32 inputs, for the 32-block
+    types; `qmm_quantize`) or the super-block form (per 256, for the K-quants; `qmm_quantize_super`).
+    Each is one uint8 buffer: xq [M, K] int8, then xs and xo [M, K / 32] float32, then xsum
+    [M, K / 16] int32. `x` itself is what float-typed weights read."""
 
-    x: torch.Tensor
-    block: QuantizedForm
-    super: QuantizedForm | None
+    def __init__(self, quantize_functions, x: torch.Tensor, threads: int):
+        self.x = x
+        self._functions = quantize_functions  # {"block": qmm_quantize, "super": qmm_quantize_super}
+        self._threads = threads
+        self._buffers: dict[str, torch.Tensor] = {}
 
     @property
     def rows(self) -> int:
@@ -186,17 +145,22 @@ class Activations:
     def cols(self) -> int:
         return self.x.shape[1]
 
-    def form(self, type_: int) -> QuantizedForm:
-        """The form a weight of ggml type `type_` reads."""
-        if type_ in K_QUANT_TYPES:
-            if self.super is None:
-                raise ValueError(f"K-quant weights need K to be a multiple of 256 (got {self.cols})")
-            return self.super
-        return self.block
-
     def pointers(self, type_: int) -> tuple[int, int, int, int, int]:
-        """(x, xq, xs, xo, xsum) addresses for a weight of type `type_`, the first arguments of `qmm_matmul`."""
-        return (self.x.data_ptr(), *self.form(type_).pointers)
+        """(x, xq, xs, xo, xsum) addresses for a weight of ggml type `type_`, the first arguments of
+        `qmm_matmul`."""
+        m, k = self.rows, self.cols
+        form = "super" if type_ in K_QUANT_TYPES else "block"  # K-quant weights have K a multiple of 256
+        if form not in self._buffers:
+            buffer = torch.empty(m * k + m * k // 32 * 8 + m * k // 16 * 4, dtype=torch.uint8)
+            base = buffer.data_ptr()
+            if self._functions[form](self.x.data_ptr(), m, k, *self._addresses(base), self._threads) != 0:
+                raise RuntimeError(f"quantizing activations refused its arguments (M={m}, K={k}, {form} form)")
+            self._buffers[form] = buffer
+        return (self.x.data_ptr(), *self._addresses(self._buffers[form].data_ptr()))
+
+    def _addresses(self, base: int) -> tuple[int, int, int, int]:
+        m, k = self.rows, self.cols
+        return base, base + m * k, base + m * k + m * k // 32 * 4, base + m * k + m * k // 32 * 8  # xq, xs, xo, xsum
 
 
 class QKernel:
@@ -242,21 +206,14 @@ class QKernel:
         return x.contiguous()
 
     def quantize(self, x: torch.Tensor, threads: int | None = None) -> Activations:
-        """x [M, K] float32 (K a multiple of 32) quantized once, for several `matmul` calls."""
+        """x [M, K] float32 (K a multiple of 32) for several `matmul` calls, quantized on first use in
+        each form the weights read (each form once)."""
         x = self._rows(x)
-        m, k = x.shape
+        k = x.shape[1]
         if k % 32:
             raise ValueError(f"activations are quantized per block of 32: K = {k} is not a multiple of 32")
-        forms = []
-        for group, function in ((32, "qmm_quantize"), (256, "qmm_quantize_super")):
-            if k % group:
-                forms.append(None)
-                continue
-            form = QuantizedForm(m, k, group, torch.empty(QuantizedForm.nbytes(m, k), dtype=torch.uint8))
-            if self.functions[function](x.data_ptr(), m, k, *form.pointers, self._threads(threads)) != 0:
-                raise RuntimeError(f"{function} refused its arguments (M={m}, K={k})")
-            forms.append(form)
-        return Activations(x, forms[0], forms[1])
+        functions = {"block": self.functions["qmm_quantize"], "super": self.functions["qmm_quantize_super"]}
+        return Activations(functions, x, self._threads(threads))
 
     def matmul(self, x: torch.Tensor | Activations, w: QMatrix, out: torch.Tensor | None = None,
                threads: int | None = None) -> torch.Tensor:

@@ -321,8 +321,13 @@ static inline void k_header_scalar(int type, const uint8_t *blk, int32_t *sc, in
  * super-block a record of 16 int32: 8 pairs of int16 (low, high) = the sums of q over inputs 16t ..
  * 16t + 15 for t = 2i, 2i + 1, then 4 pairs of the sums over 32 inputs (sub-blocks 2i, 2i + 1), then
  * 4 zeros (|sum| <= 32 * 127 fits int16); the K-quant kernels multiply them in pairs (vpmaddwd). */
+static inline int32_t int16_pair(int32_t low, int32_t high) {
+    return (int32_t)(((uint32_t)low & 0xFFFFu) | ((uint32_t)high << 16));
+}
+
 static void quantize_row(const float *x, int64_t K, const int GROUP, int8_t *q, float *xs, float *xo, int32_t *xsum) {
     for (int64_t g = 0; g < K / GROUP; g++) {
+        int32_t sums[GROUP / 16]; /* of q per 16 inputs of the group */
         const float *xg = x + g * GROUP;
         float amax = 0.0f;
         int64_t i = 0;
@@ -342,7 +347,8 @@ static void quantize_row(const float *x, int64_t K, const int GROUP, int8_t *q, 
         for (int64_t b = g * (GROUP / 32); b < (g + 1) * (GROUP / 32); b++) {
             const float *xb = x + b * 32;
             int8_t *qb = q + b * 32;
-            int32_t half[2] = {0, 0};
+            int32_t *half = sums + 2 * (b - g * (GROUP / 32));
+            half[0] = half[1] = 0;
             i = 0;
             if (scale > 0.0f) {
 #ifdef QMM_SIMD
@@ -366,21 +372,16 @@ static void quantize_row(const float *x, int64_t K, const int GROUP, int8_t *q, 
                 memset(qb, 0, 32);
             }
             xs[b] = scale;
-            if (GROUP == 256) {
-                int32_t *record = xsum + 16 * g;
-                const int i = (int)(b % 8); /* the block within the super-block */
-                xo[b] = 0.0f;
-                record[i] = (int32_t)(((uint32_t)half[0] & 0xFFFFu) | ((uint32_t)half[1] << 16));
-                const int32_t block_sum = half[0] + half[1];
-                record[8 + i / 2] = i % 2 == 0 ? (int32_t)((uint32_t)block_sum & 0xFFFFu)
-                                               : (int32_t)(((uint32_t)record[8 + i / 2] & 0xFFFFu) | ((uint32_t)block_sum << 16));
-                if (i < 4) record[12 + i] = 0;
-            } else {
-                xo[b] = scale * (float)(half[0] + half[1]);
-                xsum[2 * b] = half[0];
-                xsum[2 * b + 1] = half[1];
-            }
+            xo[b] = GROUP == 256 ? 0.0f : scale * (float)(half[0] + half[1]);
         }
+        if (GROUP == 32) {
+            xsum[2 * g] = sums[0], xsum[2 * g + 1] = sums[1];
+            continue;
+        }
+        int32_t *record = xsum + 16 * g; /* |sum over 32| <= 32 * 127: int16 */
+        for (int t = 0; t < 8; t++) record[t] = int16_pair(sums[2 * t], sums[2 * t + 1]);
+        for (int t = 0; t < 4; t++) record[8 + t] = int16_pair(sums[4 * t] + sums[4 * t + 1], sums[4 * t + 2] + sums[4 * t + 3]);
+        for (int t = 12; t < 16; t++) record[t] = 0;
     }
 }
 
@@ -530,12 +531,7 @@ static inline __attribute__((always_inline)) __m256i k4_byte(__m256i v, const in
     return _mm256_shuffle_epi8(v, pick);
 }
 
-/* Two int16 copies of each lane's int32 v (|v| < 2^15) in that lane. */
-static inline __m256i twice16(__m256i v) {
-    return _mm256_or_si256(_mm256_and_si256(v, _mm256_set1_epi32(0xFFFF)), _mm256_slli_epi32(v, 16));
-}
-
-/* The lanes' int16 (low, high) pair. */
+/* The lanes' int16 pair (low, high) of int32 values below 2^15 in magnitude; (v, v): two copies of v. */
 static inline __m256i pair16(__m256i low, __m256i high) {
     return _mm256_or_si256(_mm256_and_si256(low, _mm256_set1_epi32(0xFFFF)), _mm256_slli_epi32(high, 16));
 }
@@ -548,15 +544,15 @@ static inline __attribute__((always_inline)) void k4_scales(const uint8_t *const
 #pragma GCC unroll 4
     for (int t = 0; t < 4; t++) {
         const __m256i s0 = k4_byte(h.sc_low, t), s1 = k4_byte(h.sc_high, t);
-        const __m256i m0 = k4_byte(h.m_low, t), m1 = k4_byte(h.m_high, t);
         _mm256_store_si256((__m256i *)k->sc[t], s0);
         _mm256_store_si256((__m256i *)k->sc[4 + t], s1);
-        _mm256_store_si256((__m256i *)k->sc2[t], twice16(s0));
-        _mm256_store_si256((__m256i *)k->sc2[4 + t], twice16(s1));
-        if (t % 2 == 0) { /* (m_t, m_t+1) and (m_4+t, m_5+t) */
-            _mm256_store_si256((__m256i *)k->pair[t / 2], pair16(m0, k4_byte(h.m_low, t + 1)));
-            _mm256_store_si256((__m256i *)k->pair[2 + t / 2], pair16(m1, k4_byte(h.m_high, t + 1)));
-        }
+        _mm256_store_si256((__m256i *)k->sc2[t], pair16(s0, s0));
+        _mm256_store_si256((__m256i *)k->sc2[4 + t], pair16(s1, s1));
+    }
+#pragma GCC unroll 2
+    for (int i = 0; i < 2; i++) { /* (m_2i, m_2i+1) and (m_4+2i, m_5+2i) */
+        _mm256_store_si256((__m256i *)k->pair[i], pair16(k4_byte(h.m_low, 2 * i), k4_byte(h.m_low, 2 * i + 1)));
+        _mm256_store_si256((__m256i *)k->pair[2 + i], pair16(k4_byte(h.m_high, 2 * i), k4_byte(h.m_high, 2 * i + 1)));
     }
 }
 
@@ -570,7 +566,7 @@ static inline __attribute__((always_inline)) void q6_scales(const uint8_t *const
     for (int j = 0; j < 16; j++) {
         sc[j] = _mm256_srai_epi32(_mm256_slli_epi32(S[j / 4], 24 - 8 * (j % 4)), 24);
         _mm256_store_si256((__m256i *)k->sc[j], sc[j]);
-        _mm256_store_si256((__m256i *)k->sc2[j], twice16(sc[j]));
+        _mm256_store_si256((__m256i *)k->sc2[j], pair16(sc[j], sc[j]));
     }
 #pragma GCC unroll 8
     for (int i = 0; i < 8; i++) _mm256_store_si256((__m256i *)k->pair[i], pair16(sc[2 * i], sc[2 * i + 1]));
