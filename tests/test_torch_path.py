@@ -403,7 +403,7 @@ def micro(arch: str, seed: int = 0) -> Target:
 def sampled_recipe(method, t, draft, sampling):
     if method == "sps":
         return build("sps", t, MethodOptions(draft_model=draft), sampling)
-    return Recipe(EarlyExitDrafter(t, ExitHead(t.model, 1, list(range(6))), sampling), parse_controller("constant:3", 3),
+    return Recipe(EarlyExitDrafter(t, ExitHead(t.model, 1, list(range(6)), init_layer=0), sampling), parse_controller("constant:3", 3),
                   verify_lossless)
 
 
