@@ -111,13 +111,13 @@ def label_block_kernel(vocab: int) -> None:
             return unlabelled_layer(self, *args)
 
     NativeLayer.__call__ = labelled_layer
-    unlabelled_layers = fastpath.run_layers  # a whole forward's layers in one call
+    unlabelled_layers = fastpath.run_layers_in_calls  # a whole forward's layers in one call
 
     def labelled_layers(*args, **kwargs):
         with record_function(NATIVE_LABEL):
             return unlabelled_layers(*args, **kwargs)
 
-    fastpath.run_layers = labelled_layers
+    fastpath.run_layers_in_calls = labelled_layers
 
     unlabelled = BlockLinear.__call__
 
@@ -163,7 +163,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
 
-    blocks = verispec.load(None, args.dtype)
+    # the transformers model of the default GGUF file (numerics "fp32" loads it) on the int8 block kernel
+    blocks = verispec.load(None, args.dtype, numerics="fp32")
+    blocks.numerics = "int8"
     fast = Target(blocks.model, blocks.tokenizer, "fast", fast=True)
     targets = {"fast": fast, "blocks": blocks, "blocks-torch": blocks,
                "eager": Target(fast.model, fast.tokenizer, "eager", fast=False)}

@@ -29,7 +29,7 @@ from verispec.batch_forward import LAST, Part
 from verispec.gguf_file import read_gguf
 from verispec.gguf_model import read_gguf_model
 from verispec.model import Target
-from verispec.runtime import blockmm, gguf_decoder
+from verispec.runtime import blockmm, gguf_decoder, native_layer
 from verispec.runtime.gguf_decoder import GgufDecoder
 from verispec.runtime.rows import BLOCK
 
@@ -215,7 +215,7 @@ def test_lossless_methods_give_ar_tokens(name, targets):
 
 
 @pytest.mark.parametrize("name", ARCH_MODELS)
-def test_a_prompts_logits_are_the_same_bits_however_it_is_run(name, targets):
+def test_a_prompts_logits_are_the_same_bits_however_it_is_run(name, targets, monkeypatch):
     target = targets[name]
     prompt = random_ids(target, 2 * BLOCK, seed=4)  # a whole number of blocks: all of it cached the second time
     target.prefix_cache = False
@@ -255,6 +255,10 @@ def test_a_prompts_logits_are_the_same_bits_however_it_is_run(name, targets):
     # on 2 threads, then 1
     for threads in (2, 1):
         assert torch.equal(helpers.with_threads(threads, lambda: run_prompt(target, prompt)[-1:]), whole), threads
+
+    # in consecutive C calls of a few rows each (as a prompt wider than CALL_ROWS runs)
+    monkeypatch.setattr(native_layer, "CALL_ROWS", 7)
+    assert torch.equal(run_prompt(target, prompt)[-1:], whole), "in calls of 7 rows"
     assert target.pool.used_blocks == 0
 
 

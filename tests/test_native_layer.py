@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from helpers import FAST_ARCHITECTURES, SLIDING_WINDOW, make_target_for_path
-from verispec.runtime import blockmm, fastpath
+from verispec.runtime import blockmm, fastpath, native_layer
 from verispec.runtime.fastpath import BLOCK_KERNEL_MAX_ROWS, FastDecoder, Linear, Tree
 from verispec.runtime.native_layer import NativeLayer, recognise_activation, why_not
 from verispec.runtime.rows import Rows
@@ -91,13 +91,13 @@ def test_layers_without_block_forms_keep_the_pytorch_path():
 def test_wide_chunks_use_the_pytorch_layer(monkeypatch):
     target = make_target_for_path("qwen2-blocks")
     calls = []
-    original = fastpath.run_layers
+    original = native_layer.run_layers
 
     def counted(layers, x, *args, **kwargs):
         calls.append((x.shape[0], len(layers)))
         return original(layers, x, *args, **kwargs)
 
-    monkeypatch.setattr(fastpath, "run_layers", counted)
+    monkeypatch.setattr(native_layer, "run_layers", counted)
     target.reset()
     target.forward(list(range(5)) * ((BLOCK_KERNEL_MAX_ROWS + 10) // 5))  # wider than the kernel takes
     assert calls == []
@@ -227,17 +227,21 @@ def test_wide_heads_and_large_groups_match(threads):
 
 
 def _one_call_per_layer(layers, x, rows, rope, keys, values):
-    """What `run_layers` replaces: each C layer called from Python in turn."""
+    """What `run_layers_in_calls` replaces: each C layer called from Python in turn."""
     for i, layer in enumerate(layers):
         x = layer(x, rows, *rope[i], keys[i], values[i])
     return x
 
 
 @pytest.mark.parametrize("arch", FAST_ARCHITECTURES)
-def test_all_layers_in_one_call_equal_one_call_per_layer(arch, monkeypatch):
+@pytest.mark.parametrize("numerics", ["fp32", "int8"])
+def test_all_layers_in_one_call_equal_one_call_per_layer(arch, numerics, monkeypatch):
     """`run_layers` (the whole forward in one C call) against the layers called one by one: bit
-    for bit, for prompts, one-token steps past the window, chunks and a tree of drafts."""
+    for bit, for prompts, one-token steps past the window, chunks and a tree of drafts. In int8
+    numerics (batch-invariant) also in calls of 3 rows, as a forward wider than CALL_ROWS runs;
+    fp32 numerics sum in an order that depends on the rows of a call."""
     target = make_target_for_path(f"{arch}-blocks", seed=6)
+    target.numerics = numerics
     fast = target.decoder
     assert fast.native_layers == len(fast.layers)
     tokens = torch.randint(0, target.vocab_size, (2 * SLIDING_WINDOW + 9,), generator=torch.Generator().manual_seed(6))
@@ -245,17 +249,24 @@ def test_all_layers_in_one_call_equal_one_call_per_layer(arch, monkeypatch):
     chunks = [tokens[a:b].tolist() for a, b in zip(cut, cut[1:])]
     tree = _beam_tree(len(tokens), 2, 3)
     drafts = torch.randint(0, target.vocab_size, (6,), generator=torch.Generator().manual_seed(7))
-    results = []
-    for per_layer in (False, True):
-        if per_layer:
-            monkeypatch.setattr(fastpath, "run_layers", _one_call_per_layer)
+
+    def run() -> list[torch.Tensor]:
         target.reset()
         outputs = [target.forward(chunk) for chunk in chunks]
         outputs.append(fast.run(fast.embed(drafts), 0, target.cache, tree=tree))
-        outputs += [k[:, : tree.end].clone() for k in target.cache.keys + target.cache.values]
-        results.append(outputs)
-    for mine, reference in zip(*results):
-        assert torch.equal(mine, reference)
+        return outputs + [k[:, : tree.end].clone() for k in target.cache.keys + target.cache.values]
+
+    runs = {"one call": run()}
+    if numerics == "int8":
+        with monkeypatch.context() as patch:
+            patch.setattr(native_layer, "CALL_ROWS", 3)
+            runs["calls of 3 rows"] = run()
+    monkeypatch.setattr(fastpath, "run_layers_in_calls", _one_call_per_layer)
+    per_layer = run()
+    for label, outputs in runs.items():
+        assert len(outputs) == len(per_layer)
+        for mine, reference in zip(outputs, per_layer):
+            assert torch.equal(mine, reference), label
 
 
 def test_run_layers_refuses_bad_arguments():
@@ -266,5 +277,5 @@ def test_run_layers_refuses_bad_arguments():
     rope = [(torch.zeros(2, fast.head_dim), torch.zeros(2, fast.head_dim))] * len(layers)
     x = torch.zeros(2, target.config.hidden_size)
     with pytest.raises(RuntimeError, match="refused"):  # positions 63, 64 past a capacity of 64
-        fastpath.run_layers(layers, x, Rows.contiguous(63, 2, cache.block_table, cache.pool_blocks), rope,
+        native_layer.run_layers(layers, x, Rows.contiguous(63, 2, cache.block_table, cache.pool_blocks), rope,
                             cache.keys, cache.values)

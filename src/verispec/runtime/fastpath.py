@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from ..cache import StaticKV, Tree
 from .gguf_blocks import BlockWeights, quantize_blocks
 from .linear import BlockLinear, FusedNorm, Linear, check_numerics, mkldnn_packing_available  # noqa: F401 - re-exported
-from .native_layer import NativeLayer, run_layers
+from .native_layer import NativeLayer, run_layers_in_calls
 from .rows import Rows
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "gemma3_text")
@@ -49,10 +49,6 @@ SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "gemma3_text")
 # vs 319 ms); wider chunks (prompts) use float32 there. With int8 activations every width runs on
 # the kernel and the C layers (batch-invariant: one numerics for every row, however it is grouped).
 BLOCK_KERNEL_MAX_ROWS = 64
-# Most rows in one call of the C layers: wider inputs (a long prompt, a large batch) run as
-# consecutive calls of this many rows, each after the previous one wrote its keys (the same bits:
-# the C layers are batch-invariant); bounds the call's scratch memory.
-CALL_ROWS = 256
 
 
 @dataclass
@@ -295,9 +291,8 @@ class FastDecoder:
                  rope: dict | None = None) -> torch.Tensor:
         """x [n, hidden] through `layers` (default: all; every one in C) for the rows `rows`
         describes (one sequence's or several sequences', `rows.Rows`), their keys and values in
-        `pools` (`.keys[i]`, `.values[i]`: layer i's [kv, blocks * BLOCK, d]). More than
-        CALL_ROWS rows run as consecutive calls, in order (a row's ancestors and earlier
-        positions come before it). Returns the residual stream after the last layer [n, hidden]."""
+        `pools` (`.keys[i]`, `.values[i]`: layer i's [kv, blocks * BLOCK, d]), in calls of at most
+        `native_layer.CALL_ROWS` rows. Returns the residual stream after the last layer [n, hidden]."""
         layers = layers if layers is not None else range(len(self.layers))
         chosen = [self.layers[index].native for index in layers]
         assert all(chosen), "run_rows runs C layers only"
@@ -305,15 +300,7 @@ class FastDecoder:
         rope = self._rope(x, positions, layers, {} if rope is None else rope)
         kinds = [self.layers[index].rope_layer_type for index in layers]
         keys, values = [pools.keys[i] for i in layers], [pools.values[i] for i in layers]
-        n = x.shape[0]
-        if n <= CALL_ROWS:
-            return run_layers(chosen, x, rows, [rope[kind] for kind in kinds], keys, values)
-        parts = []
-        for begin in range(0, n, CALL_ROWS):
-            end = min(n, begin + CALL_ROWS)
-            part_rope = [(rope[kind][0][:, begin:end], rope[kind][1][:, begin:end]) for kind in kinds]
-            parts.append(run_layers(chosen, x[begin:end], rows.select(begin, end), part_rope, keys, values))
-        return torch.cat(parts)
+        return run_layers_in_calls(chosen, x, rows, [rope[kind] for kind in kinds], keys, values)
 
     def _attend_one(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
         """Attention of one query token q [1, heads, 1, d] over keys/values [kv, L, d] as three

@@ -40,7 +40,7 @@ from ..errors import ModelLoadError
 from . import qmatmul
 from .linear import FusedNorm
 from .native_layer import (ACTIVATIONS, NUMERICS_GGUF, CGgufPart, CLayer, CNorm, bind, pointer, recognise_activation,
-                           run_layers)
+                           run_layers, run_layers_in_calls)
 from .qmatmul import QMatrix
 from .rows import Rows
 
@@ -48,7 +48,6 @@ from .rows import Rows
 ARCHITECTURES = {"llama": ("llama", "LlamaRotaryEmbedding", True), "qwen2": ("qwen2", "Qwen2RotaryEmbedding", False),
                  "gemma3_text": ("gemma3", "Gemma3RotaryEmbedding", False)}
 _ACTIVATION_NAMES = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
-CALL_ROWS = 256  # most rows in one C call (its scratch memory), as the fast path's
 
 
 def _matrix(file, name: str) -> QMatrix | None:
@@ -340,22 +339,14 @@ class GgufDecoder:
     def run_rows(self, x: torch.Tensor, rows: Rows, pools, layers: range | None = None,
                  rope: dict | None = None) -> torch.Tensor:
         """x [n, hidden] through `layers` for the rows `rows` describes, keys and values in
-        `pools` (`.keys[i]`, `.values[i]`); more than CALL_ROWS rows run as consecutive calls."""
+        `pools` (`.keys[i]`, `.values[i]`); in calls of at most `native_layer.CALL_ROWS` rows."""
         layers = layers if layers is not None else range(len(self.layers))
         chosen = [self.layers[index] for index in layers]
         positions = torch.from_numpy(rows.positions).unsqueeze(0)  # [1, n]
         rope = self._rope(x, positions, layers, {} if rope is None else rope)
         kinds = [self.layers[index].rope_layer_type for index in layers]
         keys, values = [pools.keys[i] for i in layers], [pools.values[i] for i in layers]
-        n = x.shape[0]
-        if n <= CALL_ROWS:
-            return run_layers(chosen, x, rows, [rope[kind] for kind in kinds], keys, values)
-        parts = []
-        for begin in range(0, n, CALL_ROWS):
-            end = min(n, begin + CALL_ROWS)
-            part_rope = [(rope[kind][0][:, begin:end], rope[kind][1][:, begin:end]) for kind in kinds]
-            parts.append(run_layers(chosen, x[begin:end], rows.select(begin, end), part_rope, keys, values))
-        return torch.cat(parts)
+        return run_layers_in_calls(chosen, x, rows, [rope[kind] for kind in kinds], keys, values)
 
     @property
     def weight_types(self) -> str:

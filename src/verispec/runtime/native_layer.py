@@ -198,6 +198,28 @@ class NativeLayer:
         return run_layers([self], x, rows, [(cos, sin)], [keys], [values])
 
 
+# Most rows in one call of the C layers: wider inputs (a long prompt, a large batch) run as
+# consecutive calls of this many rows, each after the previous one wrote its keys (the same bits:
+# the C layers are batch-invariant); bounds the call's scratch memory.
+CALL_ROWS = 256
+
+
+def run_layers_in_calls(layers: list[NativeLayer], x: torch.Tensor, rows: Rows, rope: list, keys: list,
+                        values: list) -> torch.Tensor:
+    """`run_layers` over x [n, hidden] in consecutive calls of at most CALL_ROWS rows, in order
+    (a row's ancestors and earlier positions come before it); rope[i] is layer i's (cos, sin)
+    [1, n, head_dim] for all n rows. Returns the residual stream after the last layer [n, hidden]."""
+    n = x.shape[0]
+    if n <= CALL_ROWS:
+        return run_layers(layers, x, rows, rope, keys, values)
+    parts = []
+    for begin in range(0, n, CALL_ROWS):
+        end = min(n, begin + CALL_ROWS)
+        part_rope = [(cos[:, begin:end], sin[:, begin:end]) for cos, sin in rope]
+        parts.append(run_layers(layers, x[begin:end], rows.select(begin, end), part_rope, keys, values))
+    return torch.cat(parts)
+
+
 def _pointers(tensors: list) -> ctypes.Array:
     """A C array of the tensors' data pointers (NULL for None)."""
     return (ctypes.c_void_p * len(tensors))(*[None if t is None else t.data_ptr() for t in tensors])
