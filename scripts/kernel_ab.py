@@ -2,7 +2,9 @@
 
 Each directory given holds the kernel sources (`blockmm.c`, `blockmm_int8.c`, `decoder_layer.c`:
 copies of src/verispec/runtime/kernels/, some edited); each is compiled, into its directory, with
-the flags of the instruction-set variant this CPU runs. The default model is loaded once, and before every forward
+the flags of the instruction-set variant this CPU runs. The default model is loaded once (its
+transformers form on the int8 block forms, the fast path; `qmatmul_ab.py` times the GGUF-block
+kernel), and before every forward
 its decoder layers and block linears are switched to one of the builds, in a shuffled order per
 round, so that the machine's drift (other tenants, clock changes) falls on every build alike.
 Timings between separate processes on a shared 2-vCPU machine differed by 10-30% run to run;
@@ -28,7 +30,7 @@ from verispec.bench.profile import timing_context
 from verispec.loading import load
 from verispec.runtime import blockmm
 from verispec.runtime.linear import BlockLinear
-from verispec.runtime.native_layer import NativeLayer, _bind
+from verispec.runtime.native_layer import NativeLayer, bind
 
 
 def build(folder: Path) -> blockmm.Kernel:
@@ -49,12 +51,13 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=120.0)
     args = parser.parse_args()
     kernels = {str(folder): build(folder) for folder in args.builds}
-    target = load()
+    target = load(numerics="fp32")  # the default file's transformers model, on the block forms
+    target.numerics = "int8"
     built = list(target.decoder._on_kernel)  # every BlockLinear and NativeLayer of the fast path
     layers = [o for o in built if isinstance(o, NativeLayer)]
     linears = [o for o in built if isinstance(o, BlockLinear)]
     assert layers and linears, "the default model should run on the block kernel"
-    functions = {name: _bind(kernel.library) for name, kernel in kernels.items()}  # decoder_layer, decoder_layers
+    functions = {name: bind(kernel.library) for name, kernel in kernels.items()}  # decoder_layers
     context = timing_context(args.context, target.vocab_size)
     target.reset()
     target.forward(context, last_only=True)
@@ -65,7 +68,7 @@ def main() -> None:
         shuffle(order)
         for name in order:
             for layer in layers:
-                layer._function, layer._run_many = functions[name]
+                layer.run_many = functions[name]
             for linear in linears:
                 linear.kernel = kernels[name]
             for width in args.widths:
