@@ -1,7 +1,7 @@
 """Builds of the C kernels timed side by side in one process, for kernel edits on a noisy machine.
 
-Each directory given holds the kernel sources (`blockmm.c`, `blockmm_int8.c`, `decoder_layer.c`:
-copies of src/verispec/runtime/kernels/, some edited); each is compiled, into its directory, with
+Each directory given holds the kernel sources (`blockmm.c`, `blockmm_int8.c`, `decoder_layer.c`,
+`qmatmul.c` and `kernels.h`: copies of src/verispec/runtime/kernels/, some edited); each is compiled, into its directory, with
 the flags of the instruction-set variant this CPU runs. The default model is loaded once (its
 transformers form on the int8 block forms, the fast path; `qmatmul_ab.py` times the GGUF-block
 kernel), and before every forward
@@ -11,7 +11,7 @@ Timings between separate processes on a shared 2-vCPU machine differed by 10-30%
 alternating per forward makes differences of a few percent visible. Prints, per verify width,
 the median forward time of each build and its ratio to the first build's.
 
-    mkdir -p /tmp/a /tmp/b && cp src/verispec/runtime/kernels/*.c /tmp/a && cp /tmp/a/*.c /tmp/b
+    mkdir -p /tmp/a /tmp/b && cp src/verispec/runtime/kernels/*.[ch] /tmp/a && cp /tmp/a/*.[ch] /tmp/b
     (edit /tmp/b/*.c)
     python scripts/kernel_ab.py /tmp/a /tmp/b --widths 1 8 --seconds 120
 """

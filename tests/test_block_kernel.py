@@ -250,3 +250,19 @@ def test_auto_dtype_prefers_float32_for_a_block_kernel_model(monkeypatch, tmp_pa
     assert not model_module.runs_on_block_kernel(None, block_kernel=False)
     monkeypatch.setitem(blockmm._state, "kernel", (None, "no C compiler (cc) found"))
     assert not model_module.runs_on_block_kernel(None)
+
+
+def test_the_kernel_sources_and_headers_are_built_and_shipped_together():
+    """Every header a kernel source includes is one the build copies beside the sources and
+    hashes into its key (`blockmm.HEADERS`), and the package ships both kinds of file."""
+    import re
+    from importlib import resources
+    from pathlib import Path
+
+    folder = resources.files("verispec.runtime.kernels")
+    included = {name for source in blockmm.SOURCES
+                for name in re.findall(r'^#include "([^"]+)"', folder.joinpath(source).read_text(), re.M)}
+    assert included and included <= set(blockmm.HEADERS)
+    assert all(folder.joinpath(name).is_file() for name in blockmm.HEADERS)
+    pyproject = (Path(__file__).resolve().parent.parent / "pyproject.toml").read_text()
+    assert '"runtime/kernels/*.c"' in pyproject and '"runtime/kernels/*.h"' in pyproject

@@ -39,6 +39,7 @@ from pathlib import Path
 import torch
 
 SOURCES = ("blockmm.c", "blockmm_int8.c", "decoder_layer.c", "qmatmul.c")  # compiled into one library
+HEADERS = ("kernels.h",)  # included by the sources: part of the build's key and copied beside them
 FLAGS = ("-O3", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-Wl,-Bsymbolic")
 # Instruction-set variants, best first: the compiler flags of each and the /proc/cpuinfo flags
 # the CPU must report to run it.
@@ -137,7 +138,7 @@ def build_variant(variant: str, compiler: str | None = None) -> Path:
     if compiler is None:
         raise RuntimeError("no C compiler (cc) found")
     folder = resources.files("verispec.runtime.kernels")
-    sources = {name: folder.joinpath(name).read_text() for name in SOURCES}
+    sources = {name: folder.joinpath(name).read_text() for name in (*SOURCES, *HEADERS)}
     flags = (*FLAGS, *_BUILDS[variant][0])
     key = hashlib.sha256("|".join([*sources.values(), compiler, *flags]).encode()).hexdigest()[:16]
     target = _cache_dir() / f"blockmm-{variant}-{key}.so"
@@ -145,10 +146,9 @@ def build_variant(variant: str, compiler: str | None = None) -> Path:
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as staging:
-        paths = []
         for name, text in sources.items():
-            paths.append(Path(staging) / name)
-            paths[-1].write_text(text)
+            (Path(staging) / name).write_text(text)
+        paths = [Path(staging) / name for name in SOURCES]
         built = Path(staging) / target.name
         result = subprocess.run([compiler, *flags, *map(str, paths), "-o", str(built), "-lm"], capture_output=True,
                                 text=True)

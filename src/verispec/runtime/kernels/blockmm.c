@@ -17,6 +17,7 @@
  * both, blockmm.py); otherwise a portable loop computes the rows_few arithmetic in scalar C. */
 #include <stdint.h>
 #include <stdlib.h>
+#include "kernels.h"
 #if defined(__AVX2__) && defined(__FMA__)
 #define BLOCKMM_SIMD 1
 #include <immintrin.h>

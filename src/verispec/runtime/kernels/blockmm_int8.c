@@ -55,6 +55,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include "kernels.h"
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define INT8_SIMD 1
 #include <immintrin.h>

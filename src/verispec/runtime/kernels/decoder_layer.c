@@ -29,28 +29,11 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include "kernels.h"
 #if defined(__AVX2__) && defined(__FMA__)
 #define LAYER_SIMD 1
 #include <immintrin.h>
 #endif
-
-int blockmm(const float *x, int64_t M, int64_t K, const int8_t *codes, const float *scales,
-            const float *offsets, int64_t N, int64_t B, float *y, int threads);
-int blockmm_int8(const float *x, int64_t M, int64_t K, const int8_t *codes, const void *scales,
-                 const float *offsets, int64_t N, int64_t B, int code_bias, int code_span, int half_scales, float *y,
-                 int threads);
-
-int qmm_quantize(const float *x, int64_t M, int64_t K, int8_t *xq, float *xs, float *xo, int32_t *xsum, int threads);
-int qmm_quantize_super(const float *x, int64_t M, int64_t K, int8_t *xq, float *xs, float *xo, int32_t *xsum, int threads);
-int qmm_matmul(const float *x, const int8_t *xq, const float *xs, const float *xo, const int32_t *xsum, int64_t M,
-               int64_t K, const void *w, int type, int64_t N, float *y, int64_t ldy, int threads);
-typedef struct {
-    const void *weights;
-    int type;
-    int64_t n;
-} QmmPart;
-int qmm_matmul_parts(const int8_t *xq, const float *xs, const float *xo, const int32_t *xsum, int64_t M, int64_t K,
-                     const QmmPart *parts, int count, float *y, int64_t ldy, int threads);
 
 enum { QKV = 0, O = 1, GATE_UP = 2, DOWN = 3 };
 enum { ACT_GELU_TANH = 0, ACT_SILU = 1 };

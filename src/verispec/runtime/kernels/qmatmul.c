@@ -127,6 +127,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include "kernels.h"
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define QMM_SIMD 1
 #include <immintrin.h>
@@ -1521,12 +1522,6 @@ int qmm_matmul(const float *x, const int8_t *xq, const float *xs, const float *x
  * the sum of the earlier parts' N. One parallel region over every part's tasks: a small matrix (a
  * key/value projection) costs no region of its own, and threads balance across the parts. Each
  * output's bits are qmm_matmul's. Float-typed parts are refused (-1): call qmm_matmul for them. */
-typedef struct {
-    const void *weights;
-    int type;
-    int64_t n;
-} QmmPart;
-
 int qmm_matmul_parts(const int8_t *xq, const float *xs, const float *xo, const int32_t *xsum, int64_t M, int64_t K,
                      const QmmPart *parts, int count, float *y, int64_t ldy, int threads) {
     enum { MAX_PARTS = 8 };
