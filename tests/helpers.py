@@ -428,3 +428,16 @@ def assert_cli_refuses_before_loading(monkeypatch, folder, args: list[str], mess
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error:") and message in " ".join(result.stderr.split()), \
         result.stderr
+
+
+def solo(target: Target, request) -> list[int]:
+    """`request` (an `api.Request`) run alone, through the single-request API (its blocks given
+    back after): the tokens a batched run of it must equal."""
+    from verispec.api import generate
+
+    sampling = request.sampling
+    ids = generate(target, list(request.prompt_ids), request.method, max_new_tokens=request.max_new_tokens,
+                   temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
+                   seed=sampling.seed, stop=request.stop, options=request.options).token_ids
+    target.release()
+    return ids

@@ -35,16 +35,6 @@ def int8_target(arch: str, seed: int = 0, **config) -> Target:
     return target
 
 
-def solo(target: Target, request) -> list[int]:
-    """The request run alone, through the single-request API (its blocks given back after)."""
-    sampling = request.sampling
-    ids = generate(target, list(request.prompt_ids), request.method, max_new_tokens=request.max_new_tokens,
-                   temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
-                   seed=sampling.seed, stop=request.stop, options=request.options).token_ids
-    target.release()
-    return ids
-
-
 PROMPTS = ["the cat sat on the mat. the cat sat", "abcabcabcabcabc", "hello world, " * 14,
            "so it goes. " * 30 + "and then", "q"]
 
@@ -67,7 +57,7 @@ def test_a_mixed_batch_gives_each_request_what_it_gives_alone(arch, max_rows, ma
     prefilled in several chunks beside verify rows."""
     target = int8_target(arch)
     requests = mixed_requests(target)
-    expected = [solo(target, request) for request in requests]
+    expected = [helpers.solo(target, request) for request in requests]
     engine_steps = []
     original = BatchEngine.step
 
@@ -102,7 +92,7 @@ def test_requests_of_a_model_drafted_method_run_beside_the_batch(tmp_path):
     options = MethodOptions(exit_head=str(tmp_path), controller="constant:4")  # drafts every step
     requests = [make_request(target, PROMPTS[i], method, max_new_tokens=20, options=options if method == "eesd" else None)
                 for i in range(3) for method in ("eesd", "anpd")]
-    expected = [solo(target, request) for request in requests]
+    expected = [helpers.solo(target, request) for request in requests]
     results = generate_many(target, requests)
     assert [result.token_ids for result in results] == expected
     assert sum(result.stats.accepted for result in results if result.stats.method == "eesd") > 0
@@ -117,7 +107,7 @@ def test_identical_prompts_start_together_once_their_shared_blocks_are_computed(
     target = int8_target("llama")
     prompt = "so it goes. " * (prompt_blocks * BLOCK // 12) + "and then"
     requests = [make_request(target, prompt, "ar", max_new_tokens=12, temperature=1.0, seed=i) for i in range(8)]
-    expected = [solo(target, request) for request in requests]
+    expected = [helpers.solo(target, request) for request in requests]
     waiting = []
     original = BatchEngine.step
 
@@ -151,7 +141,7 @@ def test_draft_model_methods_join_the_batch_and_their_draft_model_runs_once_a_ro
                               options=options) for i in (0, 1, 3)]
     requests += [make_request(target, PROMPTS[2], "mtad", max_new_tokens=20, seed=4, options=options),
                  make_request(target, PROMPTS[1], "anpd", max_new_tokens=20)]
-    expected = [solo(target, request) for request in requests]
+    expected = [helpers.solo(target, request) for request in requests]
     draft.release()
     calls = {"target": [], "draft": []}
 
@@ -186,7 +176,7 @@ def test_under_load_model_drafts_are_sized_before_drafting_and_seeded_samples_ke
     greedy = [make_request(target, PROMPTS[i], "sps", max_new_tokens=24, options=options) for i in range(3)]
     seeded = [make_request(target, PROMPTS[i], "sps", max_new_tokens=24, temperature=1.0, top_k=20, seed=i,
                            options=options) for i in range(2)]
-    expected = [solo(target, request) for request in greedy + seeded]
+    expected = [helpers.solo(target, request) for request in greedy + seeded]
     asked = []
 
     def none_pays(rates, *args, **kwargs):
@@ -211,7 +201,7 @@ def test_a_draft_forward_that_fails_for_one_job_ends_that_job_only(monkeypatch):
     options = MethodOptions(draft_model=draft, controller="constant:3")
     requests = [make_request(target, PROMPTS[i], "sps", max_new_tokens=20, options=options) for i in range(3)]
     requests.append(make_request(target, PROMPTS[3], "anpd", max_new_tokens=20))
-    expected = [solo(target, request) for request in requests]
+    expected = [helpers.solo(target, request) for request in requests]
     poisoned, forward_parts = set(), draft.backend.forward_parts
     start = list(requests[1].prompt_ids[:8])
 
@@ -324,7 +314,7 @@ def test_a_pool_too_small_for_everyone_makes_requests_wait_and_still_gives_ident
     target = int8_target("qwen2", seed=4)
     requests = [make_request(target, PROMPTS[i % len(PROMPTS)] + "xyz"[i % 3], method, max_new_tokens=70)
                 for i in range(6) for method in ("ar", "anpd")]
-    expected = [solo(target, request) for request in requests]
+    expected = [helpers.solo(target, request) for request in requests]
     fresh = int8_target("qwen2", seed=4)
     config = fresh.config
     per_block = block_bytes(config.num_hidden_layers, config.num_key_value_heads, fresh.decoder.head_dim)
@@ -353,7 +343,7 @@ def test_a_request_that_could_never_fit_is_refused_in_its_place():
                 make_request(fresh, "hello", "ar", max_new_tokens=400)]
     results = generate_many(fresh, requests)
     assert isinstance(results[1], PoolExhausted) and "needs" in str(results[1])
-    assert results[0].token_ids == solo(fresh, requests[0])
+    assert results[0].token_ids == helpers.solo(fresh, requests[0])
 
 
 def test_the_batch_api_gives_errors_in_place_and_keeps_the_good_results():
@@ -368,13 +358,13 @@ def test_the_batch_api_gives_errors_in_place_and_keeps_the_good_results():
     results = generate_many(target, [good[0], too_long, no_head, good[1]])
     assert isinstance(results[1], ConfigError) and "context" in str(results[1])
     assert isinstance(results[2], ModelLoadError)
-    assert results[0].token_ids == solo(target, good[0]) and results[3].token_ids == solo(target, good[1])
+    assert results[0].token_ids == helpers.solo(target, good[0]) and results[3].token_ids == helpers.solo(target, good[1])
 
 
 def test_cancelling_one_stream_leaves_the_others_untouched():
     target = int8_target("llama", seed=5)
     requests = [make_request(target, prompt, "anpd", max_new_tokens=50) for prompt in PROMPTS[:3]]
-    expected = [solo(target, request) for request in requests]
+    expected = [helpers.solo(target, request) for request in requests]
     batch = stream_many(target, requests)
     pieces: dict[int, list[str]] = {0: [], 1: [], 2: []}
     done = {}
@@ -409,7 +399,7 @@ def test_targets_without_paged_kv_serve_the_batch_one_at_a_time(path):
     requests = [make_request(target, prompt, method, max_new_tokens=15) for prompt in PROMPTS[:2]
                 for method in ("ar", "pld")]
     results = generate_many(target, requests)
-    assert [r.token_ids for r in results] == [solo(target, request) for request in requests]
+    assert [r.token_ids for r in results] == [helpers.solo(target, request) for request in requests]
 
 
 def test_the_row_cost_fit_sees_decode_steps_only():

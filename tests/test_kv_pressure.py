@@ -40,15 +40,6 @@ def int8_target(arch: str = "llama", seed: int = 0, blocks: int | None = None, *
     return target
 
 
-def solo(target: Target, request) -> list[int]:
-    sampling = request.sampling
-    ids = generate(target, list(request.prompt_ids), request.method, max_new_tokens=request.max_new_tokens,
-                   temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
-                   seed=sampling.seed, stop=request.stop, options=request.options).token_ids
-    target.release()
-    return ids
-
-
 def bounded(stream: BatchTextStream, steps: int) -> list:
     """Run `stream` to its end, failing if the engine takes more than `steps` steps (a livelock)."""
     engine, original, count = stream._engine, stream._engine.step, [0]
@@ -80,7 +71,7 @@ def test_a_fully_cached_block_aligned_prompt_never_crashes_the_batch(pool_blocks
     target = int8_target(seed=1, blocks=pool_blocks)
     prompt = block_aligned_prompt(target)
     requests = [make_request(target, prompt, method, max_new_tokens=60) for method in ("ar", "anpd", "pld")[:copies]]
-    expected = [solo(reference, request) for request in requests]
+    expected = [helpers.solo(reference, request) for request in requests]
     results = bounded(BatchTextStream(target, requests), 2000)
     assert [r.token_ids for r in results] == expected
     assert target.pool.used_blocks == 0
@@ -94,7 +85,7 @@ def test_a_request_that_fits_alone_never_preempts_itself_forever():
     target = int8_target(seed=2, blocks=6)
     request = make_request(target, "hello world", "anpd", max_new_tokens=200)
     results = bounded(BatchTextStream(target, [request]), 400)
-    assert results[0].token_ids == solo(reference, request)
+    assert results[0].token_ids == helpers.solo(reference, request)
     assert target.pool.used_blocks == 0
 
 
@@ -110,7 +101,7 @@ def test_model_drafted_methods_wait_for_blocks_instead_of_failing(method, tmp_pa
     requests = [make_request(target, prompt, method, max_new_tokens=90, options=options, **sampling)
                 for prompt in ("hello world", "the cat sat", "so it goes. so it goes")]
     requests.append(make_request(target, "abcabcabc", "anpd", max_new_tokens=90))
-    expected = [solo(reference, request) for request in requests]
+    expected = [helpers.solo(reference, request) for request in requests]
     results = bounded(BatchTextStream(target, requests), 3000)
     assert not [r for r in results if isinstance(r, BaseException)], results
     if method != "mtad":  # mtad's drafts (and so its sample) depend on its controller's timing
@@ -168,7 +159,7 @@ def test_a_step_that_raises_leaves_nothing_behind_in_the_worker(where):
     def served_as_alone(key: str, prompt: str, method: str) -> None:
         last = ended(key)
         assert isinstance(last, Finished), last
-        assert last.result.token_ids == solo(reference, make_request(reference, prompt, method, max_new_tokens=60))
+        assert last.result.token_ids == helpers.solo(reference, make_request(reference, prompt, method, max_new_tokens=60))
 
     worker.start()
     try:
@@ -285,7 +276,7 @@ def test_random_mixes_on_a_real_model_equal_their_solo_outputs(drafting):
                 assert isinstance(result, PoolExhausted) and "never fit" in str(result)
                 continue
             assert not isinstance(result, BaseException), result
-            expected = solo(reference, request)
+            expected = helpers.solo(reference, request)
             if result.stats.stop_reason == "cancelled":
                 assert result.token_ids == expected[: len(result.token_ids)]
             elif request.method in ("eesd", "sps") and request.sampling.temperature > 0:
