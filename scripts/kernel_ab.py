@@ -1,7 +1,7 @@
 """Builds of the C kernels timed side by side in one process, for kernel edits on a noisy machine.
 
 Each directory given holds the kernel sources (`blockmm.c`, `blockmm_int8.c`, `decoder_layer.c`,
-`qmatmul.c` and `kernels.h`: copies of src/verispec/runtime/kernels/, some edited); each is compiled, into its directory, with
+`qmatmul.c` and the `*.h` they include: copies of src/verispec/runtime/kernels/, some edited); each is compiled, into its directory, with
 the flags of the instruction-set variant this CPU runs. The default model is loaded once (its
 transformers form on the int8 block forms, the fast path; `qmatmul_ab.py` times the GGUF-block
 kernel), and before every forward

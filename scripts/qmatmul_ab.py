@@ -1,7 +1,7 @@
 """Builds of the GGUF-block kernel (`qmatmul.c`) timed side by side in one process, for kernel edits.
 
 Each directory given holds a `qmatmul.c` (a copy of src/verispec/runtime/kernels/qmatmul.c, some
-edited) and the `kernels.h` it includes; each is compiled alone into that directory with the flags of the instruction-set variant
+edited) and the headers it includes (`kernels/*.h`); each is compiled alone into that directory with the flags of the instruction-set variant
 this CPU runs (as `blockmm` compiles it). For each shape and row count M, the activations are
 quantized once and every build multiplies the same random blocks, the builds taking turns in a
 shuffled order per round so that the machine's drift falls on all of them; the table gives each
@@ -12,7 +12,7 @@ where the build has it), so builds of different numerics can be timed side by si
 Shapes are Qwen2.5-1.5B's and two of the embedded Gemma 3 270M's ("gemma-*"); "q4l3" (4096 x 1536 Q4_K, 3.5 MB) stays in the last-level cache, so it
 times the arithmetic rather than the memory.
 
-    mkdir -p /tmp/a /tmp/b && cp src/verispec/runtime/kernels/{qmatmul.c,kernels.h} /tmp/a && cp /tmp/a/* /tmp/b
+    mkdir -p /tmp/a /tmp/b && cp src/verispec/runtime/kernels/{qmatmul.c,*.h} /tmp/a && cp /tmp/a/* /tmp/b
     (edit /tmp/b/qmatmul.c)
     python scripts/qmatmul_ab.py /tmp/a /tmp/b --rows 1,3,8 --shapes q4l3,q6k --threads 1
 """

@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 
 SOURCES = ("blockmm.c", "blockmm_int8.c", "decoder_layer.c", "qmatmul.c")  # compiled into one library
-HEADERS = ("kernels.h",)  # included by the sources: part of the build's key and copied beside them
+HEADERS = ("kernels.h", "numerics.h")  # included by the sources: part of the build's key and copied beside them
 FLAGS = ("-O3", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-Wl,-Bsymbolic")
 # Instruction-set variants, best first: the compiler flags of each and the /proc/cpuinfo flags
 # the CPU must report to run it.

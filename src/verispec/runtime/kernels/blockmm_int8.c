@@ -56,6 +56,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include "kernels.h"
+#include "numerics.h"
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define INT8_SIMD 1
 #include <immintrin.h>
@@ -80,67 +81,17 @@ typedef struct {
 /* Scale i of the packed scales, as float32 (exact: every float16 is a float32). */
 static inline float scale_at(Scales scales, int64_t i) {
     if (!scales.half) return ((const float *)scales.data)[i];
-    const uint16_t h = ((const uint16_t *)scales.data)[i];
-    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exponent = (h >> 10) & 0x1Fu, mantissa = h & 0x3FFu;
-    if (exponent == 0) { /* zero or subnormal: mantissa * 2^-24, exact in float32 */
-        const float value = ldexpf((float)mantissa, -24);
-        return sign ? -value : value;
-    }
-    const uint32_t bits = exponent == 31 ? sign | 0x7F800000u | (mantissa << 13)
-                                         : sign | ((exponent + 112u) << 23) | (mantissa << 13);
-    float value;
-    memcpy(&value, &bits, sizeof value);
-    return value;
+    return half_to_float(((const uint16_t *)scales.data)[i]);
 }
 
 /* Row m of x quantized per block: q [K] int8, xs [nb], xo [nb] (when offsets are used), xt [nb]
  * (code_bias * sum(q), when given). */
 static void quantize_row(const float *x, int64_t K, int64_t B, int8_t *q, float *xs, float *xo, int32_t *xt,
                          int32_t code_bias) {
-    const int64_t nb = K / B;
-    for (int64_t b = 0; b < nb; b++) {
-        const float *xb = x + b * B;
-        int8_t *qb = q + b * B;
-        int64_t i = 0;
-        float amax = 0.0f;
-#ifdef INT8_SIMD
-        const __m256 sign = _mm256_set1_ps(-0.0f);
-        __m256 m8 = _mm256_setzero_ps();
-        for (; i + 8 <= B; i += 8) m8 = _mm256_max_ps(m8, _mm256_andnot_ps(sign, _mm256_loadu_ps(xb + i)));
-        float lanes[8];
-        _mm256_storeu_ps(lanes, m8);
-        for (int j = 0; j < 8; j++) amax = lanes[j] > amax ? lanes[j] : amax;
-#endif
-        for (; i < B; i++) {
-            const float a = fabsf(xb[i]);
-            amax = a > amax ? a : amax;
-        }
-        const float scale = amax / 127.0f;
+    for (int64_t b = 0; b < K / B; b++) {
+        const float scale = abs_max(x + b * B, B) / 127.0f;
+        const int32_t total = quantize_codes(x + b * B, B, scale, q + b * B, NULL);
         xs[b] = scale;
-        int32_t total = 0;
-        i = 0;
-        if (scale > 0.0f) {
-#ifdef INT8_SIMD
-            const __m256 s = _mm256_set1_ps(scale), low = _mm256_set1_ps(-127.0f), high = _mm256_set1_ps(127.0f);
-            for (; i + 8 <= B; i += 8) {
-                __m256 r = _mm256_round_ps(_mm256_div_ps(_mm256_loadu_ps(xb + i), s),
-                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-                r = _mm256_min_ps(_mm256_max_ps(r, low), high);
-                const __m256i v = _mm256_cvtps_epi32(r);
-                int32_t codes[8];
-                _mm256_storeu_si256((__m256i *)codes, v);
-                for (int j = 0; j < 8; j++) qb[i + j] = (int8_t)codes[j], total += codes[j];
-            }
-#endif
-            for (; i < B; i++) {
-                float r = nearbyintf(xb[i] / scale); /* the default rounding: to nearest, ties to even */
-                r = r < -127.0f ? -127.0f : r > 127.0f ? 127.0f : r;
-                qb[i] = (int8_t)r;
-                total += (int32_t)r;
-            }
-        } else {
-            for (; i < B; i++) qb[i] = 0;
-        }
         if (xo) xo[b] = scale * (float)total;
         if (xt) xt[b] = code_bias * total;
     }

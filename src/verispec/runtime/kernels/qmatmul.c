@@ -128,6 +128,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include "kernels.h"
+#include "numerics.h"
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define QMM_SIMD 1
 #include <immintrin.h>
@@ -189,20 +190,6 @@ static inline uint32_t ld32(const uint8_t *p) {
     uint32_t v;
     memcpy(&v, p, 4);
     return v;
-}
-
-/* float16 -> float32, exact (every float16 is a float32). */
-static inline float half_to_float(uint16_t h) {
-    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exponent = (h >> 10) & 0x1Fu, mantissa = h & 0x3FFu;
-    if (exponent == 0) { /* zero or subnormal: mantissa * 2^-24 */
-        const float value = ldexpf((float)mantissa, -24);
-        return sign ? -value : value;
-    }
-    const uint32_t bits = exponent == 31 ? sign | 0x7F800000u | (mantissa << 13)
-                                         : sign | ((exponent + 112u) << 23) | (mantissa << 13);
-    float value;
-    memcpy(&value, &bits, sizeof value);
-    return value;
 }
 
 static inline float bf16_to_float(uint16_t h) {
@@ -329,51 +316,13 @@ static inline int32_t int16_pair(int32_t low, int32_t high) {
 static void quantize_row(const float *x, int64_t K, const int GROUP, int8_t *q, float *xs, float *xo, int32_t *xsum) {
     for (int64_t g = 0; g < K / GROUP; g++) {
         int32_t sums[GROUP / 16]; /* of q per 16 inputs of the group */
-        const float *xg = x + g * GROUP;
-        float amax = 0.0f;
-        int64_t i = 0;
-#ifdef QMM_SIMD
-        const __m256 sign = _mm256_set1_ps(-0.0f);
-        __m256 m8 = _mm256_setzero_ps();
-        for (; i + 8 <= GROUP; i += 8) m8 = _mm256_max_ps(m8, _mm256_andnot_ps(sign, _mm256_loadu_ps(xg + i)));
-        float lanes[8];
-        _mm256_storeu_ps(lanes, m8);
-        for (int j = 0; j < 8; j++) amax = lanes[j] > amax ? lanes[j] : amax;
-#endif
-        for (; i < GROUP; i++) {
-            const float a = fabsf(xg[i]);
-            amax = a > amax ? a : amax;
-        }
-        const float scale = amax / 127.0f;
+        const float scale = abs_max(x + g * GROUP, GROUP) / 127.0f;
         for (int64_t b = g * (GROUP / 32); b < (g + 1) * (GROUP / 32); b++) {
-            const float *xb = x + b * 32;
-            int8_t *qb = q + b * 32;
             int32_t *half = sums + 2 * (b - g * (GROUP / 32));
             half[0] = half[1] = 0;
-            i = 0;
-            if (scale > 0.0f) {
-#ifdef QMM_SIMD
-                const __m256 s = _mm256_set1_ps(scale), low = _mm256_set1_ps(-127.0f), high = _mm256_set1_ps(127.0f);
-                for (; i + 8 <= 32; i += 8) {
-                    __m256 r = _mm256_round_ps(_mm256_div_ps(_mm256_loadu_ps(xb + i), s),
-                                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-                    r = _mm256_min_ps(_mm256_max_ps(r, low), high);
-                    int32_t codes[8];
-                    _mm256_storeu_si256((__m256i *)codes, _mm256_cvtps_epi32(r));
-                    for (int j = 0; j < 8; j++) qb[i + j] = (int8_t)codes[j], half[(i + j) / 16] += codes[j];
-                }
-#endif
-                for (; i < 32; i++) {
-                    float r = nearbyintf(xb[i] / scale); /* the default rounding: to nearest, ties to even */
-                    r = r < -127.0f ? -127.0f : r > 127.0f ? 127.0f : r;
-                    qb[i] = (int8_t)r;
-                    half[i / 16] += (int32_t)r;
-                }
-            } else {
-                memset(qb, 0, 32);
-            }
+            const int32_t total = quantize_codes(x + b * 32, 32, scale, q + b * 32, half);
             xs[b] = scale;
-            xo[b] = GROUP == 256 ? 0.0f : scale * (float)(half[0] + half[1]);
+            xo[b] = GROUP == 256 ? 0.0f : scale * (float)total;
         }
         if (GROUP == 32) {
             xsum[2 * g] = sums[0], xsum[2 * g + 1] = sums[1];
