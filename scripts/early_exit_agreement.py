@@ -117,7 +117,8 @@ def main() -> None:
     parser.add_argument("--no-fast", dest="fast", action="store_false", help="the PyTorch path's step costs")
     parser.add_argument("--dtype", default="float32", help="the target's dtype (default float32)")
     args = parser.parse_args()
-    target = verispec.load(dtype=args.dtype, fast=args.fast)
+    # the default file's transformers form (numerics "fp32" loads it): its hidden states feed the heads
+    target = verispec.load(dtype=args.dtype, fast=args.fast, numerics="fp32")
     model = target.model
     heads = [(path, *load_head(Path(path), model, target.name)) for path in args.exit_head]
     _, questions = load_dataset("spec-bench", per_category=args.per_category)
