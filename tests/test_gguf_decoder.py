@@ -256,9 +256,11 @@ def test_a_prompts_logits_are_the_same_bits_however_it_is_run(name, targets, mon
     for threads in (2, 1):
         assert torch.equal(helpers.with_threads(threads, lambda: run_prompt(target, prompt)[-1:]), whole), threads
 
-    # in consecutive C calls of a few rows each (as a prompt wider than CALL_ROWS runs)
-    monkeypatch.setattr(native_layer, "CALL_ROWS", 7)
-    assert torch.equal(run_prompt(target, prompt)[-1:], whole), "in calls of 7 rows"
+    # in consecutive C calls (as a prompt wider than CALL_ROWS runs): a ragged last call, and
+    # calls of exactly one KV block each
+    for rows in (7, BLOCK):
+        monkeypatch.setattr(native_layer, "CALL_ROWS", rows)
+        assert torch.equal(run_prompt(target, prompt)[-1:], whole), f"in calls of {rows} rows"
     assert target.pool.used_blocks == 0
 
 

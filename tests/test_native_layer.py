@@ -278,4 +278,4 @@ def test_run_layers_refuses_bad_arguments():
     x = torch.zeros(2, target.config.hidden_size)
     with pytest.raises(RuntimeError, match="refused"):  # positions 63, 64 past a capacity of 64
         native_layer.run_layers(layers, x, Rows.contiguous(63, 2, cache.block_table, cache.pool_blocks), rope,
-                            cache.keys, cache.values)
+                                cache.keys, cache.values)

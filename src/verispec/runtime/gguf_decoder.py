@@ -11,10 +11,10 @@ output matrix (or the tied embedding) multiplied the same way. So a model costs 
 file's size in memory, and a decode step reads the file's 4.5-6.6 bits a weight.
 
 Numerics (qmatmul.c's): each row of activations is quantized from that row alone (per block of
-32 for the 32-block types, per super-block of 256 for the K-quants), the integer sums are exact and
-one fixed float32 sequence turns them into the result, and the rest of the layer is the C layer's row-wise or fixed-chunk math:
-a row's logits do not depend on how many rows or which sequences share its call, on the thread
-count or on the instruction set. Lossless methods are therefore exact against `ar` (which runs
+32 for the 32-block types, per super-block of 256 for the K-quants), the integer sums are exact
+and one fixed float32 sequence turns them into the result, and the rest of the layer is the C
+layer's row-wise or fixed-chunk math: a row's logits do not depend on how many rows or which
+sequences share its call, on the thread count or on the instruction set. Lossless methods are therefore exact against `ar` (which runs
 the same numerics), batched or alone, from the prefix cache or not.
 
 The math is transformers' for the architecture (Llama, Qwen2, Gemma 3 text), fed from the GGUF

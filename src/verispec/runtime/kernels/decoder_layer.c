@@ -39,8 +39,6 @@ enum { QKV = 0, O = 1, GATE_UP = 2, DOWN = 3 };
 enum { ACT_GELU_TANH = 0, ACT_SILU = 1 };
 /* the linears: blockmm_int8.c or blockmm.c on int8 block forms, or qmatmul.c on a GGUF file's blocks */
 enum { NUMERICS_INT8 = 0, NUMERICS_FP32 = 1, NUMERICS_GGUF = 2 };
-enum { GGUF_F32 = 0, GGUF_F16 = 1, GGUF_BF16 = 30 }; /* the float types qmatmul.c multiplies in float32 */
-enum { GGUF_Q4_K = 12, GGUF_Q5_K = 13, GGUF_Q6_K = 14 }; /* the K-quants: activations in the super-block form */
 
 typedef struct {
     const int8_t *codes;

@@ -134,7 +134,6 @@
 #include <immintrin.h>
 #endif
 
-enum { T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q5_0 = 6, T_Q8_0 = 8, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14, T_BF16 = 30 };
 
 #define LANES 8           /* outputs per group: one float32 lane each */
 #define CHUNK 256         /* inputs decoded at a time */
@@ -158,15 +157,15 @@ typedef struct {
 
 static int type_info(int type, TypeInfo *t) {
     switch (type) {
-        case T_F32: *t = (TypeInfo){1, 4, 1, 0, 0}; return 0;
-        case T_F16: *t = (TypeInfo){1, 2, 1, 0, 0}; return 0;
-        case T_BF16: *t = (TypeInfo){1, 2, 1, 0, 0}; return 0;
-        case T_Q4_0: *t = (TypeInfo){32, 18, 32, 0, 1}; return 0;
-        case T_Q5_0: *t = (TypeInfo){32, 22, 32, 0, 1}; return 0;
-        case T_Q8_0: *t = (TypeInfo){32, 34, 32, 0, 1}; return 0;
-        case T_Q4_K: *t = (TypeInfo){256, 144, 32, 1, 1}; return 0;
-        case T_Q5_K: *t = (TypeInfo){256, 176, 32, 1, 1}; return 0;
-        case T_Q6_K: *t = (TypeInfo){256, 210, 16, 0, 1}; return 0;
+        case GGUF_F32: *t = (TypeInfo){1, 4, 1, 0, 0}; return 0;
+        case GGUF_F16: *t = (TypeInfo){1, 2, 1, 0, 0}; return 0;
+        case GGUF_BF16: *t = (TypeInfo){1, 2, 1, 0, 0}; return 0;
+        case GGUF_Q4_0: *t = (TypeInfo){32, 18, 32, 0, 1}; return 0;
+        case GGUF_Q5_0: *t = (TypeInfo){32, 22, 32, 0, 1}; return 0;
+        case GGUF_Q8_0: *t = (TypeInfo){32, 34, 32, 0, 1}; return 0;
+        case GGUF_Q4_K: *t = (TypeInfo){256, 144, 32, 1, 1}; return 0;
+        case GGUF_Q5_K: *t = (TypeInfo){256, 176, 32, 1, 1}; return 0;
+        case GGUF_Q6_K: *t = (TypeInfo){256, 210, 16, 0, 1}; return 0;
         default: return -1;
     }
 }
@@ -215,7 +214,7 @@ static inline void scale_min_k4(int j, const uint8_t *q, int *sc, int *m) {
 static void decode_scalar(int type, const uint8_t *row, int64_t k0, int64_t count, int8_t *code, float *ws,
                           float *wo, int stride) {
     switch (type) {
-        case T_Q4_0:
+        case GGUF_Q4_0:
             for (int64_t b = 0; b < count / 32; b++) {
                 const uint8_t *blk = row + (k0 / 32 + b) * 18;
                 ws[b * stride] = half_to_float(ld16(blk));
@@ -225,7 +224,7 @@ static void decode_scalar(int type, const uint8_t *row, int64_t k0, int64_t coun
                 }
             }
             break;
-        case T_Q5_0:
+        case GGUF_Q5_0:
             for (int64_t b = 0; b < count / 32; b++) {
                 const uint8_t *blk = row + (k0 / 32 + b) * 22;
                 const uint32_t qh = ld32(blk + 2);
@@ -236,16 +235,16 @@ static void decode_scalar(int type, const uint8_t *row, int64_t k0, int64_t coun
                 }
             }
             break;
-        case T_Q8_0:
+        case GGUF_Q8_0:
             for (int64_t b = 0; b < count / 32; b++) {
                 const uint8_t *blk = row + (k0 / 32 + b) * 34;
                 ws[b * stride] = half_to_float(ld16(blk));
                 memcpy(code + 32 * b, blk + 2, 32);
             }
             break;
-        case T_Q4_K:
-        case T_Q5_K: {
-            const int five = type == T_Q5_K;
+        case GGUF_Q4_K:
+        case GGUF_Q5_K: {
+            const int five = type == GGUF_Q5_K;
             const uint8_t *blk = row + (k0 / 256) * (five ? 176 : 144);
             const float d = half_to_float(ld16(blk)), dmin = half_to_float(ld16(blk + 2));
             const uint8_t *qh = blk + 16, *qs = blk + (five ? 48 : 16);
@@ -264,7 +263,7 @@ static void decode_scalar(int type, const uint8_t *row, int64_t k0, int64_t coun
                 }
             break;
         }
-        case T_Q6_K: {
+        case GGUF_Q6_K: {
             const uint8_t *blk = row + (k0 / 256) * 210, *ql = blk, *qh = blk + 128;
             const float d = half_to_float(ld16(blk + 208));
             for (int j = 0; j < 16; j++) ws[j * stride] = d * (float)(int8_t)blk[192 + j];
@@ -285,7 +284,7 @@ static void decode_scalar(int type, const uint8_t *row, int64_t k0, int64_t coun
 /* A K-quant super-block's header at blk: sc[j * stride], mn[j * stride] (Q4_K / Q5_K mins; Q6_K: 0)
  * for its sub-blocks, and d, dmin (Q6_K: 0) as float32. */
 static inline void k_header_scalar(int type, const uint8_t *blk, int32_t *sc, int32_t *mn, int stride, float *d, float *dmin) {
-    if (type == T_Q6_K) {
+    if (type == GGUF_Q6_K) {
         for (int j = 0; j < 16; j++) sc[j * stride] = (int8_t)blk[192 + j], mn[j * stride] = 0;
         *d = half_to_float(ld16(blk + 208));
         *dmin = 0.0f;
@@ -624,8 +623,8 @@ static inline __attribute__((always_inline)) void emit(Decoded *dec, Fused *f, c
 static inline __attribute__((always_inline)) void decode_chunk(const int TYPE, const uint8_t *const p[LANES], int64_t k0,
                                                                int64_t count, Decoded *dec, Fused *f, const int R) {
     const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30), m10 = _mm256_set1_epi8(0x10);
-    if (TYPE == T_Q4_0 || TYPE == T_Q5_0) {
-        const int five = TYPE == T_Q5_0, size = five ? 22 : 18, steps16 = five ? 4 : 8;
+    if (TYPE == GGUF_Q4_0 || TYPE == GGUF_Q5_0) {
+        const int five = TYPE == GGUF_Q5_0, size = five ? 22 : 18, steps16 = five ? 4 : 8;
         for (int64_t b = 0; b < count / 32; b++) {
             const int64_t off = (k0 / 32 + b) * size;
             __m256i T[4], lo[4], hi[4];
@@ -643,7 +642,7 @@ static inline __attribute__((always_inline)) void decode_chunk(const int TYPE, c
             emit(dec, f, R, steps16, 8, 8 * b, lo, 4);
             emit(dec, f, R, steps16, 8, 8 * b + 4, hi, 4);
         }
-    } else if (TYPE == T_Q8_0) {
+    } else if (TYPE == GGUF_Q8_0) {
         for (int64_t b = 0; b < count / 32; b++) {
             const int64_t off = (k0 / 32 + b) * 34;
             __m256i T[8];
@@ -655,8 +654,8 @@ static inline __attribute__((always_inline)) void decode_chunk(const int TYPE, c
 #endif
             emit(dec, f, R, 0, 8, 8 * b, T, 8);
         }
-    } else if (TYPE == T_Q4_K || TYPE == T_Q5_K) {
-        const int five = TYPE == T_Q5_K;
+    } else if (TYPE == GGUF_Q4_K || TYPE == GGUF_Q5_K) {
+        const int five = TYPE == GGUF_Q5_K;
         const int64_t off = (k0 / 256) * (five ? 176 : 144), qs = off + (five ? 48 : 16);
         __m256i Q[8];
         k4_scales(p, off, &dec->k);
@@ -835,7 +834,7 @@ static inline __attribute__((always_inline)) void rows_group(const int TYPE, con
     for (int64_t b = 0; b < K / 256; b++) {
         const int8_t *x = xq + 256 * b;
         __m256i isum[ROWWISE_ROWS];
-        if (TYPE == T_Q6_K) {
+        if (TYPE == GGUF_Q6_K) {
             const int64_t off = b * 210;
             q6_scales(p, off, &k);
 #pragma GCC unroll 8
@@ -853,7 +852,7 @@ static inline __attribute__((always_inline)) void rows_group(const int TYPE, con
                     }
                 }
         } else {
-            const int five = TYPE == T_Q5_K;
+            const int five = TYPE == GGUF_Q5_K;
             const int64_t off = b * (five ? 176 : 144);
             k4_scales(p, off, &k);
 #pragma GCC unroll 8
@@ -870,10 +869,10 @@ static inline __attribute__((always_inline)) void rows_group(const int TYPE, con
             }
         }
         for (int r = 0; r < R; r++)
-            k_floats(&k, TYPE != T_Q6_K, TYPE == T_Q6_K ? 5 : -1, isum[r], xs[r * ldx + 8 * b], xsum + r * ldsum + 16 * b,
+            k_floats(&k, TYPE != GGUF_Q6_K, TYPE == GGUF_Q6_K ? 5 : -1, isum[r], xs[r * ldx + 8 * b], xsum + r * ldsum + 16 * b,
                      &acc[r], &shift[r]);
     }
-    for (int r = 0; r < R; r++) out[r] = TYPE == T_Q6_K ? acc[r] : _mm256_sub_ps(acc[r], shift[r]);
+    for (int r = 0; r < R; r++) out[r] = TYPE == GGUF_Q6_K ? acc[r] : _mm256_sub_ps(acc[r], shift[r]);
 }
 
 typedef void (*RowsGroup)(const uint8_t *const[LANES], int64_t, int, const int8_t *, int64_t, const float *, int64_t,
@@ -888,9 +887,9 @@ typedef void (*RowsGroup)(const uint8_t *const[LANES], int64_t, int, const int8_
             default: rows_group(TYPE, 3, p, K, xq, ldq, xs, ldx, xsum, ldsum, ahead, out); break;                \
         }                                                                                                        \
     }
-ROWS_KERNEL(q4_k, T_Q4_K)
-ROWS_KERNEL(q5_k, T_Q5_K)
-ROWS_KERNEL(q6_k, T_Q6_K)
+ROWS_KERNEL(q4_k, GGUF_Q4_K)
+ROWS_KERNEL(q5_k, GGUF_Q5_K)
+ROWS_KERNEL(q6_k, GGUF_Q6_K)
 #undef ROWS_KERNEL
 
 #endif
@@ -1110,16 +1109,16 @@ typedef void (*FusedRows)(const uint8_t *const[LANES], int64_t, int64_t, int, De
  * (GCC cannot see that decode_chunk sets f.isum[j] for every j < J that fused_floats reads.) */
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-TYPE_KERNELS(q4_0, T_Q4_0, 32, 0, 8, 0, 0, 3)
-TYPE_KERNELS(q5_0, T_Q5_0, 32, 0, 4, 0, 0, 4)
+TYPE_KERNELS(q4_0, GGUF_Q4_0, 32, 0, 8, 0, 0, 3)
+TYPE_KERNELS(q5_0, GGUF_Q5_0, 32, 0, 4, 0, 0, 4)
 #ifdef QMM_VNNI
-TYPE_KERNELS(q8_0, T_Q8_0, 32, 0, 1, 0, 0, 7) /* codes + 128, unsigned */
+TYPE_KERNELS(q8_0, GGUF_Q8_0, 32, 0, 1, 0, 0, 7) /* codes + 128, unsigned */
 #else
-TYPE_KERNELS(q8_0, T_Q8_0, 32, 1, 1, 0, 0, -1)
+TYPE_KERNELS(q8_0, GGUF_Q8_0, 32, 1, 1, 0, 0, -1)
 #endif
-TYPE_KERNELS(q4_k, T_Q4_K, 32, 0, 8, 1, 1, -1)
-TYPE_KERNELS(q5_k, T_Q5_K, 32, 0, 4, 1, 1, -1)
-TYPE_KERNELS(q6_k, T_Q6_K, 16, 0, 2, 1, 0, 5)
+TYPE_KERNELS(q4_k, GGUF_Q4_K, 32, 0, 8, 1, 1, -1)
+TYPE_KERNELS(q5_k, GGUF_Q5_K, 32, 0, 4, 1, 1, -1)
+TYPE_KERNELS(q6_k, GGUF_Q6_K, 16, 0, 2, 1, 0, 5)
 #pragma GCC diagnostic pop
 #undef TYPE_KERNELS
 #undef CONSUME
@@ -1132,11 +1131,11 @@ typedef struct {
 
 static Ops ops_of(int type) {
     switch (type) {
-        case T_Q4_0: return (Ops){decode_q4_0, consume_q4_0, fused_q4_0};
-        case T_Q5_0: return (Ops){decode_q5_0, consume_q5_0, fused_q5_0};
-        case T_Q8_0: return (Ops){decode_q8_0, consume_q8_0, fused_q8_0};
-        case T_Q4_K: return (Ops){decode_q4_k, consume_q4_k, fused_q4_k};
-        case T_Q5_K: return (Ops){decode_q5_k, consume_q5_k, fused_q5_k};
+        case GGUF_Q4_0: return (Ops){decode_q4_0, consume_q4_0, fused_q4_0};
+        case GGUF_Q5_0: return (Ops){decode_q5_0, consume_q5_0, fused_q5_0};
+        case GGUF_Q8_0: return (Ops){decode_q8_0, consume_q8_0, fused_q8_0};
+        case GGUF_Q4_K: return (Ops){decode_q4_k, consume_q4_k, fused_q4_k};
+        case GGUF_Q5_K: return (Ops){decode_q5_k, consume_q5_k, fused_q5_k};
         default: return (Ops){decode_q6_k, consume_q6_k, fused_q6_k};
     }
 }
@@ -1171,7 +1170,7 @@ static void decode8(int type, const uint8_t *const p[LANES], int64_t k0, int64_t
     float wo[MAX_SUBS * LANES]; /* the K-quants' float mins, not used here */
     for (int l = 0; l < LANES; l++) {
         decode_scalar(type, p[l], k0, count, dec->codes[l], &dec->ws[0][l], wo + l, LANES);
-        if (type == T_Q4_K || type == T_Q5_K || type == T_Q6_K)
+        if (type == GGUF_Q4_K || type == GGUF_Q5_K || type == GGUF_Q6_K)
             k_header_scalar(type, p[l] + (k0 / 256) * qmm_row_bytes(type, 256), &dec->sc[0][l], &dec->mn[0][l], LANES,
                             &dec->d[l], &dec->dmin[l]);
     }
@@ -1243,7 +1242,7 @@ static void run_task(int type, const TypeInfo *t, const uint8_t *w, int64_t row_
     const uint8_t *next = w + (g0 + groups) * LANES * row_bytes, *end = w + N * row_bytes;
     const int near = region <= PREFETCH_NEAR;
 #ifdef QMM_ROWWISE
-    const RowsGroup rows = type == T_Q4_K ? rows_q4_k : type == T_Q5_K ? rows_q5_k : type == T_Q6_K ? rows_q6_k : NULL;
+    const RowsGroup rows = type == GGUF_Q4_K ? rows_q4_k : type == GGUF_Q5_K ? rows_q5_k : type == GGUF_Q6_K ? rows_q6_k : NULL;
     if (M <= ROWWISE_ROWS && rows) { /* the whole of K per call, accumulators in registers */
         /* prefetched in 8 parts per super-block, spread between the sums: a burst of a whole slice at
          * once was measured slower (fewer misses in flight where they are needed) */
@@ -1326,9 +1325,9 @@ static void run_task(int type, const TypeInfo *t, const uint8_t *w, int64_t row_
 
 #ifdef QMM_SIMD
 static inline __m256 load_w8(int type, const uint8_t *row, int64_t k) {
-    if (type == T_F32) return _mm256_loadu_ps((const float *)row + k);
+    if (type == GGUF_F32) return _mm256_loadu_ps((const float *)row + k);
     const __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)row + k));
-    if (type == T_F16) return _mm256_cvtph_ps(h);
+    if (type == GGUF_F16) return _mm256_cvtph_ps(h);
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 
@@ -1386,12 +1385,12 @@ static __attribute__((noinline)) void float_tiles(int type, const float *x, int6
 }
 #else
 static inline float load_w1(int type, const uint8_t *row, int64_t k) {
-    if (type == T_F32) {
+    if (type == GGUF_F32) {
         float v;
         memcpy(&v, row + 4 * k, 4);
         return v;
     }
-    return type == T_F16 ? half_to_float(ld16(row + 2 * k)) : bf16_to_float(ld16(row + 2 * k));
+    return type == GGUF_F16 ? half_to_float(ld16(row + 2 * k)) : bf16_to_float(ld16(row + 2 * k));
 }
 
 static void float_tiles(int type, const float *x, int64_t K, int64_t M, const uint8_t *const rows[], int64_t count,
@@ -1562,8 +1561,8 @@ int qmm_get_rows(const void *weights, int type, int64_t N, int64_t K, const int6
         float *o = out + i * K;
         if (!t.quantized) {
             for (int64_t k = 0; k < K; k++)
-                if (type == T_F32) memcpy(o + k, row + 4 * k, 4);
-                else o[k] = type == T_F16 ? half_to_float(ld16(row + 2 * k)) : bf16_to_float(ld16(row + 2 * k));
+                if (type == GGUF_F32) memcpy(o + k, row + 4 * k, 4);
+                else o[k] = type == GGUF_F16 ? half_to_float(ld16(row + 2 * k)) : bf16_to_float(ld16(row + 2 * k));
             continue;
         }
         for (int64_t k0 = 0; k0 < K; k0 += CHUNK) {
