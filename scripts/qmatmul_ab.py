@@ -1,16 +1,17 @@
 """Builds of the GGUF-block kernel (`qmatmul.c`) timed side by side in one process, for kernel edits.
 
 Each directory given holds a `qmatmul.c` (a copy of src/verispec/runtime/kernels/qmatmul.c, some
-edited) and the headers it includes (`kernels/*.h`); each is compiled alone into that directory with the flags of the instruction-set variant
-this CPU runs (as `blockmm` compiles it). For each shape and row count M, the activations are
-quantized once and every build multiplies the same random blocks, the builds taking turns in a
-shuffled order per round so that the machine's drift falls on all of them; the table gives each
-build's fastest call (ms and G multiply-adds per second), its ratio to the first build, and whether
-its output has the first build's bits (an edit meant to keep the numerics must print "same"). Each
-build quantizes the activations itself, in the form it reads (`qmm_quantize_super` for the K-quants
-where the build has it), so builds of different numerics can be timed side by side.
-Shapes are Qwen2.5-1.5B's and two of the embedded Gemma 3 270M's ("gemma-*"); "q4l3" (4096 x 1536 Q4_K, 3.5 MB) stays in the last-level cache, so it
-times the arithmetic rather than the memory.
+edited) and the headers it includes (`kernels/*.h`); each is compiled alone into that directory
+with the flags of the instruction-set variant this CPU runs (as `blockmm` compiles it). For each
+shape and row count M, every build multiplies the same random blocks by the same activations,
+which each build quantizes itself, in the form it reads (`qmm_quantize_super` for the K-quants
+where the build has it), so builds of different numerics can be timed side by side. The builds
+take turns in a shuffled order per round so that the machine's drift falls on all of them; the
+table gives each build's fastest call (ms and G multiply-adds per second), its ratio to the first
+build, and whether its output has the first build's bits (an edit meant to keep the numerics must
+print "same"). Shapes are Qwen2.5-1.5B's and two of the embedded Gemma 3 270M's ("gemma-*");
+"q4l3" (4096 x 1536 Q4_K, 3.5 MB) stays in the last-level cache, so it times the arithmetic
+rather than the memory.
 
     mkdir -p /tmp/a /tmp/b && cp src/verispec/runtime/kernels/{qmatmul.c,*.h} /tmp/a && cp /tmp/a/* /tmp/b
     (edit /tmp/b/qmatmul.c)
