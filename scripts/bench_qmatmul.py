@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from verispec.runtime import blockmm, qmatmul
-from verispec.runtime.gguf_blocks import BlockWeights
+from verispec.gguf.blocks import BlockWeights
 
 SHAPES = [  # (name, N outputs, K inputs, type)
     ("attn_q/o 1536x1536", 1536, 1536, "Q4_K"),

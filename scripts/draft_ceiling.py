@@ -40,7 +40,7 @@ import verispec
 from verispec.bench.profile import draft_step_seconds, target_step_seconds, timing_context
 from verispec.bench.runner import BenchSettings
 from verispec.errors import ConfigError, VerispecError
-from verispec.methods import get_method, prepared_exit_head
+from verispec.core.methods import get_method, prepared_exit_head
 
 MODEL_DRAFTED = ("eesd", "sps", "mtad")
 TARGETS = (1.0, 1.1, 1.25)

@@ -42,9 +42,9 @@ from tqdm import tqdm
 import verispec
 from verispec.bench.profile import draft_step_seconds, target_step_seconds, timing_context
 from verispec.bench.datasets import encode_question, load_dataset
-from verispec.control import constant_trace_cost, oracle_trace_cost, threshold_trace_cost
-from verispec.drafters.early_exit import PreparedHead, load_head
-from verispec.methods import DEFAULT_EXIT_HEAD
+from verispec.core.control import constant_trace_cost, oracle_trace_cost, threshold_trace_cost
+from verispec.core.drafters.early_exit import PreparedHead, load_head
+from verispec.core.methods import DEFAULT_EXIT_HEAD
 
 THRESHOLDS = [0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.01]
 

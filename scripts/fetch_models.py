@@ -169,7 +169,7 @@ def fetch(model: Model) -> Path:
         if size != model.size or digest.hexdigest() != model.sha256:
             raise SystemExit(f"{model.key}: assembled {size} bytes with sha256 {digest.hexdigest()}, expected "
                              f"{model.size} bytes with sha256 {model.sha256}")
-        from verispec.gguf_file import read_gguf
+        from verispec.gguf.reader import read_gguf
 
         with read_gguf(staging) as gguf:
             name = gguf.get("general.name")

@@ -69,7 +69,7 @@ def main() -> None:
     parser.add_argument("--size", choices=("7b", "1b", "tiny"), default="7b")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args()
-    from verispec.drafters.early_exit import ExitHead, save_head
+    from verispec.core.drafters.early_exit import ExitHead, save_head
 
     dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
     words = tokenizer()

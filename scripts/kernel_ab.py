@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 from verispec.bench.profile import timing_context
-from verispec.loading import load
+from verispec.target.loading import load
 from verispec.runtime import blockmm
 from verispec.runtime.linear import BlockLinear
 from verispec.runtime.native_layer import NativeLayer, bind

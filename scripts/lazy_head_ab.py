@@ -1,4 +1,4 @@
-"""Side-by-side timing of lossless methods with the LM head run lazily (`lazy_rows`: only on the
+"""Side-by-side timing of lossless methods with the LM head run lazily (`lazy_logits`: only on the
 rows the acceptance rule reads) and on every row of each verify, in one process: for each prompt
 (the first question of each Spec-Bench category) and method, both settings run back to back in
 an order alternated per prompt, after a short warm-up generation; outputs must be identical.
@@ -15,8 +15,9 @@ import collections
 import json
 import time
 
-from verispec import acceptance, api
-from verispec.loading import load
+from verispec import api
+from verispec.core import acceptance
+from verispec.target.loading import load
 from verispec.bench.datasets import resolve_dataset
 
 

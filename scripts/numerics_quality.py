@@ -20,7 +20,7 @@ import torch
 
 import verispec
 from verispec.bench.datasets import load_dataset
-from verispec.score import target_logits
+from verispec.target.score import target_logits
 
 
 def main() -> None:

@@ -27,7 +27,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 import verispec
 from verispec.bench.profile import arithmetic_rate, describe_arithmetic
-from verispec.model import Target
+from verispec.target.model import Target
 
 
 def read_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:

@@ -19,7 +19,7 @@ where the answer departs from it: the ceiling of any draft-length controller wit
 each tree along the recorded answer; prints tokens per target forward for both, and how often,
 where a single path failed, any of the tables' continuations (every level, the memory's too)
 was the answer's token: the most that trees of n-gram drafts could add; and how often a
-verify staged in two parts (`lazy_rows`) reads its second part.
+verify staged in two parts (`lazy_logits`) reads its second part.
 """
 
 from __future__ import annotations
@@ -28,11 +28,11 @@ import argparse
 import json
 from pathlib import Path
 
-from verispec import lazy_rows
+from verispec.target import lazy_logits as lazy_logits
 from verispec.bench.datasets import encode_question, load_dataset
-from verispec.control import CostModel, best_draft_length
-from verispec.drafters.ngram import AnpdDrafter, NgramConfig, shared_memory
-from verispec.loading import load
+from verispec.core.control import CostModel, best_draft_length
+from verispec.core.drafters.ngram import AnpdDrafter, NgramConfig, shared_memory
+from verispec.target.loading import load
 
 WIDTHS = (1, 2, 4, 8, 16, 32)
 VARIANTS = {  # label -> (NgramConfig, memory across requests)
@@ -139,8 +139,8 @@ def replay_constant(answers: list[tuple[list[int], list[int]]], budget: int,
         nonlocal failures, held, wide, second_part
         ids = draft.tokens.tolist()
         accepted, last_row = walk(ids, None if draft.parents is None else draft.parents.tolist(), rest[:-1])
-        if len(ids) + 1 >= lazy_rows.MIN_ROWS:
-            wide, second_part = wide + 1, second_part + (last_row >= lazy_rows.FIRST)
+        if len(ids) + 1 >= lazy_logits.MIN_ROWS:
+            wide, second_part = wide + 1, second_part + (last_row >= lazy_logits.FIRST)
         if accepted < len(ids) or not ids:
             failures += 1
             held += held_anywhere(drafter, (context + rest[:accepted])[-(config.max_n - 1) :], rest[accepted])
@@ -178,8 +178,8 @@ def main() -> None:
                                                           replay_constant(answers, budget, True))
         print(f"budget {budget:2d}: single path {path:.3f} tokens/forward, tree {tree:.3f} ({tree / path:.3f}x); "
               f"where a single path failed, the tables held the answer's token {held:.0%} of the time; "
-              f"rows past the first {lazy_rows.FIRST} read in {path_rest:.0%} (path) and {tree_rest:.0%} (tree) "
-              f"of the verifies of {lazy_rows.MIN_ROWS} rows or more")
+              f"rows past the first {lazy_logits.FIRST} read in {path_rest:.0%} (path) and {tree_rest:.0%} (tree) "
+              f"of the verifies of {lazy_logits.MIN_ROWS} rows or more")
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 """What splitting a verify costs when the rule reads every row after all: a staged verify
-(`lazy_rows`, the first 4 tokens, then the rest) against one whole forward of the same tokens,
+(`lazy_logits`, the first 4 tokens, then the rest) against one whole forward of the same tokens,
 on the loaded target after a 256-token context (medians of 15 calls in each of 3 rounds).
 
     python scripts/staged_verify_cost.py
@@ -10,7 +10,7 @@ from __future__ import annotations
 import statistics
 
 from verispec.bench.profile import median_time, timing_context
-from verispec.loading import load
+from verispec.target.loading import load
 
 
 def main() -> None:

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import helpers
-from verispec.model import Target
+from verispec.target.model import Target
 
 torch.set_num_threads(1)
 # The suite tests the CPU semantics wherever it runs: a GPU stays hidden (device "auto" means the

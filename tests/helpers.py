@@ -14,14 +14,14 @@ from typing import Callable, Sequence
 
 import torch
 
-from verispec.acceptance import verify_lossless
-from verispec.control import ConstantLength
-from verispec.drafters.base import Draft
-from verispec.engine import DecodeConfig, Recipe, decode
-from verispec.runtime.gguf_blocks import BlockWeights
-from verispec.model import Target
-from verispec.sampling import SamplingConfig, probabilities
-from verispec.stats import GenerationStats
+from verispec.core.acceptance import verify_lossless
+from verispec.core.control import ConstantLength
+from verispec.core.drafters.base import Draft
+from verispec.core.engine import DecodeConfig, Recipe, decode
+from verispec.gguf.blocks import BlockWeights
+from verispec.target.model import Target
+from verispec.core.sampling import SamplingConfig, probabilities
+from verispec.core.stats import GenerationStats
 
 ARCHITECTURES = ("llama", "gemma3", "qwen2", "gpt2")
 SLIDING_WINDOW = 8  # Gemma 3 and Qwen2 tiny models: far shorter than the test sequences

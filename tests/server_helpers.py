@@ -16,8 +16,8 @@ from typing import Callable, Sequence
 import uvicorn
 
 import helpers
-from verispec.model import Target
-from verispec.sequence import TargetSequence
+from verispec.target.model import Target
+from verispec.target.sequence import TargetSequence
 from verispec.server import ServerSettings, create_app
 
 # Prompts containing these strings trigger a hook during their prefill (see HookedTarget).

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import helpers
-from verispec.acceptance import (
+from verispec.core.acceptance import (
     Verdict,
     acceptance_mass,
     argmax,
@@ -22,8 +22,8 @@ from verispec.acceptance import (
     speculative_sample,
     verify_lossless,
 )
-from verispec.drafters.base import Draft
-from verispec.sampling import SamplingConfig, sample
+from verispec.core.drafters.base import Draft
+from verispec.core.sampling import SamplingConfig, sample
 
 
 def ids(*tokens: int) -> torch.Tensor:

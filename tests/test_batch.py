@@ -16,11 +16,11 @@ import torch
 
 import helpers
 from verispec.api import BatchTextStream, RequestDone, TextDelta, generate, generate_many, make_request, stream_many
-from verispec.batch import BatchEngine
-from verispec.batch_forward import LAST, Part
+from verispec.core.batch import BatchEngine
+from verispec.target.shared_forward import LAST, Part
 from verispec.errors import ConfigError, ModelLoadError
-from verispec.methods import MethodOptions
-from verispec.model import Target
+from verispec.core.methods import MethodOptions
+from verispec.target.model import Target
 from verispec.runtime.kv_pool import PoolExhausted, block_bytes
 from verispec.runtime.rows import BLOCK
 
@@ -84,7 +84,7 @@ def test_requests_of_a_model_drafted_method_run_beside_the_batch(tmp_path):
     """eesd drafts with the target's own first layers and a head: it runs unbatched, one
     decode step per batch step, on a sequence of its own, beside batched requests."""
     from test_eesd import identity_head
-    from verispec.drafters.early_exit import save_head
+    from verispec.core.drafters.early_exit import save_head
 
     target = int8_target("llama", seed=1)
     head = identity_head(target)
@@ -168,7 +168,7 @@ def test_under_load_model_drafts_are_sized_before_drafting_and_seeded_samples_ke
     length `control.model_draft_length` gives (here: none, as when the draft model's rows cost
     more than they save), decided before drafting; a seeded sampled job keeps its own lengths,
     so its output stays the one it gives alone."""
-    import verispec.batch as batch
+    import verispec.core.batch as batch
 
     target = int8_target("llama", seed=0)
     draft = int8_target("llama", seed=5, num_hidden_layers=1)
@@ -222,7 +222,7 @@ def test_a_draft_forward_that_fails_for_one_job_ends_that_job_only(monkeypatch):
 def test_a_draft_models_tokenizer_is_compared_once_per_pair(monkeypatch):
     """Each request builds its own draft LM; comparing a 150k-entry vocabulary took 0.4 s, so
     the comparison is made for the first request of a (draft, target) pair only."""
-    from verispec.methods import build
+    from verispec.core.methods import build
 
     target = int8_target("llama", seed=0)
     draft = int8_target("llama", seed=5, num_hidden_layers=1)
@@ -434,9 +434,9 @@ def test_log_probabilities_are_one_entry_per_output_token_alone_and_in_a_batch()
     accept step alone and in a batch share): one entry per output token, the same bits alone
     (`engine.decode`) and in a batch beside another request. Every draft is accepted (8 a step),
     and the stop token falls inside a step, so that the step's later tokens are dropped."""
-    from verispec.engine import DecodeConfig, Logprobs, decode
-    from verispec.methods import build
-    from verispec.stats import GenerationStats
+    from verispec.core.engine import DecodeConfig, Logprobs, decode
+    from verispec.core.methods import build
+    from verispec.core.stats import GenerationStats
 
     target = int8_target("llama")
     prompt = list(make_request(target, PROMPTS[2], "ar").prompt_ids)

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 import helpers
-from verispec.methods import MethodOptions, build
-from verispec.model import Target
+from verispec.core.methods import MethodOptions, build
+from verispec.target.model import Target
 
 CONTEXT = 70  # prompt length: the widths below reach positions past two chunks of 64 keys
 WIDTHS = (2, 3, 4, 5, 8, 13, 16, 31, 64)
@@ -105,7 +105,7 @@ def test_the_c_attention_does_not_depend_on_threads_for_one_token():
 
 
 def _tree(context: int, beams: int, depth: int):
-    from verispec.cache import Tree
+    from verispec.runtime.static_kv import Tree
 
     n = beams * depth
     positions = torch.tensor([context + step for _ in range(beams) for step in range(depth)])

@@ -12,7 +12,7 @@ import pytest
 from verispec.bench import datasets
 from verispec.bench.datasets import DatasetError, Question, read_questions, resolve_dataset, select
 from verispec.errors import VerispecError
-from verispec.text import PLAIN_TEMPLATE
+from verispec.request.text import PLAIN_TEMPLATE
 
 REQUIRED_BUILTIN = ("summarization", "rag", "code", "translation", "math", "chat")
 REPO = Path(__file__).resolve().parents[1]

@@ -1,7 +1,7 @@
 """`verispec bench` end to end through the CLI on a tiny random Llama with a character-level
 tokenizer saved to a temporary directory: every output file, the records, report.md, the JSON
 last line; resuming an interrupted run; refusing a resume with different settings; input errors
-before the model loads. Also `verispec.score.perplexity` against a token-by-token reference."""
+before the model loads. Also `verispec.target.score.perplexity` against a token-by-token reference."""
 
 from __future__ import annotations
 
@@ -252,8 +252,8 @@ def test_a_malformed_dataset_names_file_and_line(tmp_path):
 
 
 def test_perplexity_matches_a_token_by_token_reference(tiny_model):
-    from verispec.loading import load
-    from verispec.score import perplexity
+    from verispec.target.loading import load
+    from verispec.target.score import perplexity
 
     target = load(str(tiny_model), "float32")
     prompt, output = [5, 9, 14, 20], [30, 31, 7, 2]
@@ -291,7 +291,7 @@ def test_llamacpp_peer_without_the_package_says_how_to_build_it(monkeypatch):
 
 
 def test_method_variants_parse_to_options():
-    from verispec.methods import parse_variant
+    from verispec.core.methods import parse_variant
 
     assert parse_variant("eesd/head_int8=false") == ("eesd", None, {"head_int8": False})
     assert parse_variant("eesd/constant:4/head_int8=Yes") == ("eesd", "constant:4", {"head_int8": True})

@@ -31,14 +31,14 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from typer.testing import CliRunner
 
-from verispec.bench import serve, serve_report, servers as srv
+from verispec.bench import load_test, load_test_report, servers as srv
 from verispec.cli import app
 from verispec.errors import ConfigError
 
 HANG_GUARD_S = 120
 MODEL_ID = "fake-model"
-PROMPTS = [serve.Prompt("p0", "cat", "the first question"), serve.Prompt("p1", "cat", "a second, longer question here"),
-           serve.Prompt("p2", "dog", "and a third one")]
+PROMPTS = [load_test.Prompt("p0", "cat", "the first question"), load_test.Prompt("p1", "cat", "a second, longer question here"),
+           load_test.Prompt("p2", "dog", "and a third one")]
 
 
 # -- a fake OpenAI-compatible server ---------------------------------------------------------------
@@ -164,13 +164,13 @@ def fake():
         served.stop()
 
 
-def endpoint(url: str, watch: bool = False) -> serve.Endpoint:
-    return serve.Endpoint("fake", url, MODEL_ID, watch=srv.ProcessWatch(os.getpid()) if watch else None)
+def endpoint(url: str, watch: bool = False) -> load_test.Endpoint:
+    return load_test.Endpoint("fake", url, MODEL_ID, watch=srv.ProcessWatch(os.getpid()) if watch else None)
 
 
-def settings(**overrides) -> serve.ServeSettings:
+def settings(**overrides) -> load_test.ServeSettings:
     base = dict(endpoint="completions", max_tokens=8, concurrency=(1, 2), chat_conversations=0, prefix_repeats=0)
-    return serve.ServeSettings(**{**base, **overrides})
+    return load_test.ServeSettings(**{**base, **overrides})
 
 
 def by_phase(records, phase, level=None):
@@ -191,7 +191,7 @@ def test_records_counts_and_solo_comparison(fake):
     # p0's 4th answer changes: the warm-up, then twice at concurrency 1 (5 requests over 3 prompts), then
     # its first request at concurrency 2
     server, url = fake(mutate=(PROMPTS[0].text, 3))
-    records, phases = serve.measure(endpoint(url), settings(concurrency=(2, 4), requests=5), PROMPTS, [])
+    records, phases = load_test.measure(endpoint(url), settings(concurrency=(2, 4), requests=5), PROMPTS, [])
     assert [len(by_phase(records, "closed", c)) for c in (1, 2, 4)] == [5, 5, 5]  # level 1 runs though not asked
     assert len(by_phase(records, "warmup")) == 1
     assert [(p["phase"], p["level"]) for p in phases] == [("warmup", 1), ("closed", 1), ("closed", 2), ("closed", 4)]
@@ -206,7 +206,7 @@ def test_records_counts_and_solo_comparison(fake):
     changed = [r for r in records if r["solo_identical"] is False]
     assert len(changed) == 1 and changed[0]["phase"] == "closed" and changed[0]["level"] == 2
     assert changed[0]["key"] == "p0" and changed[0]["mixed"] is False
-    summary = serve_report.summarize(records, phases, {"fake": {}})
+    summary = load_test_report.summarize(records, phases, {"fake": {}})
     rows = {r["concurrency"]: r for r in summary["closed"]}
     assert (rows[1]["identical"], rows[2]["identical"], rows[4]["identical"]) == (5, 4, 5)
     assert all(r["compared"] == 5 and r["tokens"] == 40 and r["answered"] == 5 for r in rows.values())
@@ -214,12 +214,12 @@ def test_records_counts_and_solo_comparison(fake):
     assert rows[2]["tokens_per_s"] == pytest.approx(40 / phases[2]["wall_s"])
     assert rows[2]["tokens_per_chunk"] == 2.0
     assert rows[2]["itl_s"]["n"] == 5 * 3 and rows[2]["tpot_s"]["n"] == 5
-    assert "| fake | 2 | 5 |" in serve_report.render_markdown(summary, {}) and "| 4/5 |" in serve_report.render_markdown(summary, {})
+    assert "| fake | 2 | 5 |" in load_test_report.render_markdown(summary, {}) and "| 4/5 |" in load_test_report.render_markdown(summary, {})
 
 
 def test_open_loop_sends_every_request(fake):
     server, url = fake()
-    records, phases = serve.measure(endpoint(url), settings(concurrency=(1,), rates=(200.0, 50.0), requests=6,
+    records, phases = load_test.measure(endpoint(url), settings(concurrency=(1,), rates=(200.0, 50.0), requests=6,
                                                             arrivals="constant"), PROMPTS, [])
     for rate in (200.0, 50.0):
         sent = by_phase(records, "open", rate)
@@ -231,19 +231,19 @@ def test_open_loop_sends_every_request(fake):
 
 def test_token_counts_without_usage(fake):
     server, url = fake(usage=False)
-    records, _ = serve.measure(endpoint(url), settings(concurrency=(1,)), PROMPTS, [],
+    records, _ = load_test.measure(endpoint(url), settings(concurrency=(1,)), PROMPTS, [],
                                counter=lambda text: len(text.split()) * 10)
     assert {(r["tokens_source"], r["completion_tokens"]) for r in records} == {("tokenizer", 80)}
-    records, _ = serve.measure(endpoint(url), settings(concurrency=(1,)), PROMPTS, [])
+    records, _ = load_test.measure(endpoint(url), settings(concurrency=(1,)), PROMPTS, [])
     assert {(r["tokens_source"], r["completion_tokens"]) for r in records} == {("chunks", 4)}
 
 
 def test_chat_resends_the_history_and_prefix_changes_the_last_line(fake):
     server, url = fake()
-    conversations = serve.load_conversations(Path(serve.__file__).parent / "data" / "builtin.jsonl", PROMPTS, 2)
-    assert [c.turns for c in conversations] == [(p.text, *serve.SYNTHETIC_FOLLOW_UPS) for p in PROMPTS[:2]]
+    conversations = load_test.load_conversations(Path(load_test.__file__).parent / "data" / "builtin.jsonl", PROMPTS, 2)
+    assert [c.turns for c in conversations] == [(p.text, *load_test.SYNTHETIC_FOLLOW_UPS) for p in PROMPTS[:2]]
     run = settings(endpoint="chat", concurrency=(1,), chat_conversations=2, prefix_repeats=2, prefix_tokens=60)
-    records, _ = serve.measure(endpoint(url), run, PROMPTS, conversations)
+    records, _ = load_test.measure(endpoint(url), run, PROMPTS, conversations)
     chat = by_phase(records, "chat")
     assert [(r["index"], r["turn"]) for r in chat] == [(0, 1), (0, 2), (0, 3), (1, 1), (1, 2), (1, 3)]
     third = [b["messages"] for b in server.bodies if len(b.get("messages", [])) == 5]
@@ -257,9 +257,9 @@ def test_chat_resends_the_history_and_prefix_changes_the_last_line(fake):
     for cold, warm in (sent[:2], sent[2:]):
         document = cold.rsplit("\n\n", 1)[0]
         assert warm.startswith(document) and cold != warm
-        assert cold.rsplit("\n\n", 1)[1] == serve.PREFIX_QUESTIONS[0] and warm.rsplit("\n\n", 1)[1] == serve.PREFIX_QUESTIONS[1]
+        assert cold.rsplit("\n\n", 1)[1] == load_test.PREFIX_QUESTIONS[0] and warm.rsplit("\n\n", 1)[1] == load_test.PREFIX_QUESTIONS[1]
     assert sent[0].split("\n\n")[0] != sent[2].split("\n\n")[0]  # each repeat starts with a fresh marker
-    summary = serve_report.summarize(records, [], {"fake": {}})
+    summary = load_test_report.summarize(records, [], {"fake": {}})
     assert [r["turn"] for r in summary["chat"]] == [1, 2, 3] and summary["prefix"][0]["repeats"] == 2
 
 
@@ -270,10 +270,10 @@ def test_multiturn_conversations_from_a_question_file(tmp_path):
              {"question_id": 3, "category": "b", "turns": ["five", "six", "seven"]},
              {"question_id": 4, "category": "b", "turns": ["single"]}]
     path.write_text("\n".join(json.dumps(line) for line in lines))
-    chosen = serve.load_conversations(path, PROMPTS, 3)
+    chosen = load_test.load_conversations(path, PROMPTS, 3)
     assert [(c.key, c.turns) for c in chosen] == [("1", ("one", "two")), ("3", ("five", "six", "seven")),
                                                    ("2", ("three", "four"))]
-    assert serve.load_conversations(path, PROMPTS, 0) == []
+    assert load_test.load_conversations(path, PROMPTS, 0) == []
 
 
 @pytest.mark.long  # a few seconds of streams: left out by make test-quick
@@ -281,12 +281,12 @@ def test_soak_accounts_for_every_request(fake, monkeypatch):
     # Streams of 8 chunks, 40 ms apart, after 0.3 s: a cancellation after 1 to 4 chunks cuts a stream
     # with at least 4 chunks to go, one after 0.15 s cuts it before its first chunk; either way the
     # server is still streaming when the client leaves.
-    monkeypatch.setattr(serve, "CANCEL_AFTER_S", (0.15, 0.15))
-    monkeypatch.setattr(serve, "MEMORY_SAMPLE_S", 0.05)
-    monkeypatch.setattr(serve, "SETTLE_S", 0.1)
+    monkeypatch.setattr(load_test, "CANCEL_AFTER_S", (0.15, 0.15))
+    monkeypatch.setattr(load_test, "MEMORY_SAMPLE_S", 0.05)
+    monkeypatch.setattr(load_test, "SETTLE_S", 0.1)
     server, url = fake(chunk_words=1, delay=0.04, first_delay=0.3)
     run = settings(concurrency=(1,), soak_requests=24, soak_concurrency=12, cancel_fraction=0.5, seed=3)
-    records, phases = serve.measure(endpoint(url, watch=True), run, PROMPTS, [])
+    records, phases = load_test.measure(endpoint(url, watch=True), run, PROMPTS, [])
     soak = by_phase(records, "soak")
     assert len(soak) == 24 and sorted(r["index"] for r in soak) == list(range(24))
     statuses = collections.Counter(r["status"] for r in soak)
@@ -305,7 +305,7 @@ def test_soak_accounts_for_every_request(fake, monkeypatch):
     wait_until(lambda: sum(server.outcomes.values()) == total, "every stream ended on the server")
     assert server.outcomes["disconnected"] == statuses["cancelled"]
     assert server.outcomes["finished"] == total - statuses["cancelled"]
-    summary = serve_report.summarize(records, phases, {"fake": {}})
+    summary = load_test_report.summarize(records, phases, {"fake": {}})
     row = summary["soak"][0]
     assert (row["lost"], row["mixed"], row["cancelled"]) == (0, 0, statuses["cancelled"])
     assert row["rss_warm_mib"] and row["rss_end_mib"] and row["rss_peak_mib"]
@@ -317,20 +317,20 @@ def test_soak_accounts_for_every_request(fake, monkeypatch):
 def test_a_broken_stream_is_lost(fake):
     server, url = fake(drop=(PROMPTS[1].text, 2))  # p1's 3rd answer: its solo, then the soak's first and second p1
     run = settings(concurrency=(1,), soak_requests=6, soak_concurrency=2, cancel_fraction=0)
-    records, phases = serve.measure(endpoint(url), run, PROMPTS, [])
+    records, phases = load_test.measure(endpoint(url), run, PROMPTS, [])
     broken = [r for r in records if r["status"] != "ok"]
     assert len(broken) == 1 and broken[0]["phase"] == "soak" and broken[0]["key"] == "p1"
     assert broken[0]["status"] in ("error", "incomplete") and broken[0]["chunks"] <= 1
-    row = serve_report.summarize(records, phases, {"fake": {}})["soak"][0]
+    row = load_test_report.summarize(records, phases, {"fake": {}})["soak"][0]
     assert row["lost"] == 1 and row["answered"] == 5 and row["memory_within_tolerance"] is None  # no process watched
 
 
 def test_mixed_outputs_are_those_closer_to_another_prompt():
-    measurement = serve.Measurement(serve.Endpoint("x", "http://unused", MODEL_ID), settings(), PROMPTS, [])
+    measurement = load_test.Measurement(load_test.Endpoint("x", "http://unused", MODEL_ID), settings(), PROMPTS, [])
     measurement.solo = {"p0": "alpha beta gamma delta", "p1": "one two three four"}
 
     def record(key, text, status="ok"):
-        r = serve._record(measurement.endpoint, "closed", 2, 0, key, False)
+        r = load_test._record(measurement.endpoint, "closed", 2, 0, key, False)
         r.update(text=text, status=status)
         return r
 
@@ -355,10 +355,10 @@ def test_verispec_app_outputs_match_the_library():
     reference = sh.text_target(tokenizer, cls=sh.Target)
     server = sh.RunningServer(sh.text_target(tokenizer), ServerSettings(model_id="tiny", max_queue=64,
                                                                         request_timeout=HANG_GUARD_S, max_tokens_limit=64))
-    prompts = [serve.Prompt("a", "x", "hello world"), serve.Prompt("b", "x", "abc abc abc"), serve.Prompt("c", "y", "the cat")]
+    prompts = [load_test.Prompt("a", "x", "hello world"), load_test.Prompt("b", "x", "abc abc abc"), load_test.Prompt("c", "y", "the cat")]
     try:
         run = settings(max_tokens=12, concurrency=(1, 3), requests=4, soak_requests=6, soak_concurrency=3, cancel_fraction=0.5)
-        records, phases = serve.measure(serve.Endpoint("verispec", server.url, "tiny", watch=srv.ProcessWatch(os.getpid())),
+        records, phases = load_test.measure(load_test.Endpoint("verispec", server.url, "tiny", watch=srv.ProcessWatch(os.getpid())),
                                         run, prompts, [])
     finally:
         server.stop()
@@ -370,7 +370,7 @@ def test_verispec_app_outputs_match_the_library():
         assert record["completion_tokens"] == 12 and record["tokens_source"] == "usage"
         assert record["prompt_tokens"] == len(next(p.text for p in prompts if p.key == record["key"]))
     assert all(r["solo_identical"] for r in records if r["phase"] != "warmup")
-    summary = serve_report.summarize(records, phases, {"verispec": {}})
+    summary = load_test_report.summarize(records, phases, {"verispec": {}})
     assert [(r["concurrency"], r["identical"], r["compared"]) for r in summary["closed"]] == [(1, 4, 4), (3, 4, 4)]
     assert summary["soak"][0]["lost"] == 0
 
@@ -381,8 +381,8 @@ def test_verispec_app_outputs_match_the_library():
 @pytest.mark.long  # a few seconds of streams: left out by make test-quick
 def test_cli_end_to_end(fake, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(serve, "MEMORY_SAMPLE_S", 0.05)
-    monkeypatch.setattr(serve, "SETTLE_S", 0.1)
+    monkeypatch.setattr(load_test, "MEMORY_SAMPLE_S", 0.05)
+    monkeypatch.setattr(load_test, "SETTLE_S", 0.1)
     server, url = fake()
     out = tmp_path / "run"
     args = ["bench-serve", "--server", f"my-fake={url} --pid {os.getpid()}", "--dataset", "builtin", "--prompts", "2",
@@ -393,8 +393,8 @@ def test_cli_end_to_end(fake, tmp_path, monkeypatch):
     assert result.exit_code == 0, result.output
     compact = json.loads(result.stdout.strip().splitlines()[-1])
     assert set(compact["closed"]) == {"my-fake@1", "my-fake@2"} and compact["failed"] == []
-    for name in ("records.jsonl", "phases.jsonl", "summary.json", "report.md", serve_report.THROUGHPUT_PLOT,
-                 serve_report.LATENCY_PLOT):
+    for name in ("records.jsonl", "phases.jsonl", "summary.json", "report.md", load_test_report.THROUGHPUT_PLOT,
+                 load_test_report.LATENCY_PLOT):
         assert (out / name).stat().st_size > 0, name
     summary = json.loads((out / "summary.json").read_text())
     assert summary["config"]["machine"]["cpu"] and "instruction_sets" in summary["config"]["machine"]
@@ -446,7 +446,7 @@ def test_cli_refuses_bad_arguments_in_one_line(args, message, tmp_path, monkeypa
     def refuse(*a, **k):
         raise AssertionError("bench-serve started measuring before checking its arguments")
 
-    monkeypatch.setattr(serve, "run_servers", refuse)
+    monkeypatch.setattr(load_test, "run_servers", refuse)
     helpers.assert_cli_refuses_before_loading(monkeypatch, tmp_path, ["bench-serve", *args], message)
     assert not (tmp_path / "bench-out").exists()
 
@@ -466,7 +466,7 @@ def test_llama_server_from_the_native_build_alone_is_accepted(tmp_path, monkeypa
     def started(*a, **k):
         raise Started
 
-    monkeypatch.setattr(serve, "run_servers", started)
+    monkeypatch.setattr(load_test, "run_servers", started)
     result = CliRunner().invoke(app, ["bench-serve", "--server", "llama-server:8", "--out", str(tmp_path / "r")])
     assert isinstance(result.exception, Started), result.output
 
@@ -586,7 +586,7 @@ def test_plain_chat_template_is_verispecs_chat_format():
     (`encode_messages`' fallback), after the BOS its tokenizer adds."""
     import jinja2
 
-    from verispec.text import encode_messages
+    from verispec.request.text import encode_messages
 
     class Recording:
         chat_template = None

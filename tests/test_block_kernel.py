@@ -1,4 +1,4 @@
-"""The int8 block form of GGUF weights (`gguf_blocks`) and its kernel (`blockmm`).
+"""The int8 block form of GGUF weights (`gguf.blocks`) and its kernel (`blockmm`).
 
 The block form must rebuild the float32 weights bit for bit (checked against gguf-py's own
 dequantizers on random blocks of every supported type), the kernel must equal a float64
@@ -15,9 +15,9 @@ import torch
 
 import helpers
 from verispec.runtime import blockmm
-from verispec.runtime.gguf_blocks import BlockWeights, _module_for, block_scales, exact_blocks, quantize_blocks
-from verispec.methods import build
-from verispec.model import Target
+from verispec.gguf.blocks import BlockWeights, _module_for, block_scales, exact_blocks, quantize_blocks
+from verispec.core.methods import build
+from verispec.target.model import Target
 
 BYTES_PER_BLOCK = {"Q8_0": (34, 32), "Q5_0": (22, 32), "Q4_K": (144, 256), "Q6_K": (210, 256)}
 FP16_FIELDS = {"Q8_0": [(0, 2)], "Q5_0": [(0, 2)], "Q4_K": [(0, 2), (2, 4)], "Q6_K": [(208, 210)]}
@@ -229,7 +229,7 @@ def test_quantize_blocks_approximates_within_half_a_step():
 def test_auto_dtype_prefers_float32_for_a_block_kernel_model(monkeypatch, tmp_path):
     """'auto' is float32 for a model the block kernel runs, whatever the CPU; for any other model
     it is bfloat16 only where the CPU has native bf16 units."""
-    from verispec import loading as model_module
+    from verispec.target import loading as model_module
     from verispec.errors import ModelLoadError
 
     for native in (True, False):

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import helpers
-from verispec.cache import cache_length, crop_to, new_cache
-from verispec.model import Target
+from verispec.target.hf_cache import cache_length, crop_to, new_cache
+from verispec.target.model import Target
 
 ATOL = 1e-5  # float32; logits here are O(1)
 
@@ -134,7 +134,7 @@ def test_targets_use_the_chunked_head_when_it_is_exact(tiny_targets):
 
 
 def test_static_kv_grows_and_keeps_contents():
-    from verispec.cache import StaticKV
+    from verispec.runtime.static_kv import StaticKV
 
     cache = StaticKV(layers=2, kv_heads=1, head_dim=4, dtype=torch.float32, capacity=4)
     keys = torch.arange(24, dtype=torch.float32).view(1, 6, 4)

@@ -115,7 +115,7 @@ def test_the_command_alone_prints_the_help(no_model_loading):
 def test_generate_takes_a_method_with_settings(monkeypatch):
     """`generate -m anpd/constant:8/tree=8` runs anpd with those settings (and the flags' own)."""
     import verispec.api
-    from verispec.methods import MethodOptions
+    from verispec.core.methods import MethodOptions
 
     requested = {}
 
@@ -131,7 +131,7 @@ def test_generate_takes_a_method_with_settings(monkeypatch):
 
 
 def test_served_methods_take_settings_within_bounds():
-    from verispec.methods import MethodOptions
+    from verispec.core.methods import MethodOptions
     from verispec.server.app import MAX_DRAFT_LENGTH, served_method
 
     assert served_method("anpd") == ("anpd", MethodOptions())
@@ -139,7 +139,7 @@ def test_served_methods_take_settings_within_bounds():
     assert served_method(f"pld/constant:{MAX_DRAFT_LENGTH}") == ("pld", MethodOptions(controller=f"constant:{MAX_DRAFT_LENGTH}"))
     assert served_method("mtad/tau=0.1/beams=16") == ("mtad", MethodOptions(tau=0.1, beams=16))
     # a method's own draft length counts too: none of the registered ones is above the bound
-    from verispec.methods import METHODS
+    from verispec.core.methods import METHODS
     assert all(served_method(name)[0] == name for name in METHODS)
 
 
@@ -267,7 +267,7 @@ def test_options_the_method_would_ignore_are_refused(no_model_loading, tmp_path,
 )
 def test_options_the_method_uses_are_passed_on(stop_at_model_loading, tmp_path, monkeypatch, args, given):
     """Only the options given reach MethodOptions, so its own defaults (beams 4, tau 0.5) apply."""
-    import verispec.methods as methods
+    import verispec.core.methods as methods
 
     monkeypatch.chdir(tmp_path)
     received = []

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from verispec.bench import code_eval, datasets, metrics, report, runner
+from verispec.bench import aggregate, code_eval, datasets, report, runner
 from verispec.bench.code_eval import CheckResult, check_completion, extract_code, run_tests
 from verispec.bench.datasets import DatasetError, read_questions
 
@@ -201,31 +201,31 @@ def record(qid, method, passed, *, repeat=0, category="coding") -> dict:
 def test_pass_at_1_is_passed_over_prompts_per_method_and_category():
     records = [record(1, "ar", True), record(2, "ar", False), record(3, "ar", True, category="other"),
                record(1, "pld", True), record(2, "pld", True), record(3, "pld", False, category="other")]
-    summary = metrics.summarize(records, ["ar", "pld"])
+    summary = aggregate.summarize(records, ["ar", "pld"])
     assert summary["overall"]["ar"]["pass_at_1"] == pytest.approx(2 / 3)
     assert summary["overall"]["pld"]["pass_at_1"] == pytest.approx(2 / 3)
     assert summary["categories"]["coding"]["ar"]["pass_at_1"] == 0.5
     assert summary["categories"]["coding"]["pld"]["pass_at_1"] == 1.0
     assert {(p["question_id"], p["method"]): p["passed"] for p in summary["prompts"]}[(2, "ar")] == 0.0
-    assert metrics.compact(summary)["methods"]["ar"]["pass_at_1"] == 0.6667
+    assert aggregate.compact(summary)["methods"]["ar"]["pass_at_1"] == 0.6667
 
 
 def test_with_repeats_a_prompt_counts_the_share_of_repeats_that_passed():
     records = [record(1, "ar", True, repeat=0), record(1, "ar", False, repeat=1),
                record(2, "ar", True, repeat=0), record(2, "ar", True, repeat=1)]
-    assert metrics.summarize(records, ["ar"])["overall"]["ar"]["pass_at_1"] == pytest.approx(0.75)
+    assert aggregate.summarize(records, ["ar"])["overall"]["ar"]["pass_at_1"] == pytest.approx(0.75)
 
 
 def test_without_tests_there_is_no_pass_at_1_anywhere():
-    summary = metrics.summarize([record(1, "ar", None), record(1, "pld", None)], ["ar", "pld"])
+    summary = aggregate.summarize([record(1, "ar", None), record(1, "pld", None)], ["ar", "pld"])
     assert summary["overall"]["ar"]["pass_at_1"] is None
-    assert "pass_at_1" not in metrics.compact(summary)["methods"]["ar"]
+    assert "pass_at_1" not in aggregate.compact(summary)["methods"]["ar"]
     assert "pass@1" not in report.markdown_table(summary["overall"])
     assert "pass@1" not in [column.header for column in report.terminal_table(summary).columns]
 
 
 def test_reports_show_pass_at_1_beside_the_other_columns():
-    summary = metrics.summarize([record(1, "ar", True), record(1, "pld", False)], ["ar", "pld"])
+    summary = aggregate.summarize([record(1, "ar", True), record(1, "pld", False)], ["ar", "pld"])
     table = report.markdown_table(summary["overall"]).splitlines()
     headers = [cell.strip() for cell in table[0].strip("|").split("|")]
     assert headers.index("pass@1") == headers.index("exact match") + 1
@@ -255,7 +255,7 @@ def test_the_runner_checks_each_answer_of_the_shipped_set(tmp_path, text_target)
     for item in records:  # a tiny random model writes no working function
         assert tuple(item) == runner.RECORD_FIELDS + runner.CODE_CHECK_FIELDS
         assert item["passed"] is False and item["check"].split(":")[0] in code_eval.STATUSES
-    summary = metrics.summarize(records, ["ar", "pld"])
+    summary = aggregate.summarize(records, ["ar", "pld"])
     assert {name: s["pass_at_1"] for name, s in summary["overall"].items()} == {"ar": 0.0, "pld": 0.0}
 
 
@@ -292,7 +292,7 @@ def test_end_to_end_pass_at_1_per_method(tmp_path, text_target, monkeypatch):
     assert by[("t-1", "pld")]["passed"] is True
     assert by[("t-1", "ar")]["passed"] is True and by[("t-2", "pld")]["passed"] is False
     assert by[("t-2", "pld")]["check"] == "assertion failed: assert mul(2, 3) == 6"
-    summary = metrics.summarize(saved, settings.names, settings.greedy)
+    summary = aggregate.summarize(saved, settings.names, settings.greedy)
     assert summary["overall"]["ar"]["pass_at_1"] == 1.0 and summary["overall"]["pld"]["pass_at_1"] == 0.5
     report.write_summary(out, summary)
     written = json.loads((out / report.SUMMARY_FILE).read_text())

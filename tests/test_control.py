@@ -16,15 +16,15 @@ import numpy as np
 import pytest
 
 import helpers
-from verispec.control import (
+from verispec.core.control import (
     model_draft_length,
     BetaThompson, CalibratedThompson, ConstantLength, ControllerMemory, CostModel, ExpectedThroughput, Heuristic,
     agreement_runs, best_draft_length, break_even_thresholds, constant_trace_cost, oracle_trace_cost,
     parse_controller, threshold_trace_cost,
 )
 from verispec.errors import ConfigError
-from verispec.methods import CONTROLLER_MEMORIES, MethodOptions, build
-from verispec.sampling import SamplingConfig
+from verispec.core.methods import CONTROLLER_MEMORIES, MethodOptions, build
+from verispec.core.sampling import SamplingConfig
 
 DRAFT_COST = 0.15
 SLOPE = 0.1
@@ -346,7 +346,7 @@ def test_allocate_drafts_is_the_best_cut_of_every_draft_together():
     """Against brute force over every combination of prefix lengths, on random small cases."""
     import itertools
 
-    from verispec.control import allocate_drafts
+    from verispec.core.control import allocate_drafts
 
     rng = np.random.default_rng(0)
     for _ in range(200):
@@ -361,7 +361,7 @@ def test_allocate_drafts_is_the_best_cut_of_every_draft_together():
 
 
 def test_drafts_shrink_as_the_batch_fills():
-    from verispec.control import allocate_drafts
+    from verispec.core.control import allocate_drafts
 
     costs, draft = (0.015, 0.0015), (0.9, 0.85, 0.8, 0.7, 0.5, 0.3)
     alone = allocate_drafts([draft], costs)[0]
@@ -372,7 +372,7 @@ def test_drafts_shrink_as_the_batch_fills():
 
 
 def test_row_costs_fit_a_line_and_fall_back_on_the_prior_slope():
-    from verispec.control import RowCosts
+    from verispec.core.control import RowCosts
 
     costs = RowCosts(prior_slope=0.1)
     assert costs.fit() is None

@@ -10,7 +10,7 @@ import pytest
 
 import helpers
 from verispec.errors import ConfigError
-from verispec.text import PLAIN_TEMPLATE
+from verispec.request.text import PLAIN_TEMPLATE
 from verispec.train.corpus import PROMPTS_PATH, PromptRecord, generate_corpus, read_corpus, read_prompts
 
 

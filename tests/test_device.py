@@ -36,19 +36,19 @@ from typer.testing import CliRunner
 
 import helpers
 import verispec
-import verispec.device as device_module
-from verispec.acceptance import verify_joint, verify_lossless
+import verispec.target.device as device_module
+from verispec.core.acceptance import verify_joint, verify_lossless
 from verispec.cli import app
-from verispec.control import parse_controller
-from verispec.device import CompiledStep, check_device, resolve_device
-from verispec.drafters.early_exit import EarlyExitDrafter, ExitHead, save_head
-from verispec.drafters.model import AuxLM, BeamDrafter, SampledDrafter
-from verispec.engine import Recipe
+from verispec.core.control import parse_controller
+from verispec.target.device import CompiledStep, check_device, resolve_device
+from verispec.core.drafters.early_exit import EarlyExitDrafter, ExitHead, save_head
+from verispec.core.drafters.draft_model import AuxLM, BeamDrafter, SampledDrafter
+from verispec.core.engine import Recipe
 from verispec.errors import ConfigError
-from verispec.methods import MethodOptions, build
-from verispec.model import Target
-from verispec.loading import load, resolve_dtype
-from verispec.sampling import SamplingConfig
+from verispec.core.methods import MethodOptions, build
+from verispec.target.model import Target
+from verispec.target.loading import load, resolve_dtype
+from verispec.core.sampling import SamplingConfig
 
 TEST_DEVICE = os.environ.get("VERISPEC_TEST_DEVICE", "cpu")
 NEW_TOKENS = 32
@@ -456,7 +456,7 @@ def test_a_static_caches_length_is_set_outside_inference_mode():
     """The compiled step's StaticCache is filled under inference mode (its forward's), where its
     length tensors are made (on a GPU: moved to the device there); a later crop from plain code
     (a reset between requests) must still set them."""
-    from verispec.cache import new_static_cache, set_static_length
+    from verispec.target.hf_cache import new_static_cache, set_static_length
 
     model = helpers.make_model(helpers.make_config("llama"))
     with torch.inference_mode():

@@ -19,16 +19,16 @@ import pytest
 import torch
 
 import helpers
-from verispec.acceptance import verify_lossless
-from verispec.control import parse_controller
-from verispec.drafters.early_exit import (
+from verispec.core.acceptance import verify_lossless
+from verispec.core.control import parse_controller
+from verispec.core.drafters.early_exit import (
     EarlyExitDrafter, ExitHead, load_head, save_head, target_fingerprint,
 )
-from verispec.engine import Recipe
+from verispec.core.engine import Recipe
 from verispec.errors import ConfigError, ModelLoadError
-from verispec.methods import MethodOptions, build
-from verispec.model import Target
-from verispec.sampling import SamplingConfig
+from verispec.core.methods import MethodOptions, build
+from verispec.target.model import Target
+from verispec.core.sampling import SamplingConfig
 
 ALPHA = 1e-4
 NEW_TOKENS = 40
@@ -281,7 +281,7 @@ class SkippingController:
 def test_skipped_draft_steps_are_caught_up(arch, tmp_path):
     """EESD and sps with a draft model stay lossless when the controller skips drafting on some
     steps (the draft model then catches up from the target's captured states / its own cache)."""
-    from verispec.drafters.model import AuxLM, SampledDrafter
+    from verispec.core.drafters.draft_model import AuxLM, SampledDrafter
 
     target = helpers.make_target(arch, seed=1, init=0.3)
     prompt = helpers.repetitive_prompt(target.vocab_size, 0, period=5, repeats=4)
@@ -304,7 +304,7 @@ def test_head_layer_on_int8_forms_runs_in_c_and_stays_lossless(arch):
     call; greedy eesd still equals ar with drafts partly accepted, the N = L identity head is
     still fully accepted (zeroed projections quantize to zeros), and `head_int8=False` keeps the
     float32 layer."""
-    from verispec.drafters.early_exit import PreparedHead
+    from verispec.core.drafters.early_exit import PreparedHead
     from verispec.runtime.fastpath import BlockLinear
 
     target = helpers.make_target_for_path(f"{arch}-blocks", seed=1, init=0.3)
@@ -331,8 +331,8 @@ def test_head_layer_on_int8_forms_runs_in_c_and_stays_lossless(arch):
 def test_int8_head_drafts_match_the_float_head_closely():
     """The int8 head approximates the float32 head: same logits to a small relative error on a
     real context, computed by the C layer and by the PyTorch layer on the same int8 forms alike."""
-    from verispec.drafters.early_exit import ExitHeadLM, PreparedHead
-    from verispec.cache import Tree
+    from verispec.core.drafters.early_exit import ExitHeadLM, PreparedHead
+    from verispec.runtime.static_kv import Tree
 
     target = helpers.make_target_for_path("gemma3-blocks", seed=2)
     head = ExitHead(target.model, 1, list(range(target.vocab_size)))

@@ -3,7 +3,7 @@
 For each architecture (Llama, Gemma 3 with a sliding window of 8, Qwen2 with a sliding layer,
 GPT-2), in float32:
 - the engine's `ar` output equals transformers' `generate(do_sample=False)`;
-- `pld` and `anpd` (built by `verispec.methods.build`) equal `ar`, and their drafts are actually
+- `pld` and `anpd` (built by `verispec.core.methods.build`) equal `ar`, and their drafts are actually
   accepted sometimes (asserted via GenerationStats, so the test cannot pass vacuously);
 - a scripted drafter forcing all-accepted, none-accepted, partly-accepted and random outcomes
   equals `ar`, and the engine accepts exactly as many drafts as the script says it must.
@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import helpers
-from verispec.methods import MethodOptions, build
+from verispec.core.methods import MethodOptions, build
 
 NEW_TOKENS = 40
 PROMPT_SEEDS = (0, 1)

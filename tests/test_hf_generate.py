@@ -27,7 +27,7 @@ import torch
 
 import helpers
 import verispec
-from verispec.drafters.early_exit import ExitHead, save_head
+from verispec.core.drafters.early_exit import ExitHead, save_head
 from verispec.errors import ConfigError, ModelLoadError
 from verispec.hf_generate import target_for
 

@@ -20,7 +20,7 @@ import torch
 
 import helpers
 from verispec.runtime import blockmm
-from verispec.runtime.gguf_blocks import BlockWeights, PackedBlocks
+from verispec.gguf.blocks import BlockWeights, PackedBlocks
 
 F32 = np.float32
 
@@ -323,7 +323,7 @@ def test_c_layers_multiply_unsigned_codes_as_the_kernel_does(arch):
     rounding in most rows; a rounding difference before a quantization may move an activation
     code by one step, so a few rows differ by up to about 1% (a code_bias lost or off by one on
     the way to the kernel moves every row by about the logits' size)."""
-    from verispec.model import Target
+    from verispec.target.model import Target
 
     model = helpers.make_model(helpers.make_config(arch), seed=4)
     formats = {"down_proj": (-32, 31, 16), "lm_head": (-127, 127, 32)}  # others Q5_0-like, o_proj Q4_K-like
@@ -395,7 +395,7 @@ def test_forced_variant_the_cpu_cannot_run_is_refused_with_a_message(fresh_kerne
 
 
 def test_a_broken_compiler_gives_a_reason_and_the_fast_path_keeps_float32(fresh_kernel_state, capsys, tmp_path):
-    from verispec import loading as model_module
+    from verispec.target import loading as model_module
 
     fresh_kernel_state.setenv("CC", str(tmp_path / "no-such-cc"))
     fresh_kernel_state.setenv("XDG_CACHE_HOME", str(tmp_path))  # nothing cached: it must compile
@@ -409,7 +409,7 @@ def test_a_broken_compiler_gives_a_reason_and_the_fast_path_keeps_float32(fresh_
 def test_fp32_numerics_on_a_portable_build_keep_pytorch_linears(fresh_kernel_state, capsys, tmp_path):
     """Float32 activations on the portable scalar loop would be slower than PyTorch's float32
     linears: the blocks are not used, with a message."""
-    from verispec import loading as model_module
+    from verispec.target import loading as model_module
 
     fresh_kernel_state.setenv(blockmm.ISA_ENV, "portable")
     model = helpers.make_model(helpers.make_config("llama"), seed=2)

@@ -18,14 +18,14 @@ import torch
 import helpers
 import server_helpers as sh
 from verispec.api import BatchTextStream, RequestDone, generate, generate_many, make_request
-from verispec.batch import BatchEngine
-from verispec.engine import DecodeConfig
-from verispec.methods import MethodOptions, build
-from verispec.model import Target
+from verispec.core.batch import BatchEngine
+from verispec.core.engine import DecodeConfig
+from verispec.core.methods import MethodOptions, build
+from verispec.target.model import Target
 from verispec.runtime.kv_pool import PoolExhausted, block_bytes
 from verispec.runtime.rows import BLOCK
-from verispec.server.worker import Failed, Finished, Job, Worker
-from verispec.stats import GenerationStats
+from verispec.server.worker import Failed, Finished, Ticket, Worker
+from verispec.core.stats import GenerationStats
 
 TOKENIZER = helpers.char_tokenizer(eos=False)  # no EOS: every request runs its whole budget
 
@@ -113,7 +113,7 @@ def _draft_options(method: str, reference: Target, folder) -> MethodOptions:
     """A draft model for sps and mtad (a second tiny model with the same tokenizer, saved), or an
     exit head for eesd (an untrained one on layer 1)."""
     if method == "eesd":
-        from verispec.drafters.early_exit import ExitHead, save_head
+        from verispec.core.drafters.early_exit import ExitHead, save_head
 
         head = ExitHead(reference.model, 1, list(range(reference.vocab_size)))
         save_head(head, head.spec(reference.model, reference.name), folder / "head", dtype=torch.float32)
@@ -150,7 +150,7 @@ def test_a_step_that_raises_leaves_nothing_behind_in_the_worker(where):
 
     def submit(prompt: str, method: str, key: str) -> None:
         request = make_request(target, prompt, method, max_new_tokens=60)
-        worker.submit(Job(request, notify=lambda event: events.setdefault(key, []).append(event)))
+        worker.submit(Ticket(request, notify=lambda event: events.setdefault(key, []).append(event)))
 
     def ended(key: str):
         sh.wait_until(lambda: any(isinstance(e, (Failed, Finished)) for e in events.get(key, [])))

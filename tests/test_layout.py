@@ -1,6 +1,7 @@
 """The package's module graph, read from the source: no import cycles (top-level, deferred and
-type-checking imports alike), the algorithmic core free of the native runtime, and no module
-reading another's private names."""
+type-checking imports alike), the layers by folder (no import from a lower layer to a higher
+one), the algorithmic core's pure parts free of the native runtime, one module name per concept,
+and no module reading another's private names."""
 
 from __future__ import annotations
 
@@ -8,7 +9,20 @@ import ast
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "verispec"
-CORE = ("engine", "acceptance", "sampling", "control", "stats", "drafters.base", "drafters.ngram")
+# The core's pure parts: the loop, the rules, sampling, control, statistics, n-gram drafting.
+CORE = ("core.engine", "core.acceptance", "core.sampling", "core.control", "core.stats", "core.drafters.base",
+        "core.drafters.ngram")
+# The layers, lowest first, by the first part of a module's name (docs/architecture.md): a module
+# may import its own layer and the layers below it, never one above. "" is the package itself.
+LAYERS = (
+    ("foundation", {"errors", "paths", "notices"}),
+    ("gguf", {"gguf"}),
+    ("runtime", {"runtime"}),
+    ("target", {"target"}),
+    ("core", {"core"}),
+    ("request", {"request"}),
+    ("shells", {"", "api", "cli", "hf_generate", "server", "bench", "train", "integrations", "data"}),
+)
 
 
 def module_name(path: Path) -> str:
@@ -63,8 +77,8 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_imports_for_type_checkers_are_edges_too(tmp_path):
     source = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .model import Target\n"
-    path = PACKAGE / "engine.py"
-    assert "model" in GRAPH["engine"] or "TYPE_CHECKING" not in path.read_text()
+    path = PACKAGE / "core" / "engine.py"
+    assert "target.model" in GRAPH["core.engine"] or "TYPE_CHECKING" not in path.read_text()
     names = {node.module for node in ast.walk(ast.parse(source)) if isinstance(node, ast.ImportFrom)}
     assert names == {"typing", "model"}
 
@@ -75,8 +89,42 @@ def test_the_cycle_finder_finds_cycles():
 
 
 def test_no_import_cycles_in_the_package():
-    assert len(GRAPH) > 30 and GRAPH["engine"]  # the graph was read
+    assert len(GRAPH) > 30 and GRAPH["core.engine"]  # the graph was read
     assert cycles(GRAPH) == []
+
+
+def layer_of(module: str) -> int:
+    top = module.split(".")[0]
+    found = [rank for rank, (_, tops) in enumerate(LAYERS) if top in tops]
+    assert found, f"{module} is in no layer: add its folder to LAYERS (and to docs/architecture.md)"
+    return found[0]
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    """'a -> b' for every import of a module of a higher layer."""
+    return sorted(f"{a} -> {b}" for a, targets in graph.items() for b in targets if layer_of(b) > layer_of(a))
+
+
+def test_every_module_is_in_a_layer_and_imports_only_its_own_or_lower_layers():
+    assert upward_imports(GRAPH) == []
+
+
+def test_the_layer_check_finds_an_upward_import():
+    assert upward_imports({"runtime.rows": {"core.engine"}, "core.engine": {"runtime.rows"}}) == [
+        "runtime.rows -> core.engine"]
+
+
+def test_one_module_name_per_concept():
+    """No two modules share a name (two `model.py`, two `metrics.py`), and no two classes in
+    different modules do either (two `Target`s)."""
+    names = [path.stem for path in PACKAGE.rglob("*.py") if path.stem != "__init__"]
+    assert sorted({n for n in names if names.count(n) > 1}) == []
+    classes: dict[str, list[str]] = {}
+    for name, path in MODULES.items():
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.ClassDef) and not node.name.startswith("_"):  # a private class is its module's
+                classes.setdefault(node.name, []).append(name)
+    assert {c: where for c, where in classes.items() if len(where) > 1} == {}
 
 
 def test_the_algorithmic_core_does_not_import_the_runtime():

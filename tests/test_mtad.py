@@ -15,14 +15,14 @@ import pytest
 import torch
 
 import helpers
-from verispec.acceptance import joint_likelihood
-from verispec.bench.metrics import repeated_ngrams
-from verispec.drafters.model import AuxLM, BeamDrafter, OutputNgrams, beam_step, check_same_tokenizer, tree_for_beams
+from verispec.core.acceptance import joint_likelihood
+from verispec.bench.aggregate import repeated_ngrams
+from verispec.core.drafters.draft_model import AuxLM, BeamDrafter, OutputNgrams, beam_step, check_same_tokenizer, tree_for_beams
 from verispec.errors import ConfigError
-from verispec.cache import Tree
-from verispec.methods import MethodOptions, build, parse_variant
-from verispec.model import Target
-from verispec.sampling import SamplingConfig
+from verispec.runtime.static_kv import Tree
+from verispec.core.methods import MethodOptions, build, parse_variant
+from verispec.target.model import Target
+from verispec.core.sampling import SamplingConfig
 
 ALPHA = 1e-4
 PROMPT = [1, 2, 3, 1, 2, 3, 1, 2]
@@ -210,10 +210,10 @@ class CheckedAuxLM(AuxLM):
 def test_draft_model_cache_is_consistent_after_every_step(micro, beams):
     draft = Target(helpers.make_model(helpers.micro_llama_config(8, init=0.3), seed=5), None, "draft")
     sampling = SamplingConfig(temperature=1.0, seed=3)
-    from verispec.acceptance import verify_joint, verify_lossless
-    from verispec.control import ConstantLength
-    from verispec.drafters.model import SampledDrafter
-    from verispec.engine import Recipe
+    from verispec.core.acceptance import verify_joint, verify_lossless
+    from verispec.core.control import ConstantLength
+    from verispec.core.drafters.draft_model import SampledDrafter
+    from verispec.core.engine import Recipe
 
     CheckedAuxLM.checks = 0
     for seed in range(5):

@@ -215,7 +215,7 @@ def test_wide_heads_and_large_groups_match(threads):
     at a time, then two): shapes the tiny architectures (head dimension 16, groups of 2) never
     reach, against the PyTorch layer, for a prompt, one-token steps and chunks."""
     from helpers import blockify, make_config, make_model
-    from verispec.model import Target
+    from verispec.target.model import Target
 
     config = make_config("llama", num_attention_heads=6, num_key_value_heads=1, head_dim=80)
     model = make_model(config, seed=7)

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from verispec.drafters.ngram import (AnpdDrafter, NgramConfig, NgramTables, PromptLookupDrafter, prompt_lookup,
+from verispec.core.drafters.ngram import (AnpdDrafter, NgramConfig, NgramTables, PromptLookupDrafter, prompt_lookup,
                                     tree_options)
 from verispec.errors import ConfigError
 

@@ -15,13 +15,13 @@ import pytest
 import helpers
 from verispec.bench import runner
 from verispec.bench.datasets import Question
-from verispec.drafters import ngram
+from verispec.core.drafters import ngram
 from verispec.errors import ConfigError
-from verispec.drafters.base import memory_switched_off, switch_off_memory
-from verispec.drafters.ngram import MEMORY_ATTACHMENT, AnpdDrafter, NgramConfig, NgramMemory, shared_memory
-from verispec.methods import MethodOptions, build, parse_variant
-from verispec.model import Target
-from verispec.sampling import SamplingConfig
+from verispec.core.drafters.base import memory_switched_off, switch_off_memory
+from verispec.core.drafters.ngram import MEMORY_ATTACHMENT, AnpdDrafter, NgramConfig, NgramMemory, shared_memory
+from verispec.core.methods import MethodOptions, build, parse_variant
+from verispec.target.model import Target
+from verispec.core.sampling import SamplingConfig
 
 NEW_TOKENS = 40
 CONFIG = NgramConfig()

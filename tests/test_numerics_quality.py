@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 import helpers
-from verispec.methods import build
-from verispec.score import perplexity, target_perplexity
+from verispec.core.methods import build
+from verispec.target.score import perplexity, target_perplexity
 
 
 def test_target_perplexity_matches_the_model_forward_on_float32():

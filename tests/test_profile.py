@@ -7,7 +7,7 @@ import torch
 
 import helpers
 from verispec.bench.profile import arithmetic_rate, format_profile, profile_target, timing_context
-from verispec.drafters.early_exit import ExitHead, PreparedHead
+from verispec.core.drafters.early_exit import ExitHead, PreparedHead
 
 
 @pytest.mark.parametrize("path", ["llama", "llama-blocks", "llama-eager", "gemma3-eager"])
@@ -91,7 +91,7 @@ def test_timing_context_is_fixed_and_inside_the_vocabulary():
 
 def test_the_batched_curve_and_the_prefill_rate_on_a_target_that_batches():
     from verispec.bench.profile import batched_decode, format_batched, prefill_rate
-    from verispec.model import Target
+    from verispec.target.model import Target
 
     model = helpers.make_model(helpers.make_config("gemma3"), 0)
     target = Target(model, None, fast=True, blocks=helpers.blockify(model), numerics="int8")

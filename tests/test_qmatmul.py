@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from verispec.runtime import blockmm, qmatmul
-from verispec.runtime.gguf_blocks import block_scales, exact_blocks
+from verispec.gguf.blocks import block_scales, exact_blocks
 
 gguf = pytest.importorskip("gguf")
 from gguf import GGMLQuantizationType as GT  # noqa: E402

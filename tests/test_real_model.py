@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import verispec
-from verispec.methods import MethodOptions
+from verispec.core.methods import MethodOptions
 
 pytestmark = pytest.mark.slow
 
@@ -56,7 +56,7 @@ def test_the_default_model_runs_its_gguf_blocks_with_no_float32_copy(real_target
     float32 weight matrix in memory (the tensors alive are the norms, biases and small tables)."""
     import gc
 
-    from verispec.loading import embedded_default_path
+    from verispec.target.loading import embedded_default_path
 
     assert real_target.model is None and real_target.numerics == "gguf" and real_target.pages_kv
     assert "18 layers in C" in real_target.block_kernel_summary
@@ -126,7 +126,7 @@ def test_drafts_from_earlier_requests_keep_the_output(real_target):
 def test_fast_path_is_used_and_eager_path_agrees(dequantized):
     """The dequantized model runs the fast path; the eager path (same weights) gives the same ids
     as the fast path in fp32 numerics (the same function, up to float32 rounding)."""
-    from verispec.model import Target
+    from verispec.target.model import Target
 
     assert dequantized.fast and dequantized.numerics == "fp32"
     eager = Target(dequantized.model, dequantized.tokenizer, name="eager", fast=False)
@@ -143,7 +143,7 @@ def test_block_kernel_covers_every_linear_and_keeps_the_output(dequantized):
     fast path on the block kernel in fp32 numerics gives the same ids as the fast path on float32
     weights."""
     from verispec.runtime import blockmm
-    from verispec.model import Target
+    from verispec.target.model import Target
 
     assert dequantized.block_kernel_summary == (
         f"the LM head and 72 of 72 layer linears (exact int8 blocks, float32 activations, {blockmm.kernel_isa()} "
@@ -186,7 +186,7 @@ def test_gguf_numerics_are_batch_invariant_on_the_real_model(real_target, dequan
 def test_auto_dtype_runs_the_default_model_on_its_gguf_blocks(monkeypatch):
     """On a CPU with native bf16 (faked here), 'auto' still runs the default GGUF model's own
     blocks (float32 activations), and without the block kernel transformers loads it in bf16."""
-    from verispec import loading as model_module
+    from verispec.target import loading as model_module
 
     monkeypatch.setattr(model_module, "cpu_has_native_bf16", lambda: True)
     auto = verispec.load(None)
@@ -200,7 +200,7 @@ def test_shipped_exit_head_is_used_by_eesd_and_stays_exact(real_target):
     asserted with a constant draft length only: the default Thompson controller stops drafting
     when the measured draft/verify timings of the machine say drafts do not pay, so whether it
     drafts at all on 32 tokens depends on the machine (CI once drafted 4 tokens in 32 steps)."""
-    from verispec.methods import DEFAULT_EXIT_HEAD
+    from verispec.core.methods import DEFAULT_EXIT_HEAD
 
     assert (DEFAULT_EXIT_HEAD / "exit_head.safetensors").is_file()
     size = sum(f.stat().st_size for f in DEFAULT_EXIT_HEAD.iterdir())

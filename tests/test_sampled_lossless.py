@@ -29,12 +29,12 @@ import pytest
 import torch
 
 import helpers
-from verispec.acceptance import Verdict, verify_lossless
-from verispec.control import ConstantLength
-from verispec.engine import Recipe
-from verispec.methods import MethodOptions, build
-from verispec.model import Target
-from verispec.sampling import SamplingConfig, probabilities, sample
+from verispec.core.acceptance import Verdict, verify_lossless
+from verispec.core.control import ConstantLength
+from verispec.core.engine import Recipe
+from verispec.core.methods import MethodOptions, build
+from verispec.target.model import Target
+from verispec.core.sampling import SamplingConfig, probabilities, sample
 
 pytestmark = pytest.mark.long
 

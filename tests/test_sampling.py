@@ -9,9 +9,9 @@ import math
 import pytest
 import torch
 
-from verispec import sampling as sampling_module
+from verispec.core import sampling as sampling_module
 from verispec.errors import ConfigError
-from verispec.sampling import SamplingConfig, probabilities, probabilities_reference, sample
+from verispec.core.sampling import SamplingConfig, probabilities, probabilities_reference, sample
 
 CONFIGS = [
     SamplingConfig(temperature=t, top_k=k, top_p=p)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from verispec.errors import ConfigError
-from verispec.sampling import DRAFT_STREAM, MAX_SEED, SamplingConfig
+from verispec.core.sampling import DRAFT_STREAM, MAX_SEED, SamplingConfig
 
 
 @pytest.mark.parametrize("field, value", [

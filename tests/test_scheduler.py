@@ -1,4 +1,4 @@
-"""The batch scheduler (`verispec.scheduler`) and the batch engine that follows it, proven
+"""The batch scheduler (`verispec.core.scheduler`) and the batch engine that follows it, proven
 against small pools with no model.
 
 The pure rules first (a request's claim, refusal, admission cost, a step's rows); then
@@ -24,18 +24,18 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from verispec import scheduler
-from verispec.batch import BatchEngine
-from verispec.backends import PagedBackend
-from verispec.batch_forward import ALL, LAST
-from verispec.cache import Tree
-from verispec.engine import DecodeConfig
-from verispec.methods import MethodOptions, build
+from verispec.core import scheduler
+from verispec.core.batch import BatchEngine
+from verispec.target.backends import PagedBackend
+from verispec.target.shared_forward import ALL, LAST
+from verispec.runtime.static_kv import Tree
+from verispec.core.engine import DecodeConfig
+from verispec.core.methods import MethodOptions, build
 from verispec.runtime.kv_pool import BlockPool, PoolExhausted
 from verispec.runtime.rows import BLOCK
-from verispec.scheduler import Claim, PoolCounts
-from verispec.sequence import TargetSequence
-from verispec.stats import GenerationStats
+from verispec.core.scheduler import Claim, PoolCounts
+from verispec.target.sequence import TargetSequence
+from verispec.core.stats import GenerationStats
 
 VOCAB = 16
 EOS = 15
@@ -247,7 +247,7 @@ def test_blocks_held_outside_the_batch_fail_the_head_job_instead_of_hanging():
 def test_a_tree_draft_is_cut_to_stay_inside_its_claim():
     """A tree whose deepest path is off its primary branch takes more slots than rows
     (`Tree.span`); near the end of a request's budget it is cut until its verify fits."""
-    from verispec.drafters.base import Draft
+    from verispec.core.drafters.base import Draft
 
     target = FakeTarget(blocks=4)
     engine = BatchEngine(target)

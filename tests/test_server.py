@@ -34,13 +34,13 @@ import helpers
 import server_helpers as sh
 from verispec import generate
 from verispec.api import Request as GenerationRequest
-from verispec.methods import MethodOptions
-from verispec.sampling import SamplingConfig
+from verispec.core.methods import MethodOptions
+from verispec.core.sampling import SamplingConfig
 from verispec.server import ServerSettings
 from verispec.server.metrics import ServerMetrics
-from verispec.server.worker import RECENT_JOBS, Job, Worker
-from verispec.stats import GenerationStats
-from verispec.text import encode_messages
+from verispec.server.worker import RECENT_JOBS, Ticket, Worker
+from verispec.core.stats import GenerationStats
+from verispec.request.text import encode_messages
 
 pytestmark = pytest.mark.long  # end to end; left out by make test-quick
 
@@ -716,7 +716,7 @@ def test_retry_after_estimate_uses_the_queue_and_recent_run_times(reference):
     request = GenerationRequest((1, 2, 3), "ar", 4, SamplingConfig(), (), MethodOptions())
     assert worker.estimated_wait() == 0.0  # nothing ahead
     for _ in range(3):
-        worker.submit(Job(request, lambda event: None))
+        worker.submit(Ticket(request, lambda event: None))
     assert worker.estimated_wait() == 0.0  # no run time known yet
     worker.recent_run_s.extend([1.0, 2.0, 6.0])
     assert worker.estimated_wait() == pytest.approx(3 * 3.0)

@@ -11,10 +11,10 @@ import random
 import pytest
 
 import helpers
-from verispec.drafters.ngram import MEMORY_ATTACHMENT, AnpdDrafter, NgramConfig, NgramMemory, span_kind
-from verispec.drafters.spans import SpanIndex
+from verispec.core.drafters.ngram import MEMORY_ATTACHMENT, AnpdDrafter, NgramConfig, NgramMemory, span_kind
+from verispec.core.drafters.spans import SpanIndex
 from verispec.errors import ConfigError
-from verispec.methods import MethodOptions, build, parse_variant
+from verispec.core.methods import MethodOptions, build, parse_variant
 
 
 def brute_longest(streams: dict[int, list[int]], stream: int, key: int, max_back: int):

@@ -7,8 +7,8 @@ import json
 import pytest
 
 import helpers
-from verispec.methods import build
-from verispec.stats import GenerationStats
+from verispec.core.methods import build
+from verispec.core.stats import GenerationStats
 
 
 def test_record_step_counts_and_histogram():

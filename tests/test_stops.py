@@ -12,11 +12,11 @@ from hypothesis import strategies as st
 import helpers
 import verispec
 from verispec import api as api_module
-from verispec.engine import DecodeConfig
+from verispec.core.engine import DecodeConfig
 from verispec.errors import ConfigError
-from verispec.methods import MethodOptions, build
-from verispec.model import Target
-from verispec.text import TextAssembler
+from verispec.core.methods import MethodOptions, build
+from verispec.target.model import Target
+from verispec.request.text import TextAssembler
 
 PROMPT = helpers.repetitive_prompt(128, 0, period=5, repeats=4)
 TEXT_PROMPT = "the cat sat on the mat. the cat sat on the mat. the cat"

@@ -17,16 +17,16 @@ import torch
 
 import helpers
 from verispec import api
-from verispec.acceptance import verify_lossless
-from verispec.control import ConstantLength
-from verispec.drafters import suffix
-from verispec.drafters.suffix import SuffixConfig, SuffixDrafter, best_path, conditional_probs, shared_store
-from verispec.engine import Recipe
+from verispec.core.acceptance import verify_lossless
+from verispec.core.control import ConstantLength
+from verispec.core.drafters import suffix
+from verispec.core.drafters.suffix import SuffixConfig, SuffixDrafter, best_path, conditional_probs, shared_store
+from verispec.core.engine import Recipe
 from verispec.errors import ConfigError
-from verispec.drafters.base import switch_off_memory
-from verispec.methods import MethodOptions, build, method_names, parse_variant, with_settings
-from verispec.model import Target
-from verispec.sampling import SamplingConfig
+from verispec.core.drafters.base import switch_off_memory
+from verispec.core.methods import MethodOptions, build, method_names, parse_variant, with_settings
+from verispec.target.model import Target
+from verispec.core.sampling import SamplingConfig
 
 pytestmark = pytest.mark.long  # end to end; left out by make test-quick
 

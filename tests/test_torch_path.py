@@ -33,17 +33,17 @@ import torch
 
 import helpers
 import verispec
-from verispec import torch_path
-from verispec.acceptance import verify_joint, verify_lossless
-from verispec.cache import Tree
-from verispec.control import parse_controller
-from verispec.drafters.early_exit import EarlyExitDrafter, ExitHead, ExitHeadLM, save_head
-from verispec.drafters.model import AuxLM, BeamDrafter, SampledDrafter, tree_for_beams
-from verispec.engine import Recipe
+from verispec.target import torch_path
+from verispec.core.acceptance import verify_joint, verify_lossless
+from verispec.runtime.static_kv import Tree
+from verispec.core.control import parse_controller
+from verispec.core.drafters.early_exit import EarlyExitDrafter, ExitHead, ExitHeadLM, save_head
+from verispec.core.drafters.draft_model import AuxLM, BeamDrafter, SampledDrafter, tree_for_beams
+from verispec.core.engine import Recipe
 from verispec.errors import ConfigError
-from verispec.methods import MethodOptions, build
-from verispec.model import Target
-from verispec.sampling import SamplingConfig, probabilities
+from verispec.core.methods import MethodOptions, build
+from verispec.target.model import Target
+from verispec.core.sampling import SamplingConfig, probabilities
 
 ARCHS = ("llama", "qwen2", "qwen3", "gemma3", "mistral", "gpt2")
 ALPHA = 1e-4

@@ -3,7 +3,7 @@ the longest branch the target agrees with accepted (`acceptance.tree_match`), th
 path's keys and values kept at its positions (`Target.keep_path`), and ANPD's tree drafts
 (`anpd/tree=N`).
 
-- Placement (`cache.Tree.of_parents`): the primary branch at its own positions, the other rows
+- Placement (`static_kv.Tree.of_parents`): the primary branch at its own positions, the other rows
   in scratch slots past them, each row seeing the cache, its ancestors and itself.
 - Exactness on the C layers (int8 numerics, batch-invariant): every row's logits are bit for bit
   those a linear verification of its path gives the same position, for contexts within one
@@ -32,16 +32,16 @@ import pytest
 import torch
 
 import helpers
-from verispec.acceptance import Verdict, argmax, greedy_match, sampled_match, tree_match, verify_lossless
-from verispec.cache import Tree
-from verispec.control import ConstantLength
-from verispec.drafters.base import EMPTY_DRAFT, Draft
-from verispec.drafters.ngram import AnpdDrafter, NgramConfig
-from verispec.engine import Recipe
+from verispec.core.acceptance import Verdict, argmax, greedy_match, sampled_match, tree_match, verify_lossless
+from verispec.runtime.static_kv import Tree
+from verispec.core.control import ConstantLength
+from verispec.core.drafters.base import EMPTY_DRAFT, Draft
+from verispec.core.drafters.ngram import AnpdDrafter, NgramConfig
+from verispec.core.engine import Recipe
 from verispec.errors import ConfigError
-from verispec.methods import MethodOptions, build, parse_variant
-from verispec.model import Target
-from verispec.sampling import SamplingConfig, probabilities, sample
+from verispec.core.methods import MethodOptions, build, parse_variant
+from verispec.target.model import Target
+from verispec.core.sampling import SamplingConfig, probabilities, sample
 
 # A root (the last committed token) and branches of depth 1 to 5, some off other branches.
 PARENTS = [-1, 0, 1, 2, 0, 4, 1, 6, 0, 8, 9, 3, 11, 12, 12]
@@ -113,7 +113,7 @@ def test_placement_of_a_tree():
 
 
 def test_keeping_a_path_moves_scratch_entries_to_their_positions():
-    from verispec.cache import StaticKV
+    from verispec.runtime.static_kv import StaticKV
 
     cache = StaticKV(2, 1, 2, torch.float32, capacity=16)  # rounded up to a whole block
     for layer in range(2):
@@ -147,9 +147,9 @@ def test_tree_rows_equal_linear_verification_bit_for_bit_on_the_c_layers(arch, c
 
 
 def test_beam_placements_equal_contiguous_runs_bit_for_bit():
-    """MTAD's placement (beams side by side in scratch slots, `drafters.model.tree_for_beams`): each
+    """MTAD's placement (beams side by side in scratch slots, `drafters.draft_model.tree_for_beams`): each
     beam's rows equal the same tokens run contiguously after the context, bit for bit."""
-    from verispec.drafters.model import tree_for_beams
+    from verispec.core.drafters.draft_model import tree_for_beams
 
     target = int8_target("gemma3", seed=3)
     fast = target.decoder
@@ -178,7 +178,7 @@ def test_beam_steps_of_different_widths_are_placed_without_overlap_and_run_exact
     hold, and every beam's rows still equal its path run contiguously, bit for bit. (Placing a
     step at step * width slots, as if widths never changed, gave scratch slots the wrong positions
     and the C layer refused the tree.)"""
-    from verispec.drafters.model import tree_for_beams
+    from verispec.core.drafters.draft_model import tree_for_beams
 
     target = int8_target("gemma3", seed=3)
     fast = target.decoder

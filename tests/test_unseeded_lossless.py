@@ -24,16 +24,16 @@ import pytest
 import torch
 
 import helpers
-from verispec.acceptance import verify_lossless
-from verispec.control import ConstantLength
-from verispec.drafters.base import Draft
-from verispec.drafters.early_exit import ExitHead, save_head
-from verispec.engine import Recipe
+from verispec.core.acceptance import verify_lossless
+from verispec.core.control import ConstantLength
+from verispec.core.drafters.base import Draft
+from verispec.core.drafters.early_exit import ExitHead, save_head
+from verispec.core.engine import Recipe
 from verispec.errors import ConfigError
-from verispec.methods import MethodOptions, build
-from verispec.model import Target
-from verispec.loading import load
-from verispec.sampling import SamplingConfig, probabilities
+from verispec.core.methods import MethodOptions, build
+from verispec.target.model import Target
+from verispec.target.loading import load
+from verispec.core.sampling import SamplingConfig, probabilities
 
 pytestmark = pytest.mark.long
 
@@ -208,9 +208,9 @@ def test_unseeded_sps_in_a_batch_with_its_draft_rows_batched_is_lossless(monkeyp
     forwards (a draft model that pages its KV), each verify in the target's shared forward.
     Drafts are not sized for the load here, so that every request drafts; sizing decides before
     drafting, from costs and past acceptance only, so it cannot bias a draw."""
-    from verispec.batch import BatchEngine
-    from verispec.engine import DecodeConfig
-    from verispec.stats import GenerationStats
+    from verispec.core.batch import BatchEngine
+    from verispec.core.engine import DecodeConfig
+    from verispec.core.stats import GenerationStats
 
     monkeypatch.setattr(BatchEngine, "_model_draft_rooms", lambda self, jobs: {})
 

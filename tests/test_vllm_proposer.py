@@ -21,8 +21,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from verispec.control import allocate_drafts, best_draft_length
-from verispec.drafters.ngram import AnpdDrafter, NgramConfig, NgramMemory
+from verispec.core.control import allocate_drafts, best_draft_length
+from verispec.core.drafters.ngram import AnpdDrafter, NgramConfig, NgramMemory
 from verispec.errors import ConfigError
 from verispec.integrations import vllm as hook
 from verispec.integrations.vllm import AnpdProposer, HookError, ProposerSettings
@@ -408,7 +408,7 @@ def test_the_module_imports_only_verispecs_pure_parts():
             "    sys.modules[name] = None  # importing them fails\n"
             "import verispec.integrations.vllm\n"
             "loaded = sorted(m for m in sys.modules if m.startswith('verispec'))\n"
-            "assert not any(m.startswith(('verispec.model', 'verispec.runtime', 'verispec.engine', 'verispec.methods'))"
+            "assert not any(m.startswith(('verispec.target.model', 'verispec.runtime', 'verispec.core.engine', 'verispec.core.methods'))"
             " for m in loaded), loaded\n"
             "print(len(loaded))\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)

@@ -15,11 +15,11 @@ if TYPE_CHECKING:  # what type checkers and editors see; at run time each name l
     from .api import GenerationResult, TextStream, generate, generate_many, make_request, stream, stream_many
     from .errors import ConfigError, ModelLoadError, VerispecError
     from .hf_generate import transformers_generate
-    from .methods import METHODS, MethodOptions, method_names
-    from .model import Target
-    from .loading import load
-    from .sampling import SamplingConfig
-    from .stats import GenerationStats
+    from .core.methods import METHODS, MethodOptions, method_names
+    from .target.model import Target
+    from .target.loading import load
+    from .core.sampling import SamplingConfig
+    from .core.stats import GenerationStats
 
 # Where each public name lives. They are imported on first use (PEP 562), so that `import
 # verispec` -- and with it `verispec --help` -- does not load torch and transformers (about 7 s
@@ -29,10 +29,10 @@ _EXPORTS = {
     "generate_many": "api", "stream_many": "api", "make_request": "api",
     "ConfigError": "errors", "ModelLoadError": "errors", "VerispecError": "errors",
     "transformers_generate": "hf_generate",
-    "METHODS": "methods", "MethodOptions": "methods", "method_names": "methods",
-    "Target": "model", "load": "loading",
-    "SamplingConfig": "sampling",
-    "GenerationStats": "stats",
+    "METHODS": "core.methods", "MethodOptions": "core.methods", "method_names": "core.methods",
+    "Target": "target.model", "load": "target.loading",
+    "SamplingConfig": "core.sampling",
+    "GenerationStats": "core.stats",
 }
 
 

@@ -12,13 +12,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
-from .batch import DEFAULT_MAX_ROWS, DEFAULT_MAX_SEQUENCES, BatchEngine
+from .core.batch import DEFAULT_MAX_ROWS, DEFAULT_MAX_SEQUENCES, BatchEngine
 from .errors import ConfigError
-from .lifecycle import Generation, GenerationResult, Request
-from .methods import MethodOptions, build, get_method, with_settings
-from .model import Target
-from .sampling import SamplingConfig
-from .text import encode_prompt
+from .request.lifecycle import Generation, GenerationResult, Request
+from .core.methods import MethodOptions, build, get_method, with_settings
+from .target.model import Target
+from .core.sampling import SamplingConfig
+from .request.text import encode_prompt
 
 
 class TextStream:

@@ -125,7 +125,7 @@ def _fail(message: str, code: int = 2) -> None:
 
 def _load(model: Optional[str], dtype: str, fast: bool = True, block_kernel: bool = True, numerics: str = "int8",
           device: str = "auto", compile: bool = False):
-    from .loading import load
+    from .target.loading import load
 
     _quiet_transformers()
     return load(model, dtype, fast=fast, block_kernel=block_kernel, numerics=numerics, device=device, compile=compile)
@@ -134,7 +134,7 @@ def _load(model: Optional[str], dtype: str, fast: bool = True, block_kernel: boo
 def _check_device(device: str, compile: bool = False) -> str:
     """The device `--device` names on this machine ('cpu', 'cuda:N' or 'auto-map'); a ConfigError
     for a misspelt one, a GPU that is not here, or --compile on the CPU, before anything loads."""
-    from .device import resolve_device
+    from .target.device import resolve_device
 
     return resolve_device(device, compile)
 
@@ -149,7 +149,7 @@ def check_numerics(numerics: str) -> None:
 def _read_stdin() -> str:
     """Standard input as UTF-8 text, whatever the locale; a ConfigError at the first byte that is
     not UTF-8."""
-    from .text import checked_text, decode_utf8
+    from .request.text import checked_text, decode_utf8
 
     raw = getattr(sys.stdin, "buffer", None)
     if raw is None:  # a text-only stream
@@ -170,7 +170,7 @@ def _refuse_unused_options(methods: Sequence[str], *, draft_length: Optional[int
     they draft with the head (no --draft-model); --draft-length, --controller: every method that
     drafts (all but ar)."""
     from .errors import ConfigError
-    from .methods import METHODS
+    from .core.methods import METHODS
 
     drafting = [name for name, method in METHODS.items() if method.default_length > 0]
     head_users, head_note = ["eesd", "sps", "mtad"], ""
@@ -259,9 +259,9 @@ def generate(
 ) -> None:
     """Generate text with one method, optionally compared side by side with `ar`."""
     from .api import make_request, sampling_for, stream as stream_text
-    from .engine import DecodeConfig
-    from .methods import MethodOptions, with_settings
-    from .text import checked_text
+    from .core.engine import DecodeConfig
+    from .core.methods import MethodOptions, with_settings
+    from .request.text import checked_text
 
     try:
         # Everything that needs no model is checked before the model is loaded.
@@ -302,7 +302,7 @@ def generate(
         results[method] = text_stream.result
         scores = {}
         if perplexity:
-            from .score import perplexity as score
+            from .target.score import perplexity as score
 
             scores = {name: score(target, r.prompt_ids, r.token_ids) for name, r in results.items()}
     except VerispecError as error:
@@ -394,15 +394,15 @@ def bench(
     from datetime import datetime
     from pathlib import Path
 
-    from .bench import datasets, metrics, report, runner
+    from .bench import aggregate, datasets, report, runner
     from .bench.energy import EnergyProbe
     from .bench.peers import PeerSettings, get_peer
-    from .control import parse_controller
-    from .engine import DecodeConfig
-    from .methods import MethodOptions, parse_variant
-    from .device import describe
-    from .loading import resolve_dtype, runs_on_block_kernel
-    from .sampling import SamplingConfig
+    from .core.control import parse_controller
+    from .core.engine import DecodeConfig
+    from .core.methods import MethodOptions, parse_variant
+    from .target.device import describe
+    from .target.loading import resolve_dtype, runs_on_block_kernel
+    from .core.sampling import SamplingConfig
 
     command = shlex.join(["verispec", *sys.argv[1:]])
     try:
@@ -486,14 +486,14 @@ def bench(
             _fail(f"{error} (the finished runs are saved in {directory / runner.RECORDS_FILE}; "
                   f"continue with --resume --out {directory})")
             return
-        summary = metrics.summarize(records, settings.names, settings.greedy)
+        summary = aggregate.summarize(records, settings.names, settings.greedy)
         report.write_report(directory, summary, config, config["info"].get("energy_meter", probe.description))
     except VerispecError as error:
         _fail(str(error))
         return
     out.print(report.terminal_table(summary))
     err.print(f"records, summary.json, report.md and plots in {directory}", highlight=False)
-    print(json.dumps(report.json_safe(metrics.compact(summary))), flush=True)
+    print(json.dumps(report.json_safe(aggregate.compact(summary))), flush=True)
 
 
 @app.command("bench-serve")
@@ -531,7 +531,7 @@ def bench_serve(
     options = dict(locals())  # every option, by name, for serve.run_command
     import shlex
 
-    from .bench import report, serve, serve_report
+    from .bench import report, load_test as serve, load_test_report as load_test_report
 
     try:
         summary, directory, started = serve.run_command(
@@ -540,9 +540,9 @@ def bench_serve(
     except VerispecError as error:
         _fail(str(error))
         return
-    out.print(serve_report.terminal_table(summary))
+    out.print(load_test_report.terminal_table(summary))
     err.print(f"records.jsonl, summary.json, report.md and plots in {directory}", highlight=False)
-    print(json.dumps(report.json_safe(serve_report.compact(summary))), flush=True)
+    print(json.dumps(report.json_safe(load_test_report.compact(summary))), flush=True)
     failed = [label for label, entry in started.items() if entry.get("error")]
     if failed:
         _fail(f"{', '.join(failed)} could not be measured (see report.md and the logs in {directory / 'servers'})", 1)
@@ -562,13 +562,13 @@ def info(
     import transformers
 
     from . import __version__
-    from .methods import METHODS
-    from .device import spread_over_devices
-    from .loading import cpu_has_native_bf16
+    from .core.methods import METHODS
+    from .target.device import spread_over_devices
+    from .target.loading import cpu_has_native_bf16
     from .paths import cache_root
 
     from .bench.report import kernel_info
-    from .device import describe
+    from .target.device import describe
 
     check_numerics(numerics)
     try:
@@ -659,10 +659,10 @@ def serve(
     exit_head: Optional[str] = EXIT_HEAD_OPTION,
 ) -> None:
     """Serve the model over an OpenAI-compatible HTTP API: requests are decoded together in a continuous batch."""
-    from .loading import resolve_dtype
+    from .target.loading import resolve_dtype
     from .server import ServerSettings, create_app, default_model_id
     from .server.app import served_method
-    from .text import checked_text
+    from .request.text import checked_text
 
     try:
         # Everything that needs no model is checked before the model is loaded.
@@ -699,11 +699,11 @@ def serve(
         if target.pages_kv:
             target.pool  # noqa: B018 - made now: a budget too small for one block is refused before serving
         if not ngram_memory:  # for every request, whatever method it asks for
-            from .drafters.base import switch_off_memory
+            from .core.drafters.base import switch_off_memory
 
             switch_off_memory(target.attachments)
         if draft_model is not None or exit_head is not None:  # loaded now, not in the first request
-            from .methods import MethodOptions, draft_lm, prepared_exit_head
+            from .core.methods import MethodOptions, draft_lm, prepared_exit_head
 
             if draft_model is not None:
                 draft_lm(target, MethodOptions(draft_model=draft_model))
@@ -777,7 +777,7 @@ def profile(
         if context + max(chosen) > target.max_length:
             _fail(f"--context {context} + width {max(chosen)} exceeds the model's context of {target.max_length}")
         from .errors import ConfigError, ModelLoadError
-        from .methods import prepared_exit_head
+        from .core.methods import prepared_exit_head
 
         head = None
         try:  # on either path: the PyTorch path's draft step runs through the model's own modules
@@ -835,7 +835,7 @@ def train_exit(
 
     from .train.corpus import CORPUS_PATH, PROMPTS_PATH, check_generation, generate_corpus as make_corpus, read_prompts
     from .train.exit_head import TrainConfig, check_fits, train_exit_head
-    from .text import decode_utf8
+    from .request.text import decode_utf8
 
     try:
         config = TrainConfig(exit_layer=exit_layer, init_layer=init_layer, draft_vocab=draft_vocab, sequence_length=sequence_length,
@@ -857,7 +857,7 @@ def train_exit(
         target = _load(model, "float32", device=device)
         check_fits(target, config)
         if out_dir is None:
-            from .methods import trained_head_dir
+            from .core.methods import trained_head_dir
 
             directory = trained_head_dir(target)
         else:

@@ -73,12 +73,12 @@ from dataclasses import fields
 
 import torch
 
-from .engine import DecodeConfig, decode
+from .core.engine import DecodeConfig, decode
 from .errors import ConfigError
-from .methods import MethodOptions, build, get_method, with_settings
-from .model import Target
-from .sampling import MAX_SEED, SamplingConfig
-from .stats import GenerationStats
+from .core.methods import MethodOptions, build, get_method, with_settings
+from .target.model import Target
+from .core.sampling import MAX_SEED, SamplingConfig
+from .core.stats import GenerationStats
 
 # The option each logits processor comes from, and how to turn it off: named when refusing one.
 _PROCESSOR_OPTIONS = {

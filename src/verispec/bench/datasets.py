@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Iterable, Sequence
 
 from ..errors import ConfigError
-from ..text import encode_messages, encode_prompt
+from ..request.text import encode_messages, encode_prompt
 
 BUILTIN_PATH = Path(__file__).parent / "data" / "builtin.jsonl"
 CODE_EDIT_PATH = Path(__file__).parent / "data" / "code_edit.jsonl"

@@ -31,7 +31,7 @@ from typing import Callable, Sequence
 import torch
 
 from ..errors import ConfigError, VerispecError
-from ..model import Target
+from ..target.model import Target
 
 
 class PeerError(VerispecError):
@@ -90,7 +90,7 @@ def _transformers_model(target: Target):
     if target.model is not None:
         return target.model
     if "transformers-model" not in target.attachments:
-        from ..loading import load
+        from ..target.loading import load
 
         target.attachments["transformers-model"] = load(_gguf_of(target), numerics="fp32", fast=False).model
     return target.attachments["transformers-model"]
@@ -98,7 +98,7 @@ def _transformers_model(target: Target):
 
 def _gguf_of(target: Target) -> str:
     """The GGUF file `target` was loaded from (the embedded default's, or a --model FILE.gguf)."""
-    from ..loading import DEFAULT_MODEL_NAME, embedded_default_path
+    from ..target.loading import DEFAULT_MODEL_NAME, embedded_default_path
 
     if target.name == DEFAULT_MODEL_NAME:
         return str(embedded_default_path())
@@ -149,7 +149,7 @@ def _generate_runner(target: Target, settings: PeerSettings, extra: dict | None 
 
 
 def _assisted(target: Target, settings: PeerSettings) -> PeerRun:
-    from ..loading import load
+    from ..target.loading import load
 
     draft = load(settings.draft_model, settings.dtype, device=target.device)  # generate() needs both on one device
     extra: dict = {"assistant_model": _transformers_model(draft)}

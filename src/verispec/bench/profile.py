@@ -6,7 +6,7 @@ of an EESD exit head where one is given. These ratios decide whether drafting ca
 draft of k tokens must commit more than the cost ratio of a (k + 1)-token forward), and they are
 what the controllers' cost models learn online (`control.CostModel`). A verify costs less when
 its first draft token is rejected, where only the rows the rule reads are computed
-(`lazy_rows`): the "rejected" figures. On the block kernel it also times the kernel's arithmetic
+(`lazy_logits`): the "rejected" figures. On the block kernel it also times the kernel's arithmetic
 alone (`arithmetic_rate`): about what each extra verify row costs in arithmetic, whatever the
 memory.
 
@@ -56,7 +56,7 @@ def target_step_seconds(target, context: list[int], width: int = 1, repeats: int
     """Median seconds of a target forward of `width` tokens after `context` (left in the cache).
     rejected=True: a verify whose first draft token is rejected, as the engine runs it (the
     logits asked for lazily and row 0 read: where that is exact, only the first chunk of rows is
-    computed, `lazy_rows`)."""
+    computed, `lazy_logits`)."""
     target.reset()
     target.forward(context, last_only=True)
 
@@ -75,9 +75,9 @@ def draft_step_seconds(target, prepared, context: list[int], repeats: int = 15, 
     seeing the context and itself, placed as `BeamDrafter` places them). On the PyTorch path each
     timed step is also taken back out of both caches (a crop), as a finished draft is.
     Afterwards the target's cache holds `context` in every layer."""
-    from ..cache import Tree
-    from ..drafters.early_exit import ExitHeadLM
-    from ..drafters.model import tree_for_beams
+    from ..runtime.static_kv import Tree
+    from ..core.drafters.early_exit import ExitHeadLM
+    from ..core.drafters.draft_model import tree_for_beams
 
     device = target.device
     tokens = torch.tensor(context[:width], device=device)  # [W]
@@ -86,7 +86,7 @@ def draft_step_seconds(target, prepared, context: list[int], repeats: int = 15, 
     else:
         tree = tree_for_beams(len(context), 1, width, [[] for _ in range(width)], [], device)
     if not target.fast:
-        from .. import torch_path
+        from ..target import torch_path
 
         target.reset()
         lm = ExitHeadLM(target, prepared)
@@ -223,10 +223,10 @@ DEFAULT_PREFILL = 1000
 def batched_decode(target, sequences: Sequence[int] = DEFAULT_SEQUENCES, context_length: int = DEFAULT_CONTEXT,
                    repeats: int = 10) -> dict:
     """`ar`'s aggregate decode rate with n sequences decoding together (each its own context of
-    `context_length` distinct tokens, one row each per step, `batch_forward.forward_parts`):
+    `context_length` distinct tokens, one row each per step, `shared_forward.forward_parts`):
     {"context", "ms": {"n": ms per step}, "tokens_per_s": {"n": n / step}, "ratios": {"n": rate
     over 1 sequence's}, "kv_bytes_per_token"}. The sequences are released afterwards."""
-    from ..batch_forward import Part
+    from ..target.shared_forward import Part
     from ..runtime.rows import BLOCK
 
     counts = sorted(set(int(n) for n in sequences) | {1})

@@ -1,6 +1,6 @@
 """Presenting a benchmark: the terminal table, `summary.json`, `report.md` and the plots.
 
-Owns formatting only: every number comes from `metrics.summarize`. Missing values print as "-",
+Owns formatting only: every number comes from `aggregate.summarize`. Missing values print as "-",
 except energy, which prints "not measured" when no meter was available (never an estimate).
 The pass@1 column (code tasks) appears only in tables whose prompts had tests.
 Plots are drawn with matplotlib's Agg backend (no display needed): speedup per category for each
@@ -21,7 +21,7 @@ from typing import Sequence
 from rich import box
 from rich.table import Table
 
-from .metrics import has_pass_at_1
+from .aggregate import has_pass_at_1
 
 SUMMARY_FILE = "summary.json"
 REPORT_FILE = "report.md"

@@ -45,12 +45,12 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from ..api import stream
-from ..drafters.ngram import MEMORY_ATTACHMENT
-from ..drafters.suffix import ATTACHMENT as SUFFIX_ATTACHMENT
+from ..core.drafters.ngram import MEMORY_ATTACHMENT
+from ..core.drafters.suffix import ATTACHMENT as SUFFIX_ATTACHMENT
 from ..errors import ConfigError
-from ..methods import MethodOptions, parse_variant
-from ..model import Target
-from ..score import perplexity
+from ..core.methods import MethodOptions, parse_variant
+from ..target.model import Target
+from ..target.score import perplexity
 from .code_eval import CheckResult, check_completion
 from .datasets import Question, encode_question, encode_turn
 from .energy import EnergyProbe

@@ -6,7 +6,7 @@ llama.cpp's `llama-server` built by `make llama-server`, vLLM's OpenAI server fr
 environment `make vllm` builds), waiting until a server answers `/health` and `/v1/models`,
 stopping it (its whole process group), and sampling a server process's resident memory and CPU
 time (its child processes included: vLLM computes in a child). Does not own the workloads
-(`serve`) or the report (`serve_report`).
+(`serve`) or the report (`load_test_report`).
 
 Kinds of TARGET:
 - `http://HOST:PORT` (or `.../v1`): a server already running; ARGS may be `--pid N` (its process,
@@ -171,7 +171,7 @@ class ModelFiles:
 
     def gguf(self) -> Path:
         if self.argument is None:
-            from ..loading import embedded_default_path
+            from ..target.loading import embedded_default_path
 
             return embedded_default_path()
         path = Path(self.argument).expanduser()
@@ -207,7 +207,7 @@ class ModelFiles:
         """Whether the model, as server `kind` reads it, carries a chat template (a GGUF file's
         `tokenizer.chat_template`, a directory's tokenizer_config.json or chat_template.jinja)."""
         if kind == "llama-server":
-            from ..gguf_file import read_gguf
+            from ..gguf.reader import read_gguf
 
             try:
                 with read_gguf(self.gguf()) as file:
@@ -230,7 +230,7 @@ class ModelFiles:
             gguf = self.gguf()
         except (ConfigError, VerispecError):
             return None
-        from ..gguf_model import read_gguf_model
+        from ..gguf.metadata import read_gguf_model
 
         return read_gguf_model(gguf).tokenizer_dir
 
@@ -245,7 +245,7 @@ def checkpoint_of(gguf_path: Path) -> Path:
 
     import torch
 
-    from ..gguf_model import read_gguf_model
+    from ..gguf.metadata import read_gguf_model
     from ..paths import cache_root
 
     stat = gguf_path.stat()

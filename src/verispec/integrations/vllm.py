@@ -69,8 +69,8 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from ..control import CostModel, allocate_drafts
-from ..drafters.ngram import AnpdDrafter, NgramConfig, NgramMemory
+from ..core.control import CostModel, allocate_drafts
+from ..core.drafters.ngram import AnpdDrafter, NgramConfig, NgramMemory
 from ..errors import ConfigError, VerispecError
 
 ENVIRONMENT = "VERISPEC_VLLM_ANPD"  # the proposer's settings, e.g. "max_n=4/cost=fixed/overhead=64"

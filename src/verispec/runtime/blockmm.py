@@ -5,12 +5,12 @@ calling the C kernels, which multiply activations by a weight matrix stored as i
 float32 scale (and offset) per block of inputs, in two numerics:
 
 - "fp32" (`kernels/blockmm.c`): float32 activations times the weights rebuilt in float32 inside
-  the kernel exactly as `gguf_blocks.BlockWeights.dequantize` rebuilds them, so the result equals
+  the kernel exactly as `gguf.blocks.BlockWeights.dequantize` rebuilds them, so the result equals
   `x @ W^T` up to the order of float32 sums; it reads 1 byte per weight instead of 4, which is
   what a memory-bound one-token step pays for (scripts/profile_step.py measures it).
 - "int8" (`kernels/blockmm_int8.c`): each row of activations quantized per block (symmetric int8,
   a float32 scale per row and block from that row alone), exact integer products with the weight
-  codes (in `gguf_blocks.PackedBlocks`' layout: 8 outputs per vector lane group, no horizontal
+  codes (in `gguf.blocks.PackedBlocks`' layout: 8 outputs per vector lane group, no horizontal
   sums; codes of a range of at most 129 values stored unsigned, u = code + code_bias, and summed
   as sum(u * x) - code_bias * sum(x), wider ones as signed int8), then one float32 multiply-add per
   block in block order: batch-invariant (a row's result does not depend on the other rows, the
@@ -177,7 +177,7 @@ class Kernel:
         self.compiled_isa = compiled().decode()  # what the C preprocessor saw: "avx512vnni", ..., "portable"
 
     def matmul(self, x: torch.Tensor, form, numerics: str = "fp32") -> torch.Tensor:
-        """x [m, in] float32 times the block-form weights `form` (`gguf_blocks.BlockWeights`,
+        """x [m, in] float32 times the block-form weights `form` (`gguf.blocks.BlockWeights`,
         [out, in]) -> [m, out] float32, in `numerics` "fp32" or "int8" (see the module docstring;
         int8 reads the form's packed layout, `form.packed`)."""
         assert x.dtype == torch.float32 and form.codes.dtype == torch.int8 and form.scales.dtype == torch.float32

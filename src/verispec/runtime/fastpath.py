@@ -4,7 +4,7 @@ Owns one thing: computing the decoder's hidden states for a chunk of tokens at g
 for the Llama family of architectures (Llama, Qwen2, Gemma 3 text), faster than transformers'
 eager forward on CPU, with the same weights and the same per-layer math:
 
-- the KV cache is `cache.StaticKV`, preallocated; rollback moves a length (no tensor copies);
+- the KV cache is `static_kv.StaticKV`, preallocated; rollback moves a length (no tensor copies);
 - attention is one `scaled_dot_product_attention` per layer over the cached keys of the chunk's
   visible range (sliding-window layers see only their window), with an explicit causal mask only
   when the chunk has more than one token (a one-token step takes three small ops instead,
@@ -13,7 +13,7 @@ eager forward on CPU, with the same weights and the same per-layer math:
   is prepacked once for oneDNN (`torch.ops.mkldnn._linear_pointwise`): measured here, the
   262,144 x 640 LM head took 47 ms for 1 token and 102 ms for 16, against 94 and 266 ms with
   `F.linear`; 2048 x 640 took 0.25 ms against 0.97 ms;
-- linears whose weights have an exact int8 block form (a GGUF model's, `gguf_blocks`) run on the
+- linears whose weights have an exact int8 block form (a GGUF model's, `gguf.blocks`) run on the
   block kernel (`BlockLinear`, `blockmm`): the same weights in a quarter of the bytes; a layer
   whose linears all do runs as one C call (`native_layer`) for chunks of up to
   `BLOCK_KERNEL_MAX_ROWS` tokens, the PyTorch layer below being its reference; when every layer
@@ -37,8 +37,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..cache import StaticKV, Tree
-from .gguf_blocks import BlockWeights, quantize_blocks
+from .static_kv import StaticKV, Tree
+from ..gguf.blocks import BlockWeights, quantize_blocks
 from .linear import BlockLinear, FusedNorm, Linear, check_numerics, mkldnn_packing_available  # noqa: F401 - re-exported
 from .native_layer import NativeLayer, run_layers_in_calls
 from .rows import Rows
@@ -99,7 +99,7 @@ class FastDecoder:
 
     def __init__(self, model, blocks: dict | None = None, kernel=None, numerics: str = "fp32"):
         """blocks: {nn.Linear: BlockWeights} exact block forms of some of the model's linears
-        (`gguf_blocks`); with a `kernel` (`blockmm.kernel()`), those run on the block kernel, in
+        (`gguf.blocks`); with a `kernel` (`blockmm.kernel()`), those run on the block kernel, in
         `numerics` ("int8" or "fp32", see `blockmm`; changeable later through `numerics`)."""
         reason = self.supports(model)
         assert reason is None, reason

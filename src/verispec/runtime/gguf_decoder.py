@@ -1,7 +1,7 @@
 """A decoder that runs a GGUF file's own quantized blocks: no float32 copy of any weight.
 
 Owns `GgufDecoder` and `GgufHead`. The weights are the file's tensors, memory-mapped
-(`gguf_file`): every layer's q, k, v, o, gate, up and down matrices stay in their GGUF types
+(`gguf.reader`): every layer's q, k, v, o, gate, up and down matrices stay in their GGUF types
 (Q4_0, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K, F16, BF16, F32) and are multiplied by `kernels/qmatmul.c`
 straight from the mapped bytes, inside the C decoder layer (`kernels/decoder_layer.c`, numerics
 "gguf"): one call runs every layer for the rows of one sequence or of many (`rows.Rows`, paged
@@ -18,7 +18,7 @@ sequences share its call, on the thread count or on the instruction set. Lossles
 the same numerics), batched or alone, from the prefix cache or not.
 
 The math is transformers' for the architecture (Llama, Qwen2, Gemma 3 text), fed from the GGUF
-metadata's config (`gguf_model`): rotary tables from the architecture's own rotary module, the
+metadata's config (`gguf.metadata`): rotary tables from the architecture's own rotary module, the
 sliding windows, query scaling and activation of its config. Two conventions of llama.cpp's
 converter are undone in place instead of copying weights: Gemma's norm weights are stored as
 1 + w (the C layer multiplies by them directly, as Gemma's norm does by 1 + w), and a Llama's q
@@ -35,7 +35,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..cache import StaticKV, Tree
+from .static_kv import StaticKV, Tree
 from ..errors import ModelLoadError
 from . import qmatmul
 from .linear import FusedNorm
@@ -112,7 +112,7 @@ class GgufDecoder:
     blocks: dict = {}  # no int8 block forms: the file's blocks are multiplied as they are
 
     def __init__(self, gguf, kernel):
-        """gguf: a `gguf_model.GgufModel`; kernel: the loaded `blockmm.Kernel` (qmatmul.c with it)."""
+        """gguf: a `gguf.metadata.GgufModel`; kernel: the loaded `blockmm.Kernel` (qmatmul.c with it)."""
         config = gguf.config
         if config.model_type not in ARCHITECTURES:
             raise ModelLoadError(f"{gguf.name}: architecture {config.model_type!r} is not one the GGUF runtime runs "

@@ -92,7 +92,7 @@ def check_numerics(value: str) -> None:
 
 
 class BlockLinear:
-    """A `Linear` whose weight also has an exact int8 block form (`gguf_blocks.BlockWeights`),
+    """A `Linear` whose weight also has an exact int8 block form (`gguf.blocks.BlockWeights`),
     multiplied by the block kernel (`blockmm`), which reads a quarter of the bytes, in `numerics`:
     "int8" (activations quantized per block, batch-invariant) at every width, so that a row's
     result never depends on how many rows share the call; "fp32" (float32 activations) for inputs

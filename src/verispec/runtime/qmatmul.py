@@ -5,7 +5,7 @@ as the other kernels, by `blockmm`: same variants, same `VERISPEC_KERNEL_ISA` ov
 a `QMatrix`, a zero-copy uint8 view of a tensor's bytes (a slice of the memory-mapped file) with its
 ggml type (F32, F16, BF16, Q4_0, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K) and shape [N outputs, K inputs]; the
 kernels multiply by those blocks directly (4.5-6.6 bits per weight for the K-quants instead of the
-~10 bits of the int8 block form in `gguf_blocks`), and `get_rows` dequantizes rows of one (an
+~10 bits of the int8 block form in `gguf.blocks`), and `get_rows` dequantizes rows of one (an
 embedding lookup) exactly as gguf-py's `dequantize` does.
 
 Why hand-written instead of ggml's kernels: the numerics must be batch-invariant and exact. Every

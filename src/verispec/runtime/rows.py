@@ -5,7 +5,7 @@ for many at once (a batch):
 
 - KV memory is paged: each layer's keys (and values) are a pool of blocks of `BLOCK` positions,
   [kv_heads, blocks * BLOCK, head_dim], and each sequence has a block table mapping its logical
-  blocks to the pool's. A contiguous cache (`cache.StaticKV`) is a pool whose one sequence has
+  blocks to the pool's. A contiguous cache (`static_kv.StaticKV`) is a pool whose one sequence has
   the table 0, 1, 2, ...; a paged sequence (`kv_pool.PagedKV`) has the blocks it was given.
 - Row r is at position `positions[r]` and writes its key and value to logical slot `slots[r]`
   of its sequence (`sequences[r]`, a row of `tables`). It sees the positions up to its own: those

@@ -63,16 +63,16 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from ..batch import DEFAULT_MAX_ROWS
+from ..core.batch import DEFAULT_MAX_ROWS
 from ..errors import ConfigError, UnknownMethodError, VerispecError
-from ..lifecycle import Request as GenerationRequest
-from ..methods import TREE_MAX_NODES, MethodOptions, check_settings, method_request
-from ..model import Target
-from ..sampling import MAX_SEED, SamplingConfig
-from ..text import encode_messages, encode_prompt
+from ..request.lifecycle import Request as GenerationRequest
+from ..core.methods import TREE_MAX_NODES, MethodOptions, check_settings, method_request
+from ..target.model import Target
+from ..core.sampling import MAX_SEED, SamplingConfig
+from ..request.text import encode_messages, encode_prompt
 from .metrics import ServerMetrics
 from .schemas import ChatCompletionRequest, CompletionRequest
-from .worker import (DEFAULT_MAX_SEQUENCES, DONE, QUEUED, Delta, Event, Failed, Finished, Job, QueueFull, QueueTimeout,
+from .worker import (DEFAULT_MAX_SEQUENCES, DONE, QUEUED, Delta, Event, Failed, Finished, Ticket, QueueFull, QueueTimeout,
                      Started, Worker, WorkerStopped)
 
 
@@ -604,14 +604,14 @@ class Serving:
             raise _invalid(str(error)) from None
 
     # -- running a request's jobs and answering ------------------------------------------------
-    def submit(self, body, generation: GenerationRequest) -> tuple[list[Job], asyncio.Queue]:
+    def submit(self, body, generation: GenerationRequest) -> tuple[list[Ticket], asyncio.Queue]:
         """The request's n jobs, queued in the worker, and the queue their (choice, event) pairs
         arrive in; a full queue is a 429 (with Retry-After), a stopping worker a 503."""
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[tuple[int, Event]] = asyncio.Queue()  # (choice, event)
         timeout = self.settings.timeout
         arrival = time.monotonic()
-        jobs = [Job(choice, _notifier(loop, events, i), deadline=None if timeout is None else arrival + timeout,
+        jobs = [Ticket(choice, _notifier(loop, events, i), deadline=None if timeout is None else arrival + timeout,
                     created=arrival, logprobs=body.logprobs_wanted())
                 for i, choice in enumerate(_choice_requests(generation, body.n or 1))]
         worker = self.worker
@@ -626,7 +626,7 @@ class Serving:
             raise APIError(503, str(error), "server_error", code="unavailable") from None
         return jobs, events
 
-    def cancel_all(self, jobs: list[Job]) -> None:
+    def cancel_all(self, jobs: list[Ticket]) -> None:
         for job in jobs:
             if job.state != DONE:
                 self.worker.cancel(job, "cancelled")
@@ -657,7 +657,7 @@ class Serving:
             self.stream(request, jobs, events, shape, first, include_usage), on_close=lambda: self.cancel_all(jobs),
             media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
-    async def complete(self, request: Request, jobs: list[Job], events: asyncio.Queue, shape: _Shape) -> Response:
+    async def complete(self, request: Request, jobs: list[Ticket], events: asyncio.Queue, shape: _Shape) -> Response:
         """The whole answer, once every choice has finished."""
         finished: dict[int, Finished] = {}
         while len(finished) < len(jobs):
@@ -671,7 +671,7 @@ class Serving:
                 raise _failure(event)
         return _JSON(shape.completion([finished[i] for i in range(len(jobs))]))
 
-    async def stream(self, request: Request, jobs: list[Job], events: asyncio.Queue, shape: _Shape,
+    async def stream(self, request: Request, jobs: list[Ticket], events: asyncio.Queue, shape: _Shape,
                      first: tuple[int, Event], include_usage: bool) -> AsyncIterator[str]:
         """The server-sent events of a stream, from its first event with text (or its end)."""
         n = len(jobs)
@@ -704,7 +704,7 @@ class Serving:
             yield shape.sse((exc if isinstance(exc, APIError) else _internal_error(exc)).body())
             yield "data: [DONE]\n\n"
 
-    async def next_event(self, request: Request, jobs: list[Job], events: asyncio.Queue) -> tuple[int, Event] | None:
+    async def next_event(self, request: Request, jobs: list[Ticket], events: asyncio.Queue) -> tuple[int, Event] | None:
         """The next (choice, event) of the request's jobs, consecutive text of one choice merged
         when the client reads slower than it is generated; None once the client has disconnected
         (the jobs are then cancelled). Jobs still waiting when their deadline passes leave the

@@ -25,7 +25,7 @@ from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
-from ..sampling import MAX_SEED  # seeds are unsigned 64-bit integers (torch generators)
+from ..core.sampling import MAX_SEED  # seeds are unsigned 64-bit integers (torch generators)
 
 
 def _show(value) -> str:

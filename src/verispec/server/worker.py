@@ -40,13 +40,13 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
-from ..batch import DEFAULT_MAX_ROWS, BatchEngine
-from ..batch import Job as EngineJob
+from ..core.batch import DEFAULT_MAX_ROWS, BatchEngine
+from ..core.batch import Job as EngineJob
 from ..errors import VerispecError
-from ..lifecycle import Generation, GenerationResult, Request
-from ..model import Target
+from ..request.lifecycle import Generation, GenerationResult, Request
+from ..target.model import Target
 from ..runtime.openmp import release_thread_pool
-from ..stats import GenerationStats
+from ..core.stats import GenerationStats
 
 log = logging.getLogger("verispec.server")
 
@@ -137,8 +137,8 @@ _ids = itertools.count(1)
 
 
 @dataclass(eq=False)
-class Job:
-    """One request on its way through the worker.
+class Ticket:
+    """One request on its way through the worker (its ticket: the batch engine makes its own `batch.Job` of it).
 
     request: the validated library request. notify: called on the worker thread with each
     event; it must not block. deadline: a `time.monotonic()` value after which the job ends with
@@ -190,9 +190,9 @@ class Worker:
         self.max_queue = max_queue
         self.observer = observer or _NoObserver()
         self.engine = BatchEngine(target, max_rows, max_sequences)
-        self._inbox: collections.deque[Job] = collections.deque()  # submitted, not yet handed to the engine
-        self._waiting: list[Job] = []  # handed to the engine, not yet running
-        self._running: list[Job] = []
+        self._inbox: collections.deque[Ticket] = collections.deque()  # submitted, not yet handed to the engine
+        self._waiting: list[Ticket] = []  # handed to the engine, not yet running
+        self._running: list[Ticket] = []
         # Seconds the last RECENT_JOBS jobs ran (queue wait not included).
         self.recent_run_s: collections.deque[float] = collections.deque(maxlen=RECENT_JOBS)
         self._lock = threading.Condition()
@@ -261,11 +261,11 @@ class Worker:
             self._thread.join(timeout)
 
     # -- admission and cancellation -------------------------------------------------------------
-    def submit(self, job: Job) -> None:
+    def submit(self, job: Ticket) -> None:
         """Queue `job`; raises QueueFull when `max_queue` jobs are already waiting."""
         self.submit_all([job])
 
-    def submit_all(self, jobs: list[Job]) -> None:
+    def submit_all(self, jobs: list[Ticket]) -> None:
         """Queue `jobs` together (the choices of one request), or none of them (QueueFull)."""
         with self._lock:
             if self._stopping:
@@ -275,7 +275,7 @@ class Worker:
             self._inbox.extend(jobs)
             self._lock.notify()
 
-    def cancel(self, job: Job, reason: str = "cancelled") -> bool:
+    def cancel(self, job: Ticket, reason: str = "cancelled") -> bool:
         """Cancel `job`. A waiting job leaves the queue at once (returns True; no event follows);
         a running one stops at its next step and then reports Finished (returns False)."""
         with self._lock:
@@ -290,7 +290,7 @@ class Worker:
         self._set_cancel(job, reason)
         return False
 
-    def _set_cancel(self, job: Job, reason: str) -> None:
+    def _set_cancel(self, job: Ticket, reason: str) -> None:
         if not job.cancel_flag.is_set():
             job.cancel_reason = reason
             job.cancel_flag.set()
@@ -320,7 +320,7 @@ class Worker:
                         self.engine.cancel(job.engine_job, "error")
                     self._fail(job, RuntimeError("the worker failed"), user_error=False)
 
-    def _hand_over(self, job: Job) -> None:
+    def _hand_over(self, job: Ticket) -> None:
         """Build `job`'s recipe and give it to the engine (a bad request fails here)."""
         if job.cancelled:
             return  # cancelled while waiting: its canceller was answered
@@ -379,7 +379,7 @@ class Worker:
                 self._begin(job)
             self._deliver(job, committed)
 
-    def _begin(self, job: Job) -> None:
+    def _begin(self, job: Ticket) -> None:
         with self._lock:
             if job.state != QUEUED:
                 return
@@ -389,7 +389,7 @@ class Worker:
         job.started = time.monotonic()
         job.emit(Started(job.started - job.created))
 
-    def _deliver(self, job: Job, committed: list[int]) -> None:
+    def _deliver(self, job: Ticket, committed: list[int]) -> None:
         """A job's tokens of this step: its text so far as a Delta, its end as Finished or Failed
         (a stop string ends its engine job: `Generation.push`)."""
         engine_job = job.engine_job
@@ -415,7 +415,7 @@ class Worker:
             else:
                 self._end(job, engine_job.stats.stop_reason or engine_job.finish_reason or "length")
 
-    def _end(self, job: Job, reason: str) -> None:
+    def _end(self, job: Ticket, reason: str) -> None:
         """Finished: the text so far (the held-back tail too, unless cut short), its stats."""
         generation = job.generation
         cut_short = reason in ("cancelled", "timeout")
@@ -443,12 +443,12 @@ class Worker:
         job.emit(Finished(result, "".join(job.parts), reason, job.started - job.created if job.started else 0.0,
                            logprobs))
 
-    def _fail(self, job: Job, error: BaseException, user_error: bool) -> None:
+    def _fail(self, job: Ticket, error: BaseException, user_error: bool) -> None:
         self.observer.failed(job.request.method, user_error)
         self._leave(job)
         job.emit(Failed(error, user_error=user_error))
 
-    def _leave(self, job: Job) -> None:
+    def _leave(self, job: Ticket) -> None:
         """`job` is done: out of the waiting or running list."""
         with self._lock:
             if job in self._running:

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from ..errors import ConfigError
-from ..text import PLAIN_TEMPLATE
+from ..request.text import PLAIN_TEMPLATE
 
 DATA = Path(__file__).parent / "data"
 PROMPTS_PATH = DATA / "prompts.jsonl"

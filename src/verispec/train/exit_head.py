@@ -37,8 +37,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from .. import torch_path
-from ..drafters.early_exit import ExitHead, save_head
+from ..target import torch_path
+from ..core.drafters.early_exit import ExitHead, save_head
 from ..errors import ConfigError
 from .corpus import read_corpus, token_sequences
 
