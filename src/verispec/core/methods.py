@@ -11,7 +11,7 @@ import sys
 from collections import OrderedDict
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 from .acceptance import verify_joint, verify_lossless
 from .control import CUTS_AFTER_DRAFTING, ControllerMemory, controller_name, parse_controller
@@ -23,7 +23,7 @@ from .drafters.suffix import SuffixConfig, SuffixDrafter
 from .engine import Recipe, Rule
 from ..errors import ConfigError, ModelLoadError, UnknownMethodError
 from ..target.model import Target
-from ..target.loading import DEFAULT_MODEL_NAME, load
+from ..target.loading import load
 from ..runtime.fastpath import BLOCK_KERNEL_MAX_ROWS
 from .sampling import SamplingConfig
 
@@ -106,6 +106,20 @@ class Method:
     # Under sampling its drafts are drawn from a draft distribution q (`Draft.drawn`): a
     # controller that cuts a draft after seeing it (`adaptive`) would bias what is accepted.
     draws: bool = False
+    # The `MethodOptions` fields its drafter and rule read, besides the draft length and the
+    # controller (which every method that drafts reads): what a shell may set for it.
+    settings: frozenset = frozenset()
+
+    def reads(self, setting: str, options: "MethodOptions | None" = None) -> bool:
+        """Whether this method reads `setting` (a `MethodOptions` field) under `options`: the draft
+        length and the controller where it drafts at all; the exit head (and its form) not where
+        a draft model replaces it."""
+        if setting in ("draft_length", "controller"):
+            return self.default_length > 0
+        if setting in HEAD_SETTINGS and "draft_model" in self.settings and options is not None \
+                and options.draft_model is not None:
+            return False
+        return setting in self.settings
 
 
 def trained_head_dir(target) -> Path:
@@ -171,6 +185,10 @@ def draft_lm(target: Target, options: MethodOptions) -> DraftLM:
 
 
 MTAD_SAMPLING = {"temperature": 1.0, "top_k": 10, "top_p": 0.9}
+HEAD_SETTINGS = frozenset({"exit_head", "head_int8"})  # the EESD exit head a drafter reads
+DRAFT_LM_SETTINGS = frozenset({"draft_model", *HEAD_SETTINGS})  # sps and mtad: a draft model, else the head
+NGRAM_SETTINGS = frozenset({"ngram_max_n", "ngram_memory", "tree", "span_min"})
+SUFFIX_SETTINGS = frozenset({"ngram_memory", "max_tree_depth", "max_spec_factor", "min_token_prob", "max_cached_requests"})
 
 
 # Draft lengths and controllers chosen by measurement on the default model; see README.
@@ -180,22 +198,26 @@ METHODS: dict[str, Method] = {
         Method("ar", "autoregressive decoding: one target forward per token (the baseline)", True, 0,
                lambda target, options, sampling: NullDrafter()),
         Method("pld", "prompt lookup: copy what followed the last n-gram match in the context", True, 10,
-               lambda target, options, sampling: PromptLookupDrafter(options.pld_max_ngram)),
+               lambda target, options, sampling: PromptLookupDrafter(options.pld_max_ngram),
+               settings=frozenset({"pld_max_ngram"})),
         Method("anpd", "ANPD: adaptive multi-level n-gram tables from the prompt and the output", True, 16,
                lambda target, options, sampling: AnpdDrafter.for_target(
                    target.attachments, NgramConfig(max_n=options.ngram_max_n, span_min=options.span_min), options.ngram_memory,
                    _tree_budget(target, options.tree)),
-               "adaptive"),
+               "adaptive", settings=NGRAM_SETTINGS),
         Method("eesd", "EESD: the target's first layers plus a trained exit head, Thompson-sampled length",
-               True, 8, _eesd, "calibrated-ts", draws=True),
+               True, 8, _eesd, "calibrated-ts", draws=True, settings=HEAD_SETTINGS),
         Method("sps", "speculative sampling with an auxiliary drafter (default: the EESD exit head)", True, 2,
-               lambda target, options, sampling: SampledDrafter(draft_lm(target, options), sampling), draws=True),
+               lambda target, options, sampling: SampledDrafter(draft_lm(target, options), sampling), draws=True,
+               settings=DRAFT_LM_SETTINGS),
         Method("mtad", "MTAD: beam-sampled drafts, joint-likelihood acceptance (approximate joint decoding)",
                False, 2, lambda target, options, sampling: BeamDrafter(
                    draft_lm(target, options), options.beams, sampling, options.no_repeat_ngram),
-               make_rule=lambda options: verify_joint(options.tau), default_sampling=MTAD_SAMPLING, draws=True),
+               make_rule=lambda options: verify_joint(options.tau), default_sampling=MTAD_SAMPLING, draws=True,
+               settings=DRAFT_LM_SETTINGS | {"beams", "tau", "no_repeat_ngram"}),
         Method("suffix", "SuffixDecoding: suffix trees over the prompt and earlier outputs (make suffix)", True, 24,
-               lambda target, options, sampling: SuffixDrafter.for_target(target.attachments, options.suffix_config())),
+               lambda target, options, sampling: SuffixDrafter.for_target(target.attachments, options.suffix_config()),
+               settings=SUFFIX_SETTINGS),
     )
 }
 
@@ -212,9 +234,31 @@ def _flag(value: str) -> bool:
 
 _DEFAULT_OPTIONS = MethodOptions()
 
-SUFFIX_OPTIONS = {"max_tree_depth": int, "max_spec_factor": float, "min_token_prob": float, "max_cached_requests": int}
-VARIANT_OPTIONS = {"tau": float, "beams": int, "no_repeat_ngram": int, "head_int8": _flag, "ngram_memory": _flag, "tree": int, "span_min": int,
-                   **SUFFIX_OPTIONS}
+# The settings a method spec may give (`parse_variant`), with how each is read from text.
+VARIANT_OPTIONS = {"tau": float, "beams": int, "no_repeat_ngram": int, "head_int8": _flag, "ngram_memory": _flag,
+                   "tree": int, "span_min": int, "max_tree_depth": int, "max_spec_factor": float,
+                   "min_token_prob": float, "max_cached_requests": int}
+
+
+def users_of(setting: str, options: MethodOptions | None = None) -> list[str]:
+    """The methods that read `setting` (under `options`), in registry order."""
+    return [name for name, method in METHODS.items() if method.reads(setting, options)]
+
+
+def refuse_unread(names: Sequence[str], given: dict[str, str], options: MethodOptions | None = None,
+                  also_read_by: dict[str, Sequence[str]] | None = None) -> None:
+    """A ConfigError for a setting that none of the methods `names` reads: `given` maps each
+    setting a user gave to how the user gave it (a CLI flag, a field), `also_read_by` names
+    other readers of a setting (a benchmark's peers). A silently ignored setting makes a run, a
+    benchmark above all, measure something other than what was asked."""
+    also_read_by = also_read_by or {}
+    for setting, shown in given.items():
+        readers = [*users_of(setting, options), *also_read_by.get(setting, ())]
+        if not set(readers) & set(names):
+            note = ""
+            if setting in HEAD_SETTINGS and options is not None and options.draft_model is not None:
+                note = " (sps and mtad draft with the draft model, not with the exit head)"
+            raise ConfigError(f"{shown} is used only by {', '.join(readers)}, not by {', '.join(names)}{note}")
 
 
 def parse_variant(spec: str) -> tuple[str, str | None, dict]:
@@ -231,23 +275,25 @@ def parse_variant(spec: str) -> tuple[str, str | None, dict]:
     for part in parts:
         key, equals, value = part.partition("=")
         if not equals:
+            if controller is not None:
+                raise ConfigError(f"in {spec!r}: two controllers, {controller!r} and {part!r}; give one")
             controller = part
             parse_controller(controller, method.default_length or 1)
             continue
         if key not in VARIANT_OPTIONS:
             raise ConfigError(f"in {spec!r}: unknown option {key!r} (known: {', '.join(VARIANT_OPTIONS)})")
+        if key in overrides:
+            raise ConfigError(f"in {spec!r}: {key} is given twice; give it once")
+        if not method.reads(key):
+            users = "/".join(users_of(key))
+            raise ConfigError(f"in {spec!r}: {key} is {'an' if users[0] in 'aeiou' else 'a'} {users} option, "
+                              f"not one of {method.name}")
         try:
             overrides[key] = VARIANT_OPTIONS[key](value)
         except ValueError:
             kind = {_flag: "true or false", int: "an integer"}.get(VARIANT_OPTIONS[key], "a number")
             raise ConfigError(f"in {spec!r}: {key} must be {kind}, got {value!r}") from None
     MethodOptions(**overrides)  # validates the values
-    for key in ("tree", "span_min"):
-        if overrides.get(key) and method.name != "anpd":
-            raise ConfigError(f"in {spec!r}: {key} is an anpd option")
-    for key in SUFFIX_OPTIONS:
-        if key in overrides and method.name != "suffix":
-            raise ConfigError(f"in {spec!r}: {key} is a suffix option")
     return method.name, controller, overrides
 
 
