@@ -327,7 +327,7 @@ class _ErrorGuard:
 
 
 class _AuthMiddleware:
-    """Requires `Authorization: Bearer KEY` on every path except OPEN_PATHS."""
+    """Requires `Authorization: Bearer KEY`, exactly once, on every path except OPEN_PATHS."""
 
     def __init__(self, app, api_key: str):
         self.app, self.key = app, api_key.encode()
@@ -335,9 +335,13 @@ class _AuthMiddleware:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
             return await self.app(scope, receive, send)
-        header = dict(scope["headers"]).get(b"authorization", b"")
+        headers = [value for name, value in scope["headers"] if name == b"authorization"]
+        header = headers[0] if len(headers) == 1 else b""
         scheme, _, token = header.partition(b" ")
-        if not header:
+        if len(headers) > 1:  # which one would count is no choice to make for the client
+            error = APIError(401, f"{len(headers)} Authorization headers: send exactly one", code="invalid_api_key",
+                             headers={"WWW-Authenticate": "Bearer"})
+        elif not header:
             error = APIError(401, "missing API key: send the header 'Authorization: Bearer <key>'",
                              code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
         elif scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.key):
@@ -581,8 +585,13 @@ class Serving:
                 f"this model's context is {target.max_length} tokens, but {len(ids) + max_tokens} were requested "
                 f"({len(ids)} in the {prompt_param}, {max_tokens} for the completion); lower {budget_param}",
                 param=budget_param, code="context_length_exceeded")
-        refusal = self.worker.engine.refusal(len(ids), max_tokens)  # the batch engine's own check: it could never run
+        engine = self.worker.engine
+        refusal = engine.refusal(len(ids), max_tokens)  # the batch engine's own check: it could never run
         if refusal is not None:
+            alone = engine.refusal(len(ids), 1)  # the prompt with one token to generate
+            if alone is not None:  # no max_tokens would do
+                raise _invalid(f"the {prompt_param} ({len(ids)} tokens) can never fit this server's KV memory: "
+                               f"{alone}; shorten it", param=prompt_param, code="kv_memory_exceeded")
             raise _invalid(f"this request can never fit this server's KV memory: {refusal}; lower {budget_param}",
                            param=budget_param, code="kv_memory_exceeded")
         temperature = 1.0 if body.temperature is None else body.temperature
@@ -597,7 +606,8 @@ class Serving:
         try:
             check_settings(name, options, sampling)
         except ConfigError as error:  # settings that do not go with this request's sampling
-            raise _invalid(str(error), param="method") from None
+            param = "temperature" if str(error).startswith("temperature") else "method"  # greedy for mtad
+            raise _invalid(str(error), param=param) from None
         try:
             return GenerationRequest(tuple(ids), name, max_tokens, sampling, body.stop_strings(), options)
         except ConfigError as error:
