@@ -1,5 +1,6 @@
 """Helpers for the server tests: a Target with fault and delay hooks, and a real uvicorn server
-running in a background thread on 127.0.0.1 and a free port.
+(configured as `verispec serve` configures it) running in a background thread on 127.0.0.1 and a
+free port.
 
 The server is the real stack (uvicorn, the ASGI app, the worker thread); only the model is a tiny
 random-weight Llama over the character tokenizer of `helpers`, so every test talks HTTP to it as
@@ -19,6 +20,7 @@ import helpers
 from verispec.target.model import Target
 from verispec.target.sequence import TargetSequence
 from verispec.server import ServerSettings, create_app
+from verispec.server.connections import uvicorn_config
 
 # Prompts containing these strings trigger a hook during their prefill (see HookedTarget).
 FAIL_MARKER = "qxqxq"  # the forward raises: an internal error in generation
@@ -114,7 +116,7 @@ class RunningServer:
         sock.bind(("127.0.0.1", 0))  # a free port, held from now on: no race with other tests
         self.port = sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(self.app, log_level="warning", lifespan="on", timeout_graceful_shutdown=2)
+        config = uvicorn_config(self.app, settings, log_level="warning", timeout_graceful_shutdown=2)
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True,
                                        name=f"uvicorn-{self.port}")

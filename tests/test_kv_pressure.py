@@ -195,7 +195,8 @@ def test_the_server_queues_what_fits_and_refuses_only_what_never_can(tmp_path):
     """With 3 blocks of KV memory (192 positions): two choices of a 64-token prompt with 40 new
     tokens each need 2 blocks apiece and were refused as 8 ("at most half the pool"); they wait
     and both complete. A request that needs more than the whole pool is refused with a 400
-    (kv_memory_exceeded); one that names no max_tokens gets what the pool leaves."""
+    (kv_memory_exceeded) naming max_tokens, or the prompt where the prompt alone could never fit;
+    one that names no max_tokens gets what the pool leaves."""
     import httpx
 
     from verispec.server import ServerSettings
@@ -217,6 +218,15 @@ def test_the_server_queues_what_fits_and_refuses_only_what_never_can(tmp_path):
         assert texts == expected
         huge = httpx.post(server.url + "/v1/completions", json={"prompt": "a" * 100, "max_tokens": 120})
         assert huge.status_code == 400 and huge.json()["error"]["code"] == "kv_memory_exceeded", huge.text
+        assert huge.json()["error"]["param"] == "max_tokens" and "lower max_tokens" in huge.text
+        for path, prompt, param in (("/v1/completions", {"prompt": "a" * 200}, "prompt"),  # 4 blocks alone
+                                    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a" * 200}]},
+                                     "messages")):
+            too_long = httpx.post(server.url + path, json={**prompt, "max_tokens": 5})
+            error = too_long.json()["error"]
+            assert too_long.status_code == 400 and error["code"] == "kv_memory_exceeded", too_long.text
+            assert error["param"] == param and "shorten it" in error["message"], error
+            assert "max_tokens" not in error["message"], error  # no max_tokens would do
         unsized = httpx.post(server.url + "/v1/completions", json={"prompt": "a" * 100, "temperature": 0},
                              timeout=sh.HANG_GUARD_S)
         assert unsized.status_code == 200 and unsized.json()["usage"]["completion_tokens"] == 3 * BLOCK - 100

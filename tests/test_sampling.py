@@ -1,5 +1,6 @@
 """Logits -> probabilities: the fast path equals the slow reference; top-k / top-p keep the right
-sets; SamplingConfig rejects bad values."""
+sets; every valid configuration (top_p and temperature down to the smallest double included)
+gives a distribution that keeps the most likely token; SamplingConfig rejects bad values."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from verispec.core import sampling as sampling_module
 from verispec.errors import ConfigError
@@ -99,6 +102,50 @@ def test_top_p_keeps_the_smallest_set_reaching_p(top_p, kept):
     assert set(torch.nonzero(probs[0]).flatten().tolist()) == kept
     renormalised = torch.tensor([probs_in[i] for i in sorted(kept)])
     torch.testing.assert_close(probs[0, sorted(kept)], renormalised / renormalised.sum())
+
+
+@pytest.mark.parametrize("top_k", [0, 3])
+@pytest.mark.parametrize("top_p", [1e-46, 1e-300, 5e-324, 1e-45])  # 0 in float32 (1e-45: its smallest)
+def test_a_top_p_below_float32s_range_keeps_the_most_likely_token(top_p, top_k):
+    logits = torch.tensor([[0.3, 2.0, -1.0, 1.5], [5.0, 0.0, 0.0, 4.9]])
+    config = SamplingConfig(temperature=1.0, top_k=top_k, top_p=top_p)
+    for probs in (probabilities(logits, config), probabilities_reference(logits, config)):
+        assert torch.equal(probs, torch.tensor([[0.0, 1.0, 0.0, 0.0], [1.0, 0.0, 0.0, 0.0]])), probs
+    assert sample(probabilities(logits, config)[0], torch.Generator().manual_seed(0)) == 1
+
+
+@pytest.mark.parametrize("temperature", [5e-324, 1e-300, 1e-46, 1e-40, 1e-7])
+def test_a_tiny_temperature_is_the_argmax_not_nan(temperature):
+    logits = torch.tensor([[0.3, 2.0, -1.0, 1.5], [-3.0, -3.0, -7.0, -4.0]])  # a tie in row 1
+    for top_k, top_p in ((0, 1.0), (2, 1.0), (0, 0.5)):
+        config = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p)
+        fast, slow = probabilities(logits, config), probabilities_reference(logits, config)
+        assert torch.equal(fast[0], torch.tensor([0.0, 1.0, 0.0, 0.0])), fast
+        assert torch.equal(slow[0], fast[0])
+        assert torch.isfinite(fast).all() and fast[1, 2:].sum() == 0  # only the tied maxima
+        if top_p == 1.0:
+            assert torch.equal(fast[1], torch.tensor([0.5, 0.5, 0.0, 0.0])) and torch.equal(slow[1], fast[1])
+
+
+VALID_CONFIGS = st.builds(
+    SamplingConfig,
+    temperature=st.one_of(st.floats(min_value=0, max_value=2), st.sampled_from([5e-324, 1e-300, 1e-45, 2.0])),
+    top_k=st.one_of(st.integers(0, 12), st.integers(min_value=0)),
+    top_p=st.one_of(st.floats(min_value=0, max_value=1, exclude_min=True),
+                    st.sampled_from([5e-324, 1e-300, 1e-46, 1e-45, 1.0 - 1e-16, 1.0])),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(config=VALID_CONFIGS, seed=st.integers(0, 2**31 - 1), scale=st.sampled_from([0.01, 1.0, 30.0, 1e4]))
+def test_every_valid_config_gives_a_distribution_that_keeps_the_argmax(config, seed, scale):
+    logits = torch.randn(3, 40, generator=torch.Generator().manual_seed(seed)) * scale
+    probs = probabilities(logits, config)
+    assert torch.isfinite(probs).all() and (probs >= 0).all(), probs
+    torch.testing.assert_close(probs.sum(-1), torch.ones(3), rtol=0, atol=1e-5)
+    assert (probs.gather(-1, logits.argmax(-1, keepdim=True)) > 0).all()
+    if not config.greedy:
+        assert 0 <= sample(probs[0], torch.Generator().manual_seed(seed)) < 40
 
 
 def test_top_p_reads_tokens_in_probability_order_not_index_order():

@@ -38,7 +38,7 @@ from verispec.core.methods import MethodOptions
 from verispec.core.sampling import SamplingConfig
 from verispec.server import ServerSettings
 from verispec.server.metrics import ServerMetrics
-from verispec.server.worker import RECENT_JOBS, Ticket, Worker
+from verispec.server.worker import RECENT_JOBS, QueueFull, Ticket, Worker
 from verispec.core.stats import GenerationStats
 from verispec.request.text import encode_messages
 
@@ -242,6 +242,25 @@ def test_settings_a_method_refuses_while_sampling_are_a_400(main_server):
     assert "adaptive controller" in error["message"] and error["param"] == "method", error
 
 
+@pytest.mark.parametrize("path,prompt", [("/v1/completions", {"prompt": "hi"}),
+                                         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})])
+def test_greedy_mtad_is_a_400_naming_the_temperature(main_server, path, prompt):
+    body = {**prompt, "max_tokens": 4, "method": "mtad", "temperature": 0}
+    error = assert_error(post(main_server.url + path, headers=auth(), json=body), 400, "temperature")
+    assert "temperature must be > 0 for mtad" in error["message"], error
+
+
+@pytest.mark.parametrize("method,fragment", [
+    ("anpd/tree=8/tree=9", "tree is given twice"),
+    ("mtad/tau=0.1/beams=2/tau=0.2", "tau is given twice"),
+    ("pld/constant:4/constant:8", "the controller is given twice"),
+])
+def test_a_method_setting_given_twice_is_a_400(main_server, method, fragment):
+    body = {"prompt": "hi", "max_tokens": 2, "method": method}
+    error = assert_error(post(main_server.url + "/v1/completions", headers=auth(), json=body), 400, "method")
+    assert fragment in error["message"], error
+
+
 def test_completion_stream_reassembles(client):
     kwargs = dict(model=MODEL_ID, prompt="the cat sat", max_tokens=30, **GREEDY)
     whole = client.completions.create(**kwargs)
@@ -412,6 +431,15 @@ def test_api_key_is_required(main_server, client):
         client_for(main_server, key="wrong").completions.create(model=MODEL_ID, prompt="hi", max_tokens=2)
     assert get(main_server.url + "/health").status_code == 200
     assert client.completions.create(model=MODEL_ID, prompt="hi", max_tokens=2).choices[0].text is not None
+
+
+def test_two_authorization_headers_are_refused_whichever_comes_last(main_server):
+    body = b'{"prompt": "hi", "max_tokens": 2}'
+    for keys in ((KEY, "wrong"), ("wrong", KEY), (KEY, KEY)):
+        headers = [("Content-Type", "application/json")] + [("Authorization", f"Bearer {key}") for key in keys]
+        response = post(main_server.url + "/v1/completions", content=body, headers=headers)
+        assert "exactly one" in assert_error(response, 401, code="invalid_api_key")["message"]
+    assert post(main_server.url + "/v1/completions", content=body, headers=JSON_HEADERS).status_code == 200
 
 
 # -- malformed input: a 4xx in OpenAI's shape on a connection that stays usable -------------------
@@ -723,6 +751,33 @@ def test_retry_after_estimate_uses_the_queue_and_recent_run_times(reference):
     worker.recent_run_s.extend([5.0] * RECENT_JOBS)  # only the recent jobs count
     assert worker.estimated_wait() == pytest.approx(3 * 5.0)
     assert len(worker.recent_run_s) == RECENT_JOBS
+
+
+def test_the_choices_of_one_request_count_once_in_the_queue(reference):
+    """A request with n choices takes one of --max-queue's places: with a queue of one, n=5 is
+    queued (it was refused with 429 forever: a retry could never succeed), a second request is
+    not, and the queue is free again once the choices have left it."""
+    worker = Worker(reference, max_queue=1)  # not started: submitted jobs stay queued
+    request = GenerationRequest((1, 2, 3), "ar", 4, SamplingConfig(), (), MethodOptions())
+    choices = [Ticket(request, lambda event: None) for _ in range(5)]
+    worker.submit_all(choices)
+    assert worker.queue_length == 1 and worker.queued_jobs == 5
+    with pytest.raises(QueueFull):
+        worker.submit(Ticket(request, lambda event: None))
+    for job in choices[:4]:
+        worker.cancel(job)
+    assert worker.queue_length == 1
+    worker.cancel(choices[4])
+    assert worker.queue_length == 0
+    worker.submit(Ticket(request, lambda event: None))
+
+
+def test_more_choices_than_the_queue_holds_are_served(slow_server):
+    sh.wait_until(lambda: not slow_server.worker.busy and slow_server.worker.queue_length == 0)
+    response = post(slow_server.url + "/v1/completions",  # --max-queue 1
+                    json={"prompt": "hi", "max_tokens": 2, "n": 5, "temperature": 0.7, "seed": 1})
+    assert response.status_code == 200, response.text
+    assert len(response.json()["choices"]) == 5
 
 
 def _metric(server, name: str, **labels: str) -> float:

@@ -657,11 +657,18 @@ def serve(
     prefix_cache: bool = typer.Option(True, "--prefix-cache/--no-prefix-cache", help="Keep computed prompt blocks for later requests that start with them (outputs are identical either way)."),
     draft_model: Optional[str] = typer.Option(None, "--draft-model", help="Draft model of sps and mtad requests (same tokenizer; default: the EESD exit head)."),
     exit_head: Optional[str] = EXIT_HEAD_OPTION,
+    max_body: str = typer.Option("4MiB", "--max-body", help="Largest request body (e.g. 4MiB, 500000); a larger one gets 413 before it is read."),
+    max_prompt_chars: int = typer.Option(1_000_000, "--max-prompt-chars", help="Most characters of a prompt (or of a chat's messages), checked before tokenizing; more get 400."),
+    max_connections: int = typer.Option(1000, "--max-connections", help="Connections open at once; one more gets 503 and is closed."),
+    header_timeout: float = typer.Option(10.0, "--header-timeout", help="Seconds a connection may take to send a request's headers (0 = no limit)."),
+    body_timeout: float = typer.Option(60.0, "--body-timeout", help="Seconds a request may take to send its body once the headers are in; 408 after (0 = no limit)."),
 ) -> None:
     """Serve the model over an OpenAI-compatible HTTP API: requests are decoded together in a continuous batch."""
     from .target.loading import resolve_dtype
+    from .runtime.kv_pool import parse_bytes
     from .server import ServerSettings, create_app, default_model_id
     from .server.app import served_method
+    from .server.connections import ensure_file_limit, uvicorn_config
     from .request.text import checked_text
 
     try:
@@ -675,6 +682,10 @@ def serve(
         resolve_dtype(dtype)
         if not 0 <= port <= 65535:
             _fail(f"--port must be in 0..65535, got {port}")
+        try:
+            max_body_bytes = parse_bytes(max_body)
+        except VerispecError as error:
+            _fail(f"--max-body: {error}")
         settings = ServerSettings(
             model_id=model_id if model_id is not None else default_model_id(model),
             default_method=method,
@@ -686,12 +697,16 @@ def serve(
             max_rows=max_rows,
             draft_model=draft_model,
             exit_head=exit_head,
+            max_body_bytes=max_body_bytes,
+            max_prompt_chars=max_prompt_chars,
+            max_connections=max_connections,
+            header_timeout=header_timeout,
+            body_timeout=body_timeout,
         )
+        ensure_file_limit(max_connections)
         for option, path in (("--draft-model", draft_model), ("--exit-head", exit_head)):
             if path is not None and not Path(path).expanduser().exists():
                 _fail(f"{option}: {path} not found")
-        from .runtime.kv_pool import parse_bytes
-
         kv_bytes = None if kv_memory is None else parse_bytes(kv_memory)
         sock = _listen(host, port)
         target = _load(model, dtype, fast, block_kernel, numerics, device, compile)
@@ -723,8 +738,7 @@ def serve(
     err.print(f"serving {target.name} as '{settings.model_id}' ({str(target.dtype).replace('torch.', '')} on "
               f"{target.device}, method {method}; {batching}) at {url}", highlight=False, soft_wrap=True)
     print(url, flush=True)
-    config = uvicorn.Config(create_app(target, settings), log_level="info", lifespan="on",
-                            timeout_graceful_shutdown=5)
+    config = uvicorn_config(create_app(target, settings), settings, log_level="info", timeout_graceful_shutdown=5)
     uvicorn.Server(config).run(sockets=[sock])
 
 

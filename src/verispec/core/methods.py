@@ -120,6 +120,8 @@ class Method:
                 and options.draft_model is not None:
             return False
         return setting in self.settings
+    # It only samples (mtad's beams): greedy decoding (temperature 0) is refused.
+    samples_only: bool = False
 
 
 def trained_head_dir(target) -> Path:
@@ -214,7 +216,8 @@ METHODS: dict[str, Method] = {
                False, 2, lambda target, options, sampling: BeamDrafter(
                    draft_lm(target, options), options.beams, sampling, options.no_repeat_ngram),
                make_rule=lambda options: verify_joint(options.tau), default_sampling=MTAD_SAMPLING, draws=True,
-               settings=DRAFT_LM_SETTINGS | {"beams", "tau", "no_repeat_ngram"}),
+               settings=DRAFT_LM_SETTINGS | {"beams", "tau", "no_repeat_ngram"},
+               samples_only=True),
         Method("suffix", "SuffixDecoding: suffix trees over the prompt and earlier outputs (make suffix)", True, 24,
                lambda target, options, sampling: SuffixDrafter.for_target(target.attachments, options.suffix_config()),
                settings=SUFFIX_SETTINGS),
@@ -267,8 +270,8 @@ def parse_variant(spec: str) -> tuple[str, str | None, dict]:
     Used by the benchmark to run one method under several settings side by side, and by
     `with_settings` for every other shell's `method`, e.g.
     'eesd/constant:4', 'mtad/tau=0.1', 'eesd/head_int8=false', 'anpd/tree=8' or
-    'suffix/max_spec_factor=2'. KEY is one of VARIANT_OPTIONS.
-    Validated."""
+    'suffix/max_spec_factor=2'. KEY is one of VARIANT_OPTIONS; each setting (and the controller)
+    at most once. Validated."""
     name, *parts = spec.split("/")
     method = get_method(name.strip())
     controller, overrides = None, {}
@@ -276,14 +279,15 @@ def parse_variant(spec: str) -> tuple[str, str | None, dict]:
         key, equals, value = part.partition("=")
         if not equals:
             if controller is not None:
-                raise ConfigError(f"in {spec!r}: two controllers, {controller!r} and {part!r}; give one")
+                raise ConfigError(f"in {spec!r}: the controller is given twice, as {controller!r} and {part!r}; "
+                                  f"give only one")
             controller = part
             parse_controller(controller, method.default_length or 1)
             continue
         if key not in VARIANT_OPTIONS:
             raise ConfigError(f"in {spec!r}: unknown option {key!r} (known: {', '.join(VARIANT_OPTIONS)})")
         if key in overrides:
-            raise ConfigError(f"in {spec!r}: {key} is given twice; give it once")
+            raise ConfigError(f"in {spec!r}: {key} is given twice; give only one")
         if not method.reads(key):
             users = "/".join(users_of(key))
             raise ConfigError(f"in {spec!r}: {key} is {'an' if users[0] in 'aeiou' else 'a'} {users} option, "
@@ -380,10 +384,14 @@ def _tree_budget(target: Target, tree: int) -> int:
 
 def check_settings(name: str, options: MethodOptions, sampling: SamplingConfig) -> None:
     """A ConfigError where a method's settings do not go together, for any target: tree drafts for
-    a method other than anpd, or, under sampling, a controller that cuts a drawn draft after
-    seeing it (which would bias what is accepted). `build` checks it; shells call it first, to
-    refuse a request before it runs."""
+    a method other than anpd, greedy decoding for a method that only samples (its message begins
+    with "temperature"), or, under sampling, a controller that cuts a drawn draft after seeing it
+    (which would bias what is accepted). `build` checks it; shells call it first, to refuse a
+    request before it runs."""
     method = get_method(name)
+    if method.samples_only and sampling.greedy:
+        raise ConfigError(f"temperature must be > 0 for {method.name}, which samples its drafts (its default is "
+                          f"{(method.default_sampling or {}).get('temperature', 1.0):g})")
     if options.tree and method.name not in ("anpd", "ar"):  # ar drafts nothing, whatever the options say
         raise ConfigError(f"tree drafts (tree={options.tree}) are an anpd option, not one of {method.name}")
     spec = options.controller or method.default_controller

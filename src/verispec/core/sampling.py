@@ -8,6 +8,11 @@ The fast `probabilities` and the slow `probabilities_reference` must agree (test
 rounding, with the same support); the fast one works on the k best logits only when top-k is set,
 and otherwise avoids sorting the whole vocabulary (262,144 entries for Gemma 3) for top-p when the
 nucleus lies inside the top `_TOP_P_CANDIDATES` tokens, which it almost always does.
+
+Every valid configuration gives a distribution: the most likely token is always kept, whatever
+top_p (one below float32's smallest number is 0 there, and would keep nothing), and a temperature
+so small that logits / temperature would overflow (or round to 0 in float32) scales the logits
+less their row's maximum, in float64 (see `_scaled`).
 """
 
 from __future__ import annotations
@@ -22,6 +27,8 @@ from ..errors import ConfigError
 # How many of the most likely tokens are examined first for top-p; if their mass does not reach
 # top_p the full sort is used, so this is a speed knob, never a change of the result.
 _TOP_P_CANDIDATES = 1024
+# Below this temperature logits are scaled less their row's maximum, in float64 (`_scaled`).
+_TINY_TEMPERATURE = 1e-6
 
 
 @dataclass(frozen=True)
@@ -101,13 +108,24 @@ def probabilities(logits: torch.Tensor, config: SamplingConfig) -> torch.Tensor:
     scaled = logits.float()
     if config.greedy:
         return torch.softmax(scaled, dim=-1)
-    scaled = scaled / config.temperature
+    scaled = _scaled(scaled, config.temperature)
     vocab = scaled.shape[-1]
     if config.top_k and config.top_k < vocab:
         return _top_k_probabilities(scaled, config.top_k, config.top_p)
     if config.top_p < 1.0:
         scaled = _apply_top_p(scaled, config.top_p)
     return torch.softmax(scaled, dim=-1)
+
+
+def _scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """logits / temperature, [..., vocab] float32. Below _TINY_TEMPERATURE (where the quotient
+    could overflow to inf, and a temperature under float32's range would be 0) it is computed as
+    (logits - row max) / temperature in float64: the same softmax, the row's maximum exactly 0
+    and the rest negative or -inf, never NaN."""
+    if temperature >= _TINY_TEMPERATURE:
+        return logits / temperature
+    wide = logits.double()
+    return ((wide - wide.amax(dim=-1, keepdim=True)) / temperature).float()
 
 
 def _top_k_probabilities(scaled: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -121,7 +139,9 @@ def _top_k_probabilities(scaled: torch.Tensor, top_k: int, top_p: float) -> torc
     kept = torch.softmax(values, dim=-1)  # [n, k]
     if top_p < 1.0:
         mass_before = torch.cumsum(kept, dim=-1) - kept  # [n, k]
-        values = values.masked_fill(mass_before >= top_p, float("-inf"))  # first token always kept
+        outside = mass_before >= top_p  # a top_p that is 0 in float32 would leave out the first token too
+        outside[..., 0] = False  # the most likely token is always kept
+        values = values.masked_fill(outside, float("-inf"))
         kept = torch.softmax(values, dim=-1)
     return torch.zeros_like(scaled).scatter_(-1, indices, kept)  # [n, vocab]
 
@@ -135,7 +155,8 @@ def _apply_top_p(scaled: torch.Tensor, top_p: float) -> torch.Tensor:
     if candidates < vocab and bool((top_probs.sum(-1) < top_p).any()):
         top_probs, top_idx = torch.sort(probs, dim=-1, descending=True)  # [n, vocab]
     mass_before = torch.cumsum(top_probs, dim=-1) - top_probs  # [n, c]
-    keep_sorted = mass_before < top_p  # the first token always has mass_before 0 < top_p
+    keep_sorted = mass_before < top_p  # none where top_p is 0 in float32 (below 1.4e-45)
+    keep_sorted[..., 0] = True  # the most likely token is always kept
     keep = torch.zeros_like(probs, dtype=torch.bool).scatter_(-1, top_idx, keep_sorted)
     return scaled.masked_fill(~keep, float("-inf"))
 
@@ -148,7 +169,7 @@ def probabilities_reference(logits: torch.Tensor, config: SamplingConfig) -> tor
         if config.greedy:
             rows.append(torch.softmax(row, -1))
             continue
-        row = row / config.temperature
+        row = _scaled(row, config.temperature)
         order = torch.argsort(row, descending=True, stable=True)
         keep = torch.zeros_like(row, dtype=torch.bool)
         if config.top_k:

@@ -12,11 +12,18 @@ prompt encoding, the library request, its jobs and the answer), the endpoints
   GET  /metrics                      Prometheus text format
 
 the OpenAI error shape `{"error": {"message", "type", "param", "code"}}` for every failure
-(400 invalid request, 401 API key, 404 unknown model or route, 429 queue full with a Retry-After
-estimated from the queue, 503 shutting down or timed out while waiting, 500 internal), optional
-Bearer-key authentication, and server-sent events for `stream: true`. Every completion carries
+(400 invalid request, 401 API key, 404 unknown model or route, 408 a body not sent in time, 413 a
+body too large, 429 queue full with a Retry-After estimated from the queue, 503 shutting down or
+timed out while waiting, 500 internal), optional Bearer-key authentication, and server-sent
+events for `stream: true`. Every completion carries
 the request's speculation metrics in the extension field `verispec` (in a stream: the final
 chunk before `data: [DONE]`).
+
+What one request may cost before it is validated: its body is read by `_BodyLimit` before
+anything else sees it, up to `max_body_bytes` (a 413 as soon as the Content-Length or the bytes
+received pass it) and within `body_timeout` seconds (408); a prompt of more than
+`max_prompt_chars` characters is refused before it is tokenized. The bounds on connections and
+on the time to send headers are the protocol's (`connections`).
 
 No exception leaves the app (`_ErrorGuard`): an unexpected one is logged and answered with a
 complete 500 in the error shape, so the connection stays usable (the server would otherwise close
@@ -70,6 +77,7 @@ from ..core.methods import TREE_MAX_NODES, MethodOptions, check_settings, method
 from ..target.model import Target
 from ..core.sampling import MAX_SEED, SamplingConfig
 from ..request.text import encode_messages, encode_prompt
+from .connections import DEFAULT_HEADER_TIMEOUT, DEFAULT_MAX_CONNECTIONS
 from .metrics import ServerMetrics
 from .schemas import ChatCompletionRequest, CompletionRequest
 from .worker import (DEFAULT_MAX_SEQUENCES, DONE, QUEUED, Delta, Event, Failed, Finished, Ticket, QueueFull, QueueTimeout,
@@ -88,6 +96,9 @@ MAX_CACHED_REQUESTS = MethodOptions.max_cached_requests  # suffix's earlier outp
 OPEN_PATHS = frozenset({"/health"})  # reachable without the API key
 _POLL_S = 0.1  # how often a waiting handler checks for a disconnect and its deadline
 _FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "timeout": "length", "cancelled": "length"}
+DEFAULT_MAX_BODY_BYTES = 4 * 2**20  # a context of ids as JSON, or about a million characters of text
+DEFAULT_MAX_PROMPT_CHARS = 1_000_000  # about 0.7 s of tokenizing for the default model's tokenizer
+DEFAULT_BODY_TIMEOUT = 60.0  # seconds: a 4 MiB body at 70 kB/s
 
 
 def default_model_id(model: str | None) -> str:
@@ -110,6 +121,11 @@ class ServerSettings:
     draft_model: the draft model of sps and mtad requests (a path; the server's own, not a
     request's: None means their default, the EESD exit head); exit_head: the exit head of eesd
     (and of sps and mtad without a draft model) (None: the target's own, shipped or trained once).
+    What one request or connection may cost: max_body_bytes (a larger body is a 413),
+    max_prompt_chars (characters of a prompt, or of the messages' roles, names and contents,
+    checked before tokenizing), body_timeout (seconds to send the body once the headers are in;
+    408), max_connections (open at once) and header_timeout (seconds to send a request's headers);
+    a timeout of None or 0 is none.
     """
 
     model_id: str = DEFAULT_MODEL_ID
@@ -122,6 +138,11 @@ class ServerSettings:
     max_rows: int = DEFAULT_MAX_ROWS  # rows of one step's forward
     draft_model: str | None = None
     exit_head: str | None = None
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    max_prompt_chars: int = DEFAULT_MAX_PROMPT_CHARS
+    body_timeout: float | None = DEFAULT_BODY_TIMEOUT
+    max_connections: int = DEFAULT_MAX_CONNECTIONS
+    header_timeout: float | None = DEFAULT_HEADER_TIMEOUT
 
     def __post_init__(self) -> None:
         if not isinstance(self.model_id, str) or not self.model_id.strip():
@@ -141,6 +162,15 @@ class ServerSettings:
             raise ConfigError(f"max_sequences must be an integer from 1 to 256, got {self.max_sequences!r}")
         if not isinstance(self.max_rows, int) or not 16 <= self.max_rows <= 4096:
             raise ConfigError(f"max_rows must be an integer from 16 to 4096, got {self.max_rows!r}")
+        for name in ("max_body_bytes", "max_prompt_chars", "max_connections"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
+        for name in ("body_timeout", "header_timeout"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                      or not 0 <= value < math.inf):
+                raise ConfigError(f"{name} must be a number of seconds >= 0 (0 = no limit), got {value!r}")
 
     @property
     def timeout(self) -> float | None:
@@ -326,8 +356,64 @@ class _ErrorGuard:
                 await _internal_error(exc).response()(scope, receive, send)
 
 
+class _BodyLimit:
+    """Reads a request's body before anything else sees it: at most `max_bytes` (413 at once for a
+    larger Content-Length, else as soon as the bytes received pass it, chunked bodies included)
+    within `timeout` seconds of the headers (408; None: no limit). Either answer closes the
+    connection, whose unread rest is never read. The app then reads the body from memory (it
+    never streams one) and still hears of a disconnect."""
+
+    def __init__(self, app, max_bytes: int, timeout: float | None):
+        self.app, self.max_bytes, self.timeout = app, max_bytes, timeout
+
+    def _too_large(self, size: str) -> APIError:
+        return APIError(413, f"the request body is {size} bytes; this server takes at most {self.max_bytes} "
+                        f"(--max-body)", code="request_too_large", headers={"Connection": "close"})
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        lengths = [value for name, value in scope["headers"] if name == b"content-length"]
+        chunked = any(name == b"transfer-encoding" for name, _ in scope["headers"])
+        if not chunked and (not lengths or lengths[0].strip() in (b"0", b"")):
+            return await self.app(scope, receive, send)  # no body (the server checked Content-Length's form)
+        if lengths and lengths[0].strip().isdigit() and int(lengths[0]) > self.max_bytes:
+            return await self._too_large(f"{int(lengths[0])}").response()(scope, receive, send)
+        loop = asyncio.get_running_loop()
+        deadline = None if not self.timeout else loop.time() + self.timeout
+        chunks, size, more = [], 0, True
+        while more:
+            try:
+                if deadline is None:
+                    message = await receive()
+                else:
+                    message = await asyncio.wait_for(receive(), max(0.0, deadline - loop.time()))
+            except asyncio.TimeoutError:
+                error = APIError(408, f"the request body did not arrive within {self.timeout:g} s (--body-timeout)",
+                                 code="body_timeout", headers={"Connection": "close"})
+                return await error.response()(scope, receive, send)
+            if message["type"] != "http.request":
+                return  # the client went away: nobody to answer
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_bytes:
+                return await self._too_large(f"more than {self.max_bytes}").response()(scope, receive, send)
+            chunks.append(chunk)
+            more = message.get("more_body", False)
+        body, delivered = b"".join(chunks), False
+
+        async def replay():
+            nonlocal delivered
+            if not delivered:
+                delivered = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()  # a disconnect, while the request runs
+
+        await self.app(scope, replay, send)
+
+
 class _AuthMiddleware:
-    """Requires `Authorization: Bearer KEY` on every path except OPEN_PATHS."""
+    """Requires `Authorization: Bearer KEY`, exactly once, on every path except OPEN_PATHS."""
 
     def __init__(self, app, api_key: str):
         self.app, self.key = app, api_key.encode()
@@ -335,9 +421,13 @@ class _AuthMiddleware:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
             return await self.app(scope, receive, send)
-        header = dict(scope["headers"]).get(b"authorization", b"")
+        headers = [value for name, value in scope["headers"] if name == b"authorization"]
+        header = headers[0] if len(headers) == 1 else b""
         scheme, _, token = header.partition(b" ")
-        if not header:
+        if len(headers) > 1:  # which one would count is no choice to make for the client
+            error = APIError(401, f"{len(headers)} Authorization headers: send exactly one", code="invalid_api_key",
+                             headers={"WWW-Authenticate": "Bearer"})
+        elif not header:
             error = APIError(401, "missing API key: send the header 'Authorization: Bearer <key>'",
                              code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
         elif scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.key):
@@ -383,7 +473,9 @@ def create_app(target: Target, settings: ServerSettings | None = None) -> FastAP
     app.state.worker, app.state.metrics, app.state.settings, app.state.target = worker, metrics, serving.settings, target
     if serving.settings.api_key:
         app.add_middleware(_AuthMiddleware, api_key=serving.settings.api_key)
-    app.add_middleware(_MetricsMiddleware, metrics=metrics)  # counts 401s too
+    app.add_middleware(_BodyLimit, max_bytes=serving.settings.max_body_bytes,
+                       timeout=serving.settings.body_timeout or None)  # before the key is read
+    app.add_middleware(_MetricsMiddleware, metrics=metrics)  # counts 401s, 408s and 413s too
     app.add_middleware(_ErrorGuard)  # added last = outermost: nothing escapes it
     app.add_exception_handler(APIError, _api_error)
     app.add_exception_handler(RequestValidationError, _request_invalid)
@@ -482,6 +574,9 @@ class Serving:
     # -- the generation routes -------------------------------------------------------------------
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
         method = self.check_common(body)
+        prompt = body.prompt
+        if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and isinstance(prompt[0], str)):
+            self.check_prompt_chars(sum(map(len, [prompt] if isinstance(prompt, str) else prompt)), "prompt")
         ids = await self.encode(lambda: self.completion_ids(body), "prompt")
         generation = self.generation_request(body, method, ids, body.max_tokens, "max_tokens", "prompt")
         return await self.respond(request, body, generation, chat=False)
@@ -491,6 +586,8 @@ class Serving:
         if not body.messages:
             raise _invalid("messages must not be empty", param="messages", code="empty_array")
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        self.check_prompt_chars(sum(len(m["role"]) + len(m["content"]) + len(n.name or "")
+                                    for m, n in zip(messages, body.messages)), "messages")
         ids = await self.encode(lambda: encode_messages(self.target.tokenizer, messages), "messages")
         generation = self.generation_request(body, method, ids, body.token_budget(), body.token_budget_param(),
                                              "messages")
@@ -524,9 +621,20 @@ class Serving:
                 raise _invalid("stop strings must be non-empty", param="stop")
         return method
 
+    def check_prompt_chars(self, chars: int, param: str) -> None:
+        """A prompt of more characters than the server takes is refused before it is tokenized."""
+        limit = self.settings.max_prompt_chars
+        if chars > limit:
+            raise _invalid(f"the {param} has {chars} characters; this server takes at most {limit} "
+                           f"(--max-prompt-chars)", param=param, code="prompt_too_long")
+
     def completion_ids(self, body: CompletionRequest) -> list[int]:
         prompt = body.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
+            context = self.target.max_length
+            if len(prompt) >= context:  # before looking at each id
+                raise _invalid(f"the prompt has {len(prompt)} tokens; the model's context is {context} tokens, "
+                               f"which leaves no room to generate", param="prompt", code="context_length_exceeded")
             vocab = self.target.vocab_size
             bad = [t for t in prompt if not 0 <= t < vocab]
             if bad:
@@ -581,8 +689,13 @@ class Serving:
                 f"this model's context is {target.max_length} tokens, but {len(ids) + max_tokens} were requested "
                 f"({len(ids)} in the {prompt_param}, {max_tokens} for the completion); lower {budget_param}",
                 param=budget_param, code="context_length_exceeded")
-        refusal = self.worker.engine.refusal(len(ids), max_tokens)  # the batch engine's own check: it could never run
+        engine = self.worker.engine
+        refusal = engine.refusal(len(ids), max_tokens)  # the batch engine's own check: it could never run
         if refusal is not None:
+            alone = engine.refusal(len(ids), 1)  # the prompt with one token to generate
+            if alone is not None:  # no max_tokens would do
+                raise _invalid(f"the {prompt_param} ({len(ids)} tokens) can never fit this server's KV memory: "
+                               f"{alone}; shorten it", param=prompt_param, code="kv_memory_exceeded")
             raise _invalid(f"this request can never fit this server's KV memory: {refusal}; lower {budget_param}",
                            param=budget_param, code="kv_memory_exceeded")
         temperature = 1.0 if body.temperature is None else body.temperature
@@ -597,7 +710,8 @@ class Serving:
         try:
             check_settings(name, options, sampling)
         except ConfigError as error:  # settings that do not go with this request's sampling
-            raise _invalid(str(error), param="method") from None
+            param = "temperature" if str(error).startswith("temperature") else "method"  # greedy for mtad
+            raise _invalid(str(error), param=param) from None
         try:
             return GenerationRequest(tuple(ids), name, max_tokens, sampling, body.stop_strings(), options)
         except ConfigError as error:

@@ -1,6 +1,7 @@
 """The server's generation worker: admission, and ONE thread that owns the Target and steps a batch.
 
-Owns: admission (a bounded queue of waiting jobs; a full queue refuses at once, and
+Owns: admission (a bounded queue of waiting requests, the choices of one counted once; a full
+queue refuses at once, and
 `estimated_wait` tells a refused client when a slot should free up, from the run times of the
 recent jobs), the worker thread that runs every admitted job's decode loop together in a
 continuous batch (`batch.BatchEngine`: jobs join and leave the running batch between steps,
@@ -152,6 +153,7 @@ class Ticket:
     created: float = field(default_factory=time.monotonic)
     logprobs: int | None = None
     id: int = field(default_factory=lambda: next(_ids))
+    group: int | None = None  # the first job's id among the choices of one request (`Worker.submit_all`)
     state: str = QUEUED
     cancel_reason: str | None = None
     cancel_flag: threading.Event = field(default_factory=threading.Event, repr=False)
@@ -202,7 +204,15 @@ class Worker:
     # -- state -------------------------------------------------------------------------------
     @property
     def queue_length(self) -> int:
-        """Jobs waiting to join the batch."""
+        """Requests waiting to join the batch (what `max_queue` bounds): the choices of one request
+        count once, until all of them have joined."""
+        with self._lock:
+            return len({job.id if job.group is None else job.group
+                        for jobs in (self._inbox, self._waiting) for job in jobs if job.state == QUEUED})
+
+    @property
+    def queued_jobs(self) -> int:
+        """Jobs waiting to join the batch (each choice of a request is one)."""
         return len(self._inbox) + len(self._waiting)
 
     @property
@@ -228,7 +238,7 @@ class Worker:
         (`max_sequences`, or 1 on a target that cannot batch), times the mean run time of the
         recent jobs (before any job finished, the oldest running job's time so far)."""
         with self._lock:
-            ahead = self.queue_length + len(self._running)
+            ahead = self.queued_jobs + len(self._running)
             recent = list(self.recent_run_s)
             started = [job.started for job in self._running]
         mean = sum(recent) / len(recent) if recent else (time.monotonic() - min(started) if started else 0.0)
@@ -266,12 +276,15 @@ class Worker:
         self.submit_all([job])
 
     def submit_all(self, jobs: list[Ticket]) -> None:
-        """Queue `jobs` together (the choices of one request), or none of them (QueueFull)."""
+        """Queue `jobs` together (the choices of one request, counted as one request), or none of
+        them (QueueFull: `max_queue` requests are already waiting)."""
         with self._lock:
             if self._stopping:
                 raise WorkerStopped("the server is shutting down")
-            if self.queue_length + len(jobs) > self.max_queue:
+            if self.queue_length >= self.max_queue:
                 raise QueueFull(f"the queue is full ({self.max_queue} requests waiting)")
+            for job in jobs:
+                job.group = jobs[0].id
             self._inbox.extend(jobs)
             self._lock.notify()
 
