@@ -19,6 +19,8 @@ from pathlib import Path
 import gguf
 import numpy as np
 
+from verispec.gguf.writer import Shape, sentencepiece_vocabulary, write_gguf
+
 SHAPES = {"7b": dict(hidden=4096, layers=32, heads=32, kv_heads=32, ffn=11008, vocab=32000),
           "1b": dict(hidden=2048, layers=8, heads=16, kv_heads=8, ffn=5632, vocab=32000)}
 Q = gguf.GGMLQuantizationType
@@ -37,62 +39,36 @@ def random_blocks(rng: np.random.Generator, kind: Q, rows: int, columns: int) ->
     return data.reshape(rows, -1)
 
 
-def vocabulary(count: int) -> tuple[list[str], list[int], list[float]]:
-    pieces = [f"▁t{i}" for i in range(count - 259)]
-    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + pieces
-    types = [2, 3, 3] + [6] * 256 + [1] * len(pieces)
-    scores = [0.0] * 259 + [-float(i) for i in range(len(pieces))]
-    return tokens, types, scores
-
-
 def write(path: Path, shape: str, seed: int) -> None:
     s = SHAPES[shape]
     rng = np.random.default_rng(seed)
     hidden, head_dim = s["hidden"], s["hidden"] // s["heads"]
-    writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_name(f"synthetic llama {shape} Q4_K_M")
-    writer.add_context_length(4096)
-    writer.add_embedding_length(hidden)
-    writer.add_block_count(s["layers"])
-    writer.add_feed_forward_length(s["ffn"])
-    writer.add_head_count(s["heads"])
-    writer.add_head_count_kv(s["kv_heads"])
-    writer.add_rope_dimension_count(head_dim)
-    writer.add_rope_freq_base(10000.0)
-    writer.add_layer_norm_rms_eps(1e-5)
-    writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_K_M)
-    tokens, types, scores = vocabulary(s["vocab"])
-    writer.add_tokenizer_model("llama")
-    writer.add_token_list(tokens)
-    writer.add_token_types(types)
-    writer.add_token_scores(scores)
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
-    writer.add_unk_token_id(0)
+    vocabulary = sentencepiece_vocabulary([f"▁t{i}" for i in range(s["vocab"] - 259)])
+    model = Shape("llama", context=4096, hidden=hidden, layers=s["layers"], ffn=s["ffn"], heads=s["heads"],
+                  kv_heads=s["kv_heads"], rope_dims=head_dim, name=f"synthetic llama {shape} Q4_K_M")
     ones = np.ones(hidden, dtype=np.float32)
 
-    def add(name: str, kind: Q, rows: int, columns: int) -> None:
-        writer.add_tensor(name, random_blocks(rng, kind, rows, columns), raw_dtype=kind)
+    def blocks(name: str, kind: Q, rows: int, columns: int):
+        return name, random_blocks(rng, kind, rows, columns), kind
 
-    add("token_embd.weight", Q.Q4_K, s["vocab"], hidden)
-    writer.add_tensor("output_norm.weight", ones)
-    add("output.weight", Q.Q6_K, s["vocab"], hidden)
-    kv = s["kv_heads"] * head_dim
-    for i in range(s["layers"]):
-        wide = Q.Q6_K if i % 2 == 0 else Q.Q4_K  # Q4_K_M: every other layer's attn_v and ffn_down in Q6_K
-        writer.add_tensor(f"blk.{i}.attn_norm.weight", ones)
-        add(f"blk.{i}.attn_q.weight", Q.Q4_K, hidden, hidden)
-        add(f"blk.{i}.attn_k.weight", Q.Q4_K, kv, hidden)
-        add(f"blk.{i}.attn_v.weight", wide, kv, hidden)
-        add(f"blk.{i}.attn_output.weight", Q.Q4_K, hidden, hidden)
-        writer.add_tensor(f"blk.{i}.ffn_norm.weight", ones)
-        add(f"blk.{i}.ffn_gate.weight", Q.Q4_K, s["ffn"], hidden)
-        add(f"blk.{i}.ffn_up.weight", Q.Q4_K, s["ffn"], hidden)
-        add(f"blk.{i}.ffn_down.weight", wide, hidden, s["ffn"])
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    def tensors():
+        yield blocks("token_embd.weight", Q.Q4_K, s["vocab"], hidden)
+        yield "output_norm.weight", ones, None
+        yield blocks("output.weight", Q.Q6_K, s["vocab"], hidden)
+        kv = s["kv_heads"] * head_dim
+        for i in range(s["layers"]):
+            wide = Q.Q6_K if i % 2 == 0 else Q.Q4_K  # Q4_K_M: every other layer's attn_v and ffn_down in Q6_K
+            yield f"blk.{i}.attn_norm.weight", ones, None
+            yield blocks(f"blk.{i}.attn_q.weight", Q.Q4_K, hidden, hidden)
+            yield blocks(f"blk.{i}.attn_k.weight", Q.Q4_K, kv, hidden)
+            yield blocks(f"blk.{i}.attn_v.weight", wide, kv, hidden)
+            yield blocks(f"blk.{i}.attn_output.weight", Q.Q4_K, hidden, hidden)
+            yield f"blk.{i}.ffn_norm.weight", ones, None
+            yield blocks(f"blk.{i}.ffn_gate.weight", Q.Q4_K, s["ffn"], hidden)
+            yield blocks(f"blk.{i}.ffn_up.weight", Q.Q4_K, s["ffn"], hidden)
+            yield blocks(f"blk.{i}.ffn_down.weight", wide, hidden, s["ffn"])
+
+    write_gguf(path, model, vocabulary, tensors(), file_type=gguf.LlamaFileType.MOSTLY_Q4_K_M)
 
 
 def main() -> None:

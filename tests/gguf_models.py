@@ -343,63 +343,40 @@ def write_tiny_gguf(path, arch: str, types: dict | str | None = None, seed: int 
     import gguf
     from gguf import GGMLQuantizationType
 
-    path = Path(path)
+    from verispec.gguf.writer import Shape, Vocabulary, write_gguf
+
     chosen = resolve_types(types)
     vocab = vocabulary(arch)
-    model = source_model(arch, seed, tied)
-    gguf_arch = {"llama": "llama", "qwen2": "qwen2", "gemma3": "gemma3"}[arch]
-    writer = gguf.GGUFWriter(str(path), gguf_arch)
-    writer.add_name(f"tiny {arch}")
-    writer.add_context_length(MAX_POSITIONS)
-    writer.add_embedding_length(HIDDEN)
-    writer.add_block_count(LAYERS[arch])
-    writer.add_feed_forward_length(INTERMEDIATE)
-    writer.add_head_count(HEADS)
-    writer.add_head_count_kv(KV_HEADS)
-    writer.add_rope_freq_base(ROPE_BASE[arch])
-    writer.add_layer_norm_rms_eps(RMS_EPS[arch])
-    writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_K_M)
-    if arch == "llama":
-        writer.add_vocab_size(len(vocab["tokens"]))
-        writer.add_rope_dimension_count(HEAD_DIM)
-    elif arch == "gemma3":
-        writer.add_key_length(HEAD_DIM)
-        writer.add_value_length(HEAD_DIM)
-        writer.add_sliding_window(GEMMA_WINDOW)
-        writer.add_rope_freq_base_swa(GEMMA_LOCAL_ROPE_BASE)
-    writer.add_tokenizer_model(vocab["model"])
-    writer.add_tokenizer_pre(vocab["pre"])
-    writer.add_token_list(vocab["tokens"])
-    writer.add_token_types(vocab["types"])
-    if "scores" in vocab:
-        writer.add_token_scores(vocab["scores"])
-    if "merges" in vocab:
-        writer.add_token_merges(vocab["merges"])
-    for key, add in (("bos", writer.add_bos_token_id), ("eos", writer.add_eos_token_id),
-                     ("unk", writer.add_unk_token_id), ("pad", writer.add_pad_token_id),
-                     ("eot", writer.add_eot_token_id)):
-        if key in vocab:
-            add(vocab[key])
-    writer.add_add_bos_token(vocab["add_bos"])
-    if arch == "gemma3":
-        writer.add_add_eos_token(False)
-        writer.add_add_space_prefix(False)
-    if "chat_template" in vocab:
-        writer.add_chat_template(vocab["chat_template"])
-    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    for name, data in gguf_tensors(model, arch).items():
-        kind = _kind(name)
-        if kind is None:  # norm weights and biases: F32, as llama.cpp keeps 1-D tensors
-            writer.add_tensor(name, data.astype(np.float32))
-            continue
-        type_name = chosen[kind]
-        raw = quantize(data, type_name)
-        writer.add_tensor(name, raw, raw_dtype=GGMLQuantizationType[type_name])
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
+    shape = Shape(arch, context=MAX_POSITIONS, hidden=HIDDEN, layers=LAYERS[arch], ffn=INTERMEDIATE, heads=HEADS,
+                  kv_heads=KV_HEADS, rope_base=ROPE_BASE[arch], rms_eps=RMS_EPS[arch],
+                  rope_dims=HEAD_DIM if arch == "llama" else None, name=f"tiny {arch}")
+    tokenizer = Vocabulary(vocab["model"], vocab["tokens"], vocab["types"], scores=vocab.get("scores"),
+                           merges=vocab.get("merges"), pre=vocab["pre"],
+                           specials={key: vocab[key] for key in ("bos", "eos", "unk", "pad", "eot") if key in vocab},
+                           add_bos=vocab["add_bos"], chat_template=vocab.get("chat_template"))
+
+    def architecture_keys(writer) -> None:
+        if arch == "llama":
+            writer.add_vocab_size(len(vocab["tokens"]))
+        elif arch == "gemma3":
+            writer.add_key_length(HEAD_DIM)
+            writer.add_value_length(HEAD_DIM)
+            writer.add_sliding_window(GEMMA_WINDOW)
+            writer.add_rope_freq_base_swa(GEMMA_LOCAL_ROPE_BASE)
+            writer.add_add_eos_token(False)
+            writer.add_add_space_prefix(False)
+        writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+
+    def tensors():
+        for name, data in gguf_tensors(source_model(arch, seed, tied), arch).items():
+            kind = _kind(name)
+            if kind is None:  # norm weights and biases: F32, as llama.cpp keeps 1-D tensors
+                yield name, data.astype(np.float32), None
+            else:
+                yield name, quantize(data, chosen[kind]), GGMLQuantizationType[chosen[kind]]
+
+    return write_gguf(path, shape, tokenizer, tensors(), file_type=gguf.LlamaFileType.MOSTLY_Q4_K_M,
+                      extra=architecture_keys)
 
 
 def transformers_model(path):

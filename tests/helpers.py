@@ -420,7 +420,7 @@ def assert_cli_refuses_before_loading(monkeypatch, folder, args: list[str], mess
     def refuse(*args, **kwargs):
         raise AssertionError("the CLI loaded a model before validating its arguments")
 
-    monkeypatch.setattr(cli, "_load", refuse)
+    monkeypatch.setattr("verispec.target.loading.load", refuse)
     monkeypatch.chdir(folder)
     result = CliRunner().invoke(cli.app, args)
     assert result.exit_code == 2 and isinstance(result.exception, SystemExit), result.output

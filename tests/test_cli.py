@@ -29,7 +29,7 @@ def no_model_loading(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("the CLI loaded a model before validating its arguments")
 
-    monkeypatch.setattr(cli, "_load", refuse)
+    monkeypatch.setattr("verispec.target.loading.load", refuse)
 
 
 @pytest.fixture(scope="module")
@@ -123,7 +123,7 @@ def test_generate_takes_a_method_with_settings(monkeypatch):
         requested.update(method=method, options=kwargs["options"])
         raise ReachedModelLoading
 
-    monkeypatch.setattr(cli, "_load", lambda *args, **kwargs: object())
+    monkeypatch.setattr("verispec.target.loading.load", lambda *args, **kwargs: object())
     monkeypatch.setattr(verispec.api, "make_request", make_request)
     result = runner.invoke(app, ["generate", "hi", "-m", "anpd/constant:8/tree=8", "--span-min", "0"])
     assert isinstance(result.exception, ReachedModelLoading), result.output
@@ -154,7 +154,7 @@ def stop_at_model_loading(monkeypatch):
     def reached(*args, **kwargs):
         raise ReachedModelLoading
 
-    monkeypatch.setattr(cli, "_load", reached)
+    monkeypatch.setattr("verispec.target.loading.load", reached)
 
 
 @pytest.mark.parametrize(
@@ -229,7 +229,7 @@ def test_corpus_that_is_not_utf8_fails_before_loading(no_model_loading, tmp_path
         (["generate", "hi", "-m", "pld", "--exit-head", "."], "--exit-head is used only by eesd, sps, mtad, not by pld"),
         (["generate", "hi", "-m", "ar", "--exit-head", "."], "--exit-head is used only by eesd, sps, mtad, not by ar"),
         (["generate", "hi", "-m", "mtad", "--draft-model", "small", "--exit-head", "."],
-         "--exit-head is used only by eesd, not by mtad (sps and mtad draft with --draft-model"),
+         "--exit-head is used only by eesd, not by mtad (sps and mtad draft with the draft model"),
         (["generate", "hi", "-m", "ar", "--draft-length", "4"], "--draft-length is used only by pld, anpd, eesd, sps, mtad, suffix, not by ar"),
         (["generate", "hi", "-m", "ar", "--controller", "constant"], "--controller is used only by pld, anpd, eesd, sps, mtad, suffix, not by ar"),
         (["generate", "hi", "--draft-length", "4", "--controller", "constant:8"],

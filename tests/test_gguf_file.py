@@ -17,6 +17,7 @@ from gguf import GGMLQuantizationType as Q, GGUFValueType as V
 
 from verispec.errors import ModelLoadError
 from verispec.gguf.reader import read_gguf
+from verispec.gguf.writer import Shape, Vocabulary, sentencepiece_vocabulary, write_gguf as write_gguf_model
 
 RNG = np.random.default_rng(0)
 
@@ -265,65 +266,24 @@ def _bpe_vocab() -> tuple[list[str], list[str]]:
 def write_qwen2_gguf(path: Path, *, chat_template: str | None = CHAT_TEMPLATE, eos: int | None = None) -> None:
     tokens, merges = _bpe_vocab()
     tokens = tokens + QWEN_SPECIALS
-    writer = gguf.GGUFWriter(str(path), "qwen2")
-    writer.add_name("tiny qwen2")
-    writer.add_context_length(128)
-    writer.add_embedding_length(64)
-    writer.add_block_count(2)
-    writer.add_feed_forward_length(96)
-    writer.add_head_count(4)
-    writer.add_head_count_kv(2)
-    writer.add_rope_freq_base(1_000_000.0)
-    writer.add_layer_norm_rms_eps(1e-6)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("qwen2")
-    writer.add_token_list(tokens)
-    writer.add_token_types([1] * (len(tokens) - 3) + [3, 3, 3])
-    writer.add_token_merges(merges)
-    writer.add_bos_token_id(len(tokens) - 3)
-    writer.add_eos_token_id(len(tokens) - 1 if eos is None else eos)
-    writer.add_pad_token_id(len(tokens) - 3)
-    writer.add_add_bos_token(False)
-    writer.add_eot_token_id(len(tokens) - 1)
-    if chat_template is not None:
-        writer.add_chat_template(chat_template)
-    writer.add_tensor("token_embd.weight", np.zeros((len(tokens), 64), dtype=np.float32))
-    writer.add_tensor("output.weight", np.zeros((len(tokens), 64), dtype=np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    vocabulary = Vocabulary("gpt2", tokens, [1] * (len(tokens) - 3) + [3, 3, 3], merges=merges, pre="qwen2",
+                            specials={"bos": len(tokens) - 3, "eos": len(tokens) - 1 if eos is None else eos,
+                                      "pad": len(tokens) - 3, "eot": len(tokens) - 1},
+                            add_bos=False, chat_template=chat_template)
+    shape = Shape("qwen2", context=128, hidden=64, layers=2, ffn=96, heads=4, kv_heads=2, rope_base=1_000_000.0,
+                  rms_eps=1e-6, name="tiny qwen2")
+    embedding = np.zeros((len(tokens), 64), dtype=np.float32)
+    write_gguf_model(path, shape, vocabulary, [("token_embd.weight", embedding, None), ("output.weight", embedding, None)])
 
 
 def write_llama_gguf(path: Path) -> None:
     """A sentencepiece ("llama") vocabulary: specials, byte tokens, pieces with scores."""
     pieces = ["▁", "e", "h", "l", "o", "w", "r", "d", "▁h", "ll", "▁he", "▁hell", "▁hello", "or", "▁w", "▁wor",
               "▁world", "▁▁", "ld"]
-    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + pieces
-    types = [2, 3, 3] + [6] * 256 + [1] * len(pieces)
-    scores = [0.0, 0.0, 0.0] + [0.0] * 256 + [-float(i) for i in range(len(pieces))]
-    writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_context_length(256)
-    writer.add_embedding_length(64)
-    writer.add_block_count(3)
-    writer.add_feed_forward_length(128)
-    writer.add_head_count(8)
-    writer.add_head_count_kv(4)
-    writer.add_rope_dimension_count(8)
-    writer.add_rope_freq_base(10000.0)
-    writer.add_layer_norm_rms_eps(1e-5)
-    writer.add_tokenizer_model("llama")
-    writer.add_token_list(tokens)
-    writer.add_token_types(types)
-    writer.add_token_scores(scores)
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
-    writer.add_unk_token_id(0)
-    writer.add_tensor("token_embd.weight", np.zeros((len(tokens), 64), dtype=np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    vocabulary = sentencepiece_vocabulary(pieces)
+    shape = Shape("llama", context=256, hidden=64, layers=3, ffn=128, heads=8, kv_heads=4, rope_dims=8)
+    write_gguf_model(path, shape, vocabulary,
+                     [("token_embd.weight", np.zeros((len(vocabulary.tokens), 64), dtype=np.float32), None)])
 
 
 def _comparable(config) -> dict:

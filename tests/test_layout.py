@@ -174,3 +174,26 @@ def test_no_module_reads_another_objects_private_names():
 def test_the_private_read_finder_finds_them():
     source = "x = other._hidden\ny = self._own\nz = cls._too\nw = obj.__len__\nfrom .m import a, _b\n"
     assert sorted(private_reads(ast.parse(source))) == [(1, "other._hidden"), (5, "import _b")]
+
+
+def long_functions(path: Path, limit: int) -> list[str]:
+    """'module.function (N lines)' for each function in `path` longer than `limit` lines."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            length = node.end_lineno - node.lineno + 1
+            if length > limit:
+                found.append(f"{path.stem}.{node.name} ({length} lines)")
+    return found
+
+
+def test_the_command_line_reads_top_to_bottom():
+    """No function of the CLI over 80 lines (signatures included): each command checks, runs and
+    shows in parts that fit on a screen."""
+    assert [f for path in sorted((PACKAGE / "cli").glob("*.py")) for f in long_functions(path, 80)] == []
+
+
+def test_the_length_finder_finds_a_long_function(tmp_path):
+    long = tmp_path / "long.py"
+    long.write_text("def f():\n" + "    x = 1\n" * 90)
+    assert long_functions(long, 80) == ["long.f (91 lines)"] and long_functions(long, 91) == []

@@ -302,7 +302,7 @@ def test_cli_refuses_the_switch_where_nothing_uses_it(monkeypatch, tmp_path, arg
 
     from verispec import cli
 
-    monkeypatch.setattr(cli, "_load", lambda *a, **k: pytest.fail("loaded a model before validating"))
+    monkeypatch.setattr("verispec.target.loading.load", lambda *a, **k: pytest.fail("loaded a model before validating"))
     monkeypatch.chdir(tmp_path)
     result = CliRunner().invoke(cli.app, args)
     assert result.exit_code == 2 and message in " ".join(result.stderr.split()), result.stderr
@@ -318,7 +318,7 @@ def test_cli_switch_reaches_the_options_and_the_server_target(monkeypatch, tmp_p
 
     target = text_target()
     seen = {}
-    monkeypatch.setattr(cli, "_load", lambda *a, **k: target)
+    monkeypatch.setattr("verispec.target.loading.load", lambda *a, **k: target)
     import verispec.api as api
 
     real_stream = api.stream
@@ -338,7 +338,7 @@ def test_cli_switch_reaches_the_options_and_the_server_target(monkeypatch, tmp_p
 
     import uvicorn
 
-    monkeypatch.setattr(cli, "_listen", lambda host, port: type("S", (), {"getsockname": lambda self: ("127.0.0.1", 1)})())
+    monkeypatch.setattr("verispec.cli.serving.listen", lambda host, port: type("S", (), {"getsockname": lambda self: ("127.0.0.1", 1)})())
     monkeypatch.setattr(uvicorn.Server, "run", lambda self, sockets=None: None)
     result = CliRunner().invoke(cli.app, ["serve", "--no-ngram-memory"])
     assert result.exit_code == 0, result.output

@@ -969,7 +969,7 @@ def test_fifty_concurrent_requests_are_complete_and_unmixed(main_server, client)
 def test_serve_validates_before_loading(monkeypatch, args, fragment):
     import verispec.cli as cli
 
-    monkeypatch.setattr(cli, "_load", lambda *a, **k: pytest.fail("loaded a model before validating"))
+    monkeypatch.setattr("verispec.target.loading.load", lambda *a, **k: pytest.fail("loaded a model before validating"))
     result = CliRunner().invoke(cli.app, ["serve", "--port", "0", *args])
     assert result.exit_code == 2, result.output
     assert "Traceback" not in result.output
@@ -979,7 +979,7 @@ def test_serve_validates_before_loading(monkeypatch, args, fragment):
 def test_serve_reads_the_api_key_from_the_environment(monkeypatch):
     import verispec.cli as cli
 
-    monkeypatch.setattr(cli, "_load", lambda *a, **k: pytest.fail("loaded a model before validating"))
+    monkeypatch.setattr("verispec.target.loading.load", lambda *a, **k: pytest.fail("loaded a model before validating"))
     result = CliRunner().invoke(cli.app, ["serve", "--port", "0"], env={"VERISPEC_API_KEY": "  "})
     assert result.exit_code == 2 and "API key" in result.stderr, result.stderr
 
@@ -987,7 +987,7 @@ def test_serve_reads_the_api_key_from_the_environment(monkeypatch):
 def test_serve_refuses_a_busy_port_before_loading(monkeypatch, main_server):
     import verispec.cli as cli
 
-    monkeypatch.setattr(cli, "_load", lambda *a, **k: pytest.fail("loaded a model with the port taken"))
+    monkeypatch.setattr("verispec.target.loading.load", lambda *a, **k: pytest.fail("loaded a model with the port taken"))
     result = CliRunner().invoke(cli.app, ["serve", "--port", str(main_server.port)])
     assert result.exit_code == 2
     assert result.stderr.startswith("error:") and "cannot listen" in result.stderr

@@ -165,34 +165,68 @@ def load(
         raise ModelLoadError(f"unsupported numerics {numerics!r}; choose one of {', '.join(blockmm.NUMERICS)}")
     placement = resolve_device(device, compile)  # "cpu", "cuda:N" or "auto-map"; a missing GPU is refused here
     source, extra, name, gguf_path = _resolve_source(model)
-    gguf = None
     if gguf_path is not None:
-        from ..gguf.metadata import read_gguf_model
-
-        gguf = read_gguf_model(gguf_path, cache_dir=cache_dir)
-        own = _own_blocks_refusal(gguf, placement, fast, block_kernel, numerics, dtype)
-        if own is None:
-            target = _gguf_target(gguf, name)
-            target.kv_memory = kv_memory
-            return target
-        notice(f"{name}: not running the file's own blocks ({own}); transformers dequantizes it in memory")
-    torch_dtype = resolve_dtype(
-        dtype, block_kernel_model=gguf_path is not None and _block_kernel_available(fast, block_kernel),
-        device=placement)
-    from transformers import AutoConfig, AutoModelForCausalLM, GgufConfig
-
-    if gguf is not None:
-        config = gguf.config
-        extra = {**extra, "config": config, "quantization_config": GgufConfig(dequantize=True)}
+        target = _from_gguf_file(gguf_path, source, extra, name, placement, cache_dir, fast, block_kernel, numerics,
+                                 dtype)
     else:
-        try:
-            config = AutoConfig.from_pretrained(source, **extra)
-        except OSError as error:
-            raise ModelLoadError(
-                f"cannot load model {model!r}: not a local path and not in the local Hugging Face cache "
-                f"(verispec never downloads) ({error})"
-            ) from error
+        target = _from_transformers_files(model, source, extra, name, placement, fast, numerics, dtype)
+    target.kv_memory = kv_memory
+    if compile:
+        target.compile_decode_step()
+    return target
+
+
+def _from_gguf_file(path: Path, source: str, extra: dict, name: str, placement: str, cache_dir, fast: bool,
+                    block_kernel: bool, numerics: str, dtype) -> "Target":
+    """A GGUF file's target: its own blocks where they can run, else transformers' dequantized model
+    (its linears on the file's exact int8 blocks where the fast path runs in float32)."""
+    from ..gguf.metadata import read_gguf_model
+
+    gguf = read_gguf_model(path, cache_dir=cache_dir)
+    why_not = _own_blocks_refusal(gguf, placement, fast, block_kernel, numerics, dtype)
+    if why_not is None:
+        return _gguf_target(gguf, name)
+    notice(f"{name}: not running the file's own blocks ({why_not}); transformers dequantizes it in memory")
+    from transformers import GgufConfig
+
+    torch_dtype = resolve_dtype(dtype, block_kernel_model=_block_kernel_available(fast, block_kernel), device=placement)
+    extra = {**extra, "config": gguf.config, "quantization_config": GgufConfig(dequantize=True)}
+    _require_causal_lm(gguf.config, name)
+    loaded = _pretrained(source, extra, gguf.config, name, torch_dtype, placement)
+    blocks = None
+    if placement == "cpu" and fast and block_kernel and loaded.dtype == torch.float32:
+        blocks = _gguf_blocks(path, loaded, numerics)
+    target = Target(loaded, gguf.tokenizer, name=name, fast=fast, blocks=blocks, numerics=numerics)
+    target.set_eos_token_ids(gguf.eos_token_ids)
+    return target
+
+
+def _from_transformers_files(model: str, source: str, extra: dict, name: str, placement: str, fast: bool,
+                             numerics: str, dtype) -> "Target":
+    """A transformers directory's (or cached hub id's) target."""
+    from transformers import AutoConfig
+
+    torch_dtype = resolve_dtype(dtype, block_kernel_model=False, device=placement)
+    try:
+        config = AutoConfig.from_pretrained(source, **extra)
+    except OSError as error:
+        raise ModelLoadError(
+            f"cannot load model {model!r}: not a local path and not in the local Hugging Face cache "
+            f"(verispec never downloads) ({error})"
+        ) from error
     _require_causal_lm(config, name)
+    loaded = _pretrained(source, extra, config, name, torch_dtype, placement)
+    try:
+        tokenizer = _load_tokenizer(source, extra)
+    except Exception as error:  # a missing or broken tokenizer surfaces as many types
+        raise ModelLoadError(f"cannot load the tokenizer of {name}: {error}") from error
+    return Target(loaded, tokenizer, name=name, fast=fast, numerics=numerics)
+
+
+def _pretrained(source: str, extra: dict, config, name: str, torch_dtype: torch.dtype, placement: str):
+    """transformers' model of `source` in `torch_dtype`, placed on `placement`."""
+    from transformers import AutoModelForCausalLM
+
     try:
         placed = {"device_map": "auto"} if placement == AUTO_MAP else {}
         loaded = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype, **placed, **extra)
@@ -209,20 +243,7 @@ def load(
         except torch.OutOfMemoryError as error:
             raise ModelLoadError(f"{name} does not fit on {placement} in {torch_dtype} (out of memory); "
                                  f"try --device auto-map or a smaller dtype") from error
-    try:
-        tokenizer = gguf.tokenizer if gguf is not None else _load_tokenizer(source, extra)
-    except Exception as error:  # a missing or broken tokenizer surfaces as many types
-        raise ModelLoadError(f"cannot load the tokenizer of {name}: {error}") from error
-    blocks = None
-    if placement == "cpu" and fast and block_kernel and gguf_path is not None and loaded.dtype == torch.float32:
-        blocks = _gguf_blocks(gguf_path, loaded, numerics)
-    target = Target(loaded, tokenizer, name=name, fast=fast, blocks=blocks, numerics=numerics)
-    if gguf is not None:
-        target.set_eos_token_ids(gguf.eos_token_ids)
-    target.kv_memory = kv_memory
-    if compile:
-        target.compile_decode_step()
-    return target
+    return loaded
 
 
 def _own_blocks_refusal(gguf, placement: str, fast: bool, block_kernel: bool, numerics: str, dtype) -> str | None:

@@ -1,0 +1,5 @@
+"""`python -m verispec.cli`: the command line."""
+
+from .shell import main
+
+main()

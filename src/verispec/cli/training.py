@@ -1,0 +1,101 @@
+"""`verispec train-exit`: train an EESD exit head by self-distillation; the work is in `train/`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from ..errors import VerispecError
+from .shell import err, app, fail, out
+from .target_options import TargetOptions, target_options
+
+
+@app.command("train-exit")
+@target_options("model", "device")
+def train_exit(
+    exit_layer: int = typer.Option(4, "--exit-layer", help="N: the head reads the residual stream after the target's first N layers."),
+    draft_vocab: int = typer.Option(32768, "--draft-vocab", help="V_d: the head predicts over the V_d most frequent corpus tokens."),
+    init_layer: Optional[int] = typer.Option(None, "--init-layer", help="Target layer the head's layer starts from (default: layer N, the first one the draft skips)."),
+    corpus: Optional[str] = typer.Option(None, help="Training text: JSONL with a 'text' field, or plain text (default: the shipped corpus the default model generated)."),
+    generate_corpus: bool = typer.Option(False, "--generate-corpus", help="First let the target continue the shipped training prompts, and train on that."),
+    corpus_tokens: int = typer.Option(256, "--corpus-tokens", help="With --generate-corpus: tokens generated per prompt (an article: twice that, its summary and answer: half)."),
+    corpus_samples: int = typer.Option(1, "--corpus-samples", help="With --generate-corpus: continuations sampled per prompt."),
+    steps: int = typer.Option(1500, help="Optimiser steps."),
+    batch: int = typer.Option(4, help="Sequences per step."),
+    sequence_length: int = typer.Option(256, "--sequence-length", help="Tokens per training sequence."),
+    learning_rate: float = typer.Option(3e-4, "--learning-rate", help="Peak learning rate (AdamW, warm-up then cosine)."),
+    max_minutes: float = typer.Option(40.0, "--max-minutes", help="Stop training (and save) after this much wall time."),
+    checkpoint_every: int = typer.Option(50, "--checkpoint-every", help="Steps between checkpoints."),
+    out_dir: Optional[str] = typer.Option(None, "--out", help="Directory for the head, checkpoints and labels (default: the cache, where eesd finds it for this model with no --exit-head)."),
+    resume: bool = typer.Option(False, "--resume", help="Continue from the checkpoint in --out."),
+    seed: int = typer.Option(0, help="Seed for the data split, batches and corpus generation."),
+    target: TargetOptions = None,
+) -> None:
+    """Train an EESD exit head by self-distillation (the target stays frozen)."""
+    from tqdm import tqdm
+
+    from ..train.corpus import CORPUS_PATH, PROMPTS_PATH, generate_corpus as make_corpus, read_prompts
+    from ..train.exit_head import TrainConfig, check_fits, train_exit_head
+
+    try:
+        config = TrainConfig(exit_layer=exit_layer, init_layer=init_layer, draft_vocab=draft_vocab, sequence_length=sequence_length,
+                             batch=batch, steps=steps, learning_rate=learning_rate, max_minutes=max_minutes,
+                             checkpoint_every=checkpoint_every, seed=seed)
+        corpus_path = _checked_corpus(corpus, generate_corpus, corpus_tokens, corpus_samples) or CORPUS_PATH
+        target.check()
+        model = target.load(dtype="float32")
+        check_fits(model, config)
+        directory = Path(out_dir) if out_dir is not None else _default_head_dir(model)
+        if generate_corpus:
+            prompts = read_prompts(PROMPTS_PATH)
+            corpus_path = directory / "corpus.jsonl"
+            with tqdm(total=len(prompts) * corpus_samples, desc="corpus", unit="sample") as bar:
+                make_corpus(model, prompts, corpus_tokens, corpus_path, samples=corpus_samples, seed=seed,
+                            progress=bar.update)
+
+        def progress(total, desc, initial=0):
+            return tqdm(total=total, desc=desc, initial=initial, unit="step" if desc == "train" else "seq")
+
+        summary = train_exit_head(model, corpus_path, directory, config, resume=resume,
+                                  progress_factory=progress, log=lambda m: err.print(m, highlight=False))
+    except VerispecError as error:
+        fail(str(error))
+        return
+    after = summary["held_out_after"]
+    out.print(f"exit head written to {directory} ({summary['steps']} steps, {summary['train_minutes']} min); "
+              f"held-out greedy acceptance {after['greedy_acceptance']:.1%}, sampled acceptance "
+              f"{after['sampled_acceptance']:.1%}, KL {after['kl_draft_vocab']:.3f} "
+              f"(before training: {summary['held_out_before']['greedy_acceptance']:.1%})")
+    if out_dir is None:
+        out.print("eesd uses it for this model from now on (no --exit-head needed)")
+    else:
+        out.print(f"use it with: verispec generate ... --method eesd --exit-head {directory}")
+
+
+def _checked_corpus(corpus: Optional[str], generate: bool, tokens: int, samples: int) -> Optional[Path]:
+    """The corpus file a user named (readable UTF-8), or None; the generation's settings checked."""
+    from ..request.text import decode_utf8
+    from ..train.corpus import check_generation
+
+    if corpus and generate:
+        fail("--corpus and --generate-corpus each choose the training text; give only one")
+    if generate:
+        check_generation(tokens, samples)
+    if not corpus:
+        return None
+    path = Path(corpus)
+    if not path.is_file():
+        fail(f"corpus file not found: {corpus}")
+    try:
+        decode_utf8(path.read_bytes(), f"corpus file {corpus}")
+    except OSError as error:
+        fail(f"cannot read corpus file {corpus}: {error.strerror or error}")
+    return path
+
+
+def _default_head_dir(model) -> Path:
+    from ..core.methods import trained_head_dir
+
+    return trained_head_dir(model)
