@@ -5,7 +5,7 @@ Owns the Spec-Bench JSONL format (one JSON object a line with `question_id`, `ca
 (so the benchmark runs on a fresh install), the resolution of the names in DATASET_NAMES to a
 question file on disk, category filters and per-category limits, and turning a question into
 prompt ids (the tokenizer's chat template when it has one, otherwise the documented plain
-template, via `verispec.text.encode_prompt(..., "chat")`). Does not own running anything.
+template, via `verispec.request.text.encode_prompt(..., "chat")`). Does not own running anything.
 
 The sets, by name:
 - `builtin` (`data/builtin.jsonl`) and `spec-bench` (Spec-Bench's question.jsonl, found on

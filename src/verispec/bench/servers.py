@@ -48,7 +48,7 @@ LLAMA_SERVER_RELATIVE = Path(".peers/llama.cpp/build/bin/llama-server")  # where
 LLAMA_NATIVE_RELATIVE = Path(".peers/llama.cpp-native/build/bin")  # `make llama-native`: built for this CPU
 VLLM_PYTHON_RELATIVE = Path(".venv-vllm/bin/python")  # the virtual environment `make vllm` builds
 VLLM_KV_CACHE_GIB = 4  # VLLM_CPU_KVCACHE_SPACE unless the environment sets one
-# verispec's chat format for a model without a chat template (`verispec.text.encode_messages`):
+# verispec's chat format for a model without a chat template (`verispec.request.text.encode_messages`):
 # BOS, one "Role: content" paragraph per message, then "Assistant:". Peers get it as a template
 # so that every server sees the same prompt tokens.
 PLAIN_CHAT_TEMPLATE = ("{{ bos_token }}{% for message in messages %}{% if not loop.first %}{{ '\\n\\n' }}{% endif %}"

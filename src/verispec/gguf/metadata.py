@@ -6,7 +6,7 @@ with transformers' own GGUF key mapping (the same dict `AutoConfig.from_pretrain
 gguf_file=...)` builds, fed our metadata instead of `gguf.GGUFReader`'s), building the tokenizer
 exactly as transformers builds it from GGUF (`convert_gguf_tokenizer`, then the class
 `AutoTokenizer` would pick for the config), and caching that tokenizer on disk. Does not own the
-weights (the runtime reads `GgufModel.file.tensor_bytes`) or the loader (`model.py`).
+weights (the runtime reads `GgufModel.file.tensor_bytes`) or the loader (`target/loading.py`).
 
 Why: transformers reads the metadata through `GGUFReader` (15-22 s on the embedded Gemma 3 270M,
 whose vocabulary has 262,144 tokens; `AutoConfig` then `AutoTokenizer` read it twice: 20 s + 23 s
@@ -24,11 +24,11 @@ The cache key is a sha256 of the architecture, the tokenizer class, the raw byte
 moving or touching the file keeps it, a file with another vocabulary or template gets its own.
 Writes go to a staging directory that is renamed into place (atomic: a concurrent start either
 wins or finds it done). The cached tokenizer is loaded as the generic `TokenizersBackend` (as
-`model.py` loads the embedded model's), with the padding side of the class transformers picks
+`target/loading.py` loads the embedded model's), with the padding side of the class transformers picks
 (left for Gemma, right for Qwen2); its ids, texts, special tokens and chat template equal that
 class's (tests/test_gguf_file.py).
 
-    from verispec.gguf_model import read_gguf_model
+    from verispec.gguf.metadata import read_gguf_model
     model = read_gguf_model("model.gguf")  # .file .config .tokenizer .name .eos_token_ids ...
 """
 

@@ -147,7 +147,7 @@ def load(
     rounding). Targets without the block kernel compute in float32 whatever this says.
     device: "auto" (the first GPU when CUDA is available, else the CPU), "cpu", "cuda", "cuda:N",
     or "auto-map" (transformers' device_map="auto" through accelerate: the layers spread over
-    every GPU, for a model larger than one); see `verispec.device`. On a GPU the fast path and
+    every GPU, for a model larger than one); see `target.device`. On a GPU the fast path and
     the block kernel (CPU only) are not used: the target runs transformers' PyTorch forward, and
     dtype "auto" means bfloat16. A device that is not there is a ConfigError.
     compile: on a CUDA device, run the one-token decode step compiled (`device.CompiledStep`:

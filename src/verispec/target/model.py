@@ -39,7 +39,7 @@ class Target:
     fast=True runs the fast path (`fastpath.FastDecoder`: static KV cache, prepacked linears)
     when the architecture supports it, and otherwise says why on stderr and uses transformers'
     eager forward with a DynamicCache; fast=False always uses the eager forward. blocks
-    ({nn.Linear: gguf_blocks.BlockWeights}, exact block forms) puts those linears, the LM head
+    ({nn.Linear: gguf.blocks.BlockWeights}, exact block forms) puts those linears, the LM head
     included, on the int8 block kernel on the fast path, multiplying in `numerics` ("int8" or
     "fp32", see `loading.load`; "fp32" here, "int8" by default through `load`). `numerics`
     holds what the target really computes: "fp32" where the block kernel is not used. Where

@@ -19,7 +19,7 @@ DynamicCache or the compiled CUDA step's StaticCache):
   cache in row order, so the placement is `Tree` with slots = the next positions;
 - the rollback of what those leave: some layers cropped back (a draft's rows in layers
   0..N-1, `crop_layers`) and a tree's accepted path gathered to the next positions of every
-  layer (`keep_rows`), for DynamicCache and StaticCache layers alike (`cache.py` builds them
+  layer (`keep_rows`), for DynamicCache and StaticCache layers alike (`hf_cache.py` builds them
   so that every layer can be rolled back).
 `backends.TorchBackend` calls it for a sequence's forwards, the drafters for their drafts.
 

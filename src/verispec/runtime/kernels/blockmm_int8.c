@@ -1,7 +1,7 @@
 /* y = x W^T with int8 activations ("numerics int8"), batch-invariant bit for bit.
  *
  * W[n, k] = scale[n, k / B] * code[n, k] (- offset[n, k / B]), int8 codes, float32 scales and
- * offsets (blockmm.c's weights), given here in the packed layout of `gguf_blocks.PackedBlocks`:
+ * offsets (blockmm.c's weights), given here in the packed layout of `gguf.blocks.PackedBlocks`:
  * outputs in groups of 8 (the last group padded), and within a group, for each 4 consecutive
  * inputs, the 4 codes of output 0, then of output 1, ..., of output 7 (32 bytes):
  *   codes  [G, K / 4, 8, 4] bytes     code[n, k] = codes[n / 8, k / 4, n % 8, k % 4] (- code_bias)

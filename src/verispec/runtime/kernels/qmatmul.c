@@ -39,7 +39,7 @@
  * each float step a correctly rounded float32 operation in this order (built with -ffp-contract=off,
  * no FMA here), the integer sums exact (|isum_B| < 2^28). For the 32-blocks this is blockmm_int8.c's
  * sequence, so Q8_0 and Q5_0 give the bits of blockmm_int8 on those matrices' exact block form
- * (gguf_blocks). The K-quants' sub-block scales multiply in the integer domain, so their float work
+ * (gguf/blocks.py). The K-quants' sub-block scales multiply in the integer domain, so their float work
  * is one step per super-block instead of one per sub-block: 8-row products of Q4_K 0.91x the time of
  * the per-32 numerics, Q6_K 0.92x (`scripts/qmatmul_ab.py --rows 8`, one thread, Zen 2). A row's
  * result depends on nothing else: not on M, the row tiling, the thread count (threads split the
