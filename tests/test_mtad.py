@@ -321,3 +321,36 @@ def test_mtad_no_repeat_ngram_is_a_validated_option(micro, micro_draft):
     assert build("mtad", micro, options, SamplingConfig(temperature=1.0)).drafter._ngrams.n == 3
     _, drafted, accepted = first_tokens(micro, "mtad", options, SamplingConfig(temperature=1.0), 10)
     assert drafted > 0 and accepted == drafted
+
+
+@pytest.mark.long
+def test_a_draft_vocabulary_keeps_sps_lossless_under_sampling(micro, micro_draft):
+    """The draft model's head over 4 of the 8 tokens: its drafts never leave them (q is zero
+    outside), and sps still follows ar's distribution exactly."""
+    from verispec.target.head import VocabularyHead
+
+    sampling = SamplingConfig(temperature=1.0)
+    options = MethodOptions(draft_model=str(micro_draft), draft_vocab=4)
+    exact = helpers.exact_sequence_distribution(micro.model, PROMPT, 3, sampling)
+    outcomes, drafted, accepted = first_tokens(micro, "sps", options, sampling, 500)
+    draft = micro.attachments[("draft-model", str(micro_draft), 4)]
+    assert isinstance(draft.head, VocabularyHead)
+    allowed = set(draft.head.ids.tolist())
+    assert len(allowed) < 8
+    logits = draft.head(torch.randn(3, draft.config.hidden_size))
+    assert torch.isinf(logits[:, [i for i in range(8) if i not in allowed]]).all()
+    assert torch.isfinite(logits[:, sorted(allowed)]).all()
+    assert 0 < accepted < drafted
+    helpers.assert_fits(outcomes, exact, "sps draft_vocab=4")
+
+
+@pytest.mark.long
+def test_greedy_sps_with_a_draft_vocabulary_equals_ar(tmp_path):
+    target = helpers.make_target("qwen2", seed=1, init=0.3)
+    helpers.make_model(helpers.make_config("qwen2", init=0.3), seed=9).save_pretrained(tmp_path)
+    helpers.char_tokenizer().save_pretrained(tmp_path)
+    prompt = helpers.repetitive_prompt(target.vocab_size, 0, period=5, repeats=4)
+    reference = helpers.run(target, build("ar", target), prompt, 30)[0]
+    options = MethodOptions(draft_model=str(tmp_path), draft_vocab=target.vocab_size // 2, controller="constant:4")
+    ids, stats, _ = helpers.run(target, build("sps", target, options), prompt, 30)
+    assert ids == reference and stats.drafted > 0

@@ -289,9 +289,9 @@ def test_bench_switched_off_target_stays_off(tmp_path):
 
 
 @pytest.mark.parametrize("args,message", [
-    (["generate", "hi", "-m", "pld", "--no-ngram-memory"], "--no-ngram-memory is used only by anpd, suffix, not by pld"),
+    (["generate", "hi", "-m", "pld", "--no-ngram-memory"], "--no-ngram-memory is used only by anpd, hybrid, suffix, not by pld"),
     (["bench", "--methods", "ar,pld", "--peers", "", "--no-ngram-memory"],
-     "--no-ngram-memory is used only by anpd, suffix, not by ar, pld"),
+     "--no-ngram-memory is used only by anpd, hybrid, suffix, not by ar, pld"),
     (["bench", "--methods", "anpd/ngram_memory=maybe", "--peers", ""], "ngram_memory must be true or false"),
     # a variant's setting against the run's switch: refused before a run directory or a model
     (["bench", "--methods", "ar,suffix/max_cached_requests=5", "--peers", "", "--no-ngram-memory"],

@@ -143,7 +143,7 @@ def test_options_are_validated():
     with pytest.raises(ConfigError, match="span_min"):
         MethodOptions(span_min=2)
     assert parse_variant("anpd/span_min=0")[2] == {"span_min": 0}
-    with pytest.raises(ConfigError, match="anpd option"):
+    with pytest.raises(ConfigError, match="an anpd/hybrid option"):
         parse_variant("pld/span_min=8")
     with pytest.raises(ConfigError, match="integer"):
         parse_variant("anpd/span_min=x")
@@ -164,7 +164,7 @@ def test_outputs_equal_ar_with_and_without_long_matches(span_min):
 
 
 @pytest.mark.parametrize("args,message", [
-    (["generate", "hi", "-m", "pld", "--span-min", "8"], "--span-min is used only by anpd, not by pld"),
+    (["generate", "hi", "-m", "pld", "--span-min", "8"], "--span-min is used only by anpd, hybrid, not by pld"),
     (["generate", "hi", "--span-min", "3"], "span_min must be 0 (off) or an integer from 4 to 32"),
     (["bench", "--methods", "ar,anpd/span_min=40"], "span_min must be 0 (off) or an integer from 4 to 32"),
 ])

@@ -198,7 +198,8 @@ def resolve_dataset(name: str, cwd: Path | None = None, package_dir: Path | None
                 "the Spec-Bench question set was not found: looked for "
                 f"{SPEC_BENCH_RELATIVE[0]} and {SPEC_BENCH_RELATIVE[1]} in "
                 f"{', '.join(str(Path(s).resolve()) for s in starts)} and every directory above them; "
-                "pass its path instead: --dataset PATH/question.jsonl"
+                "download data/spec_bench/question.jsonl from Spec-Bench's repository "
+                "(https://github.com/hemingkx/Spec-Bench) and pass its path: --dataset PATH/question.jsonl"
             )
         return found
     path = Path(name).expanduser()

@@ -17,11 +17,13 @@ from .acceptance import verify_joint, verify_lossless
 from .control import CUTS_AFTER_DRAFTING, ControllerMemory, controller_name, parse_controller
 from .drafters.base import Drafter, NullDrafter
 from .drafters.early_exit import EarlyExitDrafter, ExitHeadLM, PreparedHead, load_head
-from .drafters.draft_model import AuxLM, BeamDrafter, DraftLM, SampledDrafter
+from .drafters.draft_model import MIN_DRAFT_VOCAB, AuxLM, BeamDrafter, DraftLM, SampledDrafter, frequent_vocabulary
+from .drafters.hybrid import HybridDrafter
 from .drafters.ngram import AnpdDrafter, NgramConfig, PromptLookupDrafter
 from .drafters.suffix import SuffixConfig, SuffixDrafter
 from .engine import Recipe, Rule
 from ..errors import ConfigError, ModelLoadError, UnknownMethodError
+from ..notices import notice
 from ..target.model import Target
 from ..target.loading import load
 from ..runtime.fastpath import BLOCK_KERNEL_MAX_ROWS
@@ -45,6 +47,7 @@ class MethodOptions:
     pld_max_ngram: int = 3  # prompt lookup: longest n-gram matched
     exit_head: str | None = None  # EESD: directory of a trained exit head (default: the shipped one)
     draft_model: "str | Target | None" = None  # sps / mtad: draft model, a path or a loaded Target (default: the EESD exit head)
+    draft_vocab: int = 0  # sps / mtad with a draft model: its head over this many tokens (0: all; drafters.draft_model)
     beams: int = 4  # mtad: beam width W
     tau: float = 0.5  # mtad: joint-likelihood threshold
     no_repeat_ngram: int = 6  # mtad: beams may not repeat an n-gram of the output (0: off; see drafters.draft_model)
@@ -68,6 +71,10 @@ class MethodOptions:
         if not self.ngram_memory and self.max_cached_requests not in (0, SuffixConfig.max_cached_requests):
             raise ConfigError(f"max_cached_requests={self.max_cached_requests} sizes suffix's memory across requests, "
                               f"which ngram_memory=false turns off; give only one")
+        if isinstance(self.draft_vocab, bool) or not isinstance(self.draft_vocab, int) or not (
+                self.draft_vocab == 0 or self.draft_vocab >= MIN_DRAFT_VOCAB):
+            raise ConfigError(f"draft_vocab must be 0 (the whole vocabulary) or an integer >= {MIN_DRAFT_VOCAB}, "
+                              f"got {self.draft_vocab!r}")
         if not isinstance(self.beams, int) or self.beams < 1:
             raise ConfigError(f"beams must be an integer >= 1, got {self.beams!r}")
         if not isinstance(self.tau, (int, float)) or not self.tau > 0:
@@ -119,6 +126,8 @@ class Method:
         if setting in HEAD_SETTINGS and "draft_model" in self.settings and options is not None \
                 and options.draft_model is not None:
             return False
+        if setting == "draft_vocab" and options is not None and options.draft_model is None:
+            return False  # the exit head has a draft vocabulary of its own
         return setting in self.settings
     # It only samples (mtad's beams): greedy decoding (temperature 0) is refused.
     samples_only: bool = False
@@ -170,6 +179,22 @@ def _eesd(target: Target, options: MethodOptions, sampling: SamplingConfig) -> D
     return EarlyExitDrafter(target, prepared_exit_head(target, options.exit_head, options.head_int8), sampling)
 
 
+def draft_cost(target: Target, lm: DraftLM) -> float:
+    """A draft token's cost in target steps: the weight bytes the draft model reads a token over
+    the target's (an exit head: its exit layer's share of the layers, plus one layer)."""
+    if isinstance(lm, AuxLM):
+        return lm.model.target.weight_bytes_per_token / max(target.weight_bytes_per_token, 1)
+    layers = target.config.num_hidden_layers
+    return (lm.exit_layer + 1) / layers
+
+
+def _hybrid(target: Target, options: MethodOptions, sampling: SamplingConfig) -> Drafter:
+    ngram = AnpdDrafter.for_target(target.attachments, NgramConfig(max_n=options.ngram_max_n, span_min=options.span_min),
+                                   options.ngram_memory, 0)
+    lm = draft_lm(target, options)
+    return HybridDrafter(ngram, SampledDrafter(lm, sampling), draft_cost(target, lm))
+
+
 def draft_lm(target: Target, options: MethodOptions) -> DraftLM:
     """The auxiliary drafting model: --draft-model when given (a loaded Target, or a path loaded
     once per target on its device, on the fast path where the target and the draft model both
@@ -180,15 +205,18 @@ def draft_lm(target: Target, options: MethodOptions) -> DraftLM:
     if isinstance(options.draft_model, Target):
         return AuxLM(options.draft_model, target)
     path = str(Path(options.draft_model).expanduser())
-    key = ("draft-model", path)
+    key = ("draft-model", path, options.draft_vocab)
     if key not in target.attachments:
-        target.attachments[key] = load(path, target.dtype, fast=target.fast, device=target.device)
+        draft = load(path, target.dtype, fast=target.fast, device=target.device)
+        if options.draft_vocab and not draft.restrict_vocabulary(frequent_vocabulary(draft, options.draft_vocab)):
+            notice(f"{draft.name}: draft_vocab ignored (its logits come from the model's own forward)")
+        target.attachments[key] = draft
     return AuxLM(target.attachments[key], target)
 
 
 MTAD_SAMPLING = {"temperature": 1.0, "top_k": 10, "top_p": 0.9}
 HEAD_SETTINGS = frozenset({"exit_head", "head_int8"})  # the EESD exit head a drafter reads
-DRAFT_LM_SETTINGS = frozenset({"draft_model", *HEAD_SETTINGS})  # sps and mtad: a draft model, else the head
+DRAFT_LM_SETTINGS = frozenset({"draft_model", "draft_vocab", *HEAD_SETTINGS})  # sps and mtad: a draft model, else the head
 NGRAM_SETTINGS = frozenset({"ngram_max_n", "ngram_memory", "tree", "span_min"})
 SUFFIX_SETTINGS = frozenset({"ngram_memory", "max_tree_depth", "max_spec_factor", "min_token_prob", "max_cached_requests"})
 
@@ -218,6 +246,9 @@ METHODS: dict[str, Method] = {
                make_rule=lambda options: verify_joint(options.tau), default_sampling=MTAD_SAMPLING, draws=True,
                settings=DRAFT_LM_SETTINGS | {"beams", "tau", "no_repeat_ngram"},
                samples_only=True),
+        Method("hybrid", "ANPD's n-gram drafts where they are expected to pay more, else the draft model's or "
+               "the exit head's (a cost model of this machine's steps)", True, 16, _hybrid, draws=True,
+               settings=(NGRAM_SETTINGS - {"tree"}) | DRAFT_LM_SETTINGS),
         Method("suffix", "SuffixDecoding: suffix trees over the prompt and earlier outputs (make suffix)", True, 24,
                lambda target, options, sampling: SuffixDrafter.for_target(target.attachments, options.suffix_config()),
                settings=SUFFIX_SETTINGS),
@@ -238,7 +269,7 @@ def _flag(value: str) -> bool:
 _DEFAULT_OPTIONS = MethodOptions()
 
 # The settings a method spec may give (`parse_variant`), with how each is read from text.
-VARIANT_OPTIONS = {"tau": float, "beams": int, "no_repeat_ngram": int, "head_int8": _flag, "ngram_memory": _flag,
+VARIANT_OPTIONS = {"tau": float, "beams": int, "draft_vocab": int, "no_repeat_ngram": int, "head_int8": _flag, "ngram_memory": _flag,
                    "tree": int, "span_min": int, "max_tree_depth": int, "max_spec_factor": float,
                    "min_token_prob": float, "max_cached_requests": int}
 
@@ -260,7 +291,7 @@ def refuse_unread(names: Sequence[str], given: dict[str, str], options: MethodOp
         if not set(readers) & set(names):
             note = ""
             if setting in HEAD_SETTINGS and options is not None and options.draft_model is not None:
-                note = " (sps and mtad draft with the draft model, not with the exit head)"
+                note = f" ({', '.join(users_of('draft_model'))} draft with the draft model, not with the exit head)"
             raise ConfigError(f"{shown} is used only by {', '.join(readers)}, not by {', '.join(names)}{note}")
 
 

@@ -90,3 +90,23 @@ def own_head(model, decoder, name: str, device: torch.device, dtype: torch.dtype
     if decoder is not None:
         notice(f"fast path disabled for {name}: its logits differ from the model's own forward")
     return None, None
+
+
+class VocabularyHead:
+    """An LM head over some of its rows (a draft model's draft vocabulary): hidden [n, d] ->
+    logits [n, vocab] whose rows outside `ids` are -inf, reading only those rows' weights. A
+    drafter on it proposes only tokens of `ids` (q is zero elsewhere); the target's verify keeps
+    every method exact."""
+
+    def __init__(self, part, ids: torch.Tensor, vocab_size: int):
+        self.part, self.ids, self.vocab_size = part, ids.to(torch.int64), vocab_size
+
+    @property
+    def out_features(self) -> int:
+        return self.vocab_size
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        some = self.part(hidden)  # [n, len(ids)]
+        full = some.new_full((hidden.shape[0], self.vocab_size), float("-inf"))  # [n, vocab]
+        full[:, self.ids] = some
+        return full

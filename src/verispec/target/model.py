@@ -18,7 +18,7 @@ from . import lazy_logits
 from .backends import CompiledBackend, PagedBackend, StaticBackend, TorchBackend
 from .device import STATIC_CACHE_TOKENS, CompiledStep, model_device, spread_over_devices
 from ..errors import ConfigError
-from .head import own_head
+from .head import VocabularyHead, own_head
 from .lazy_logits import LazyRows
 from ..notices import notice
 from ..runtime import blockmm
@@ -395,6 +395,15 @@ class Target:
     @property
     def uses_own_head(self) -> bool:
         return self.head is not None
+
+    def restrict_vocabulary(self, ids: torch.Tensor) -> bool:
+        """Compute logits only for the tokens `ids` (-inf elsewhere; a draft model's draft
+        vocabulary: its head reads a fraction of the weights). False where this target computes
+        logits with the model's own forward and cannot."""
+        if self.head is None or isinstance(self.head, VocabularyHead):
+            return False
+        self.head = VocabularyHead(self.output_rows_linear(ids), ids, self.vocab_size)
+        return True
 
     def output_rows_linear(self, rows: torch.Tensor):
         """hidden [n, d] -> hidden @ W[rows]^T [n, len(rows)] for some rows of the output

@@ -96,6 +96,23 @@ def tree_for_beams(context_length: int, step: int, width: int, paths: list[list[
     return Tree(positions, slots, visible, slot_positions)
 
 
+MIN_DRAFT_VOCAB = 1
+
+
+def frequent_vocabulary(draft_target, size: int) -> torch.Tensor:
+    """A draft model's draft vocabulary: its tokenizer's `size` lowest ids (subword vocabularies
+    number their pieces by merge order, about by frequency) and every special or added token
+    (the end of a turn, tool-call markers), ascending. [<= size + specials] int64."""
+    tokenizer = draft_target.tokenizer
+    vocab_size = draft_target.vocab_size
+    ids = set(range(min(size, vocab_size)))
+    if tokenizer is not None:
+        ids |= {int(i) for i in tokenizer.all_special_ids}
+        ids |= {int(i) for i in getattr(tokenizer, "added_tokens_decoder", {})}
+    ids |= {int(i) for i in getattr(draft_target, "eos_token_ids", ()) or ()}
+    return torch.tensor(sorted(i for i in ids if 0 <= i < vocab_size), dtype=torch.int64)
+
+
 class AuxLM:
     """An auxiliary causal LM (a `Target`) as a draft model, with its own KV cache: its fast path
     where it has one, else its PyTorch path (beams need a model `torch_path` can mask)."""

@@ -1,0 +1,105 @@
+"""The hybrid drafter: at each step the draft expected to pay most, ANPD's n-gram draft (free to
+find) or a model's draft (a draft model or the EESD exit head; each of its tokens costs a step of
+that model).
+
+The choice is a cost model in units of one target step. An n-gram draft whose tokens ANPD expects
+accepted with probabilities c_1..c_n (its per-kind estimates) gives 1 + sum_j prod_{i<=j} c_i
+tokens for one verify. A model draft of L tokens accepted with probability a each (measured on
+this request's model drafts) gives 1 + a + ... + a^L tokens for one verify and L draft steps of
+relative cost r (the draft's weight bytes per token over the target's: both steps are bound by
+reading their weights). The higher rate wins, and L is the length that maximises the model's
+rate. Exactness is the verify's: a draft is either deterministic (the n-gram's) or carries the q
+it was drawn from (the model's), and the rule treats each as it is.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from ...target.shared_forward import Steps, run_alone
+from .base import Draft, Keep, keep_all
+from .draft_model import SampledDrafter
+from .ngram import AnpdDrafter
+
+PRIOR_ACCEPTANCE = 0.7  # a model draft's acceptance before any was verified
+PRIOR_WEIGHT = 4.0  # ... counted as this many drafted tokens
+
+
+def expected_tokens(confidence: Sequence[float]) -> float:
+    """Tokens a verify is expected to give for a draft accepted token by token with these
+    probabilities: 1 (the verify's own) + sum_j prod_{i<=j} c_i."""
+    total, run = 1.0, 1.0
+    for c in confidence:
+        run *= c
+        total += run
+    return total
+
+
+def best_model_length(acceptance: float, cost: float, cap: int) -> tuple[int, float]:
+    """(L, tokens per target step) for the model draft length L in 0..cap that maximises
+    (1 + a + ... + a^L) / (1 + L r); L = 0 is no draft."""
+    best, rate, gain = 0, 1.0, 1.0
+    for length in range(1, cap + 1):
+        gain += acceptance ** length
+        candidate = gain / (1.0 + length * cost)
+        if candidate > rate:
+            best, rate = length, candidate
+    return best, rate
+
+
+class HybridDrafter:
+    """ANPD's draft where it is expected to pay more than the model's, else the model's."""
+
+    def __init__(self, ngram: AnpdDrafter, model: SampledDrafter, model_cost: float):
+        self.ngram, self.model, self.model_cost = ngram, model, model_cost
+        self._drafted = PRIOR_WEIGHT
+        self._accepted = PRIOR_ACCEPTANCE * PRIOR_WEIGHT
+        self._source = None  # "ngram" or "model": whose draft this step verifies
+
+    def begin(self, prompt: Sequence[int]) -> None:
+        self.ngram.begin(prompt)
+        self.model.begin(prompt)
+
+    def close(self) -> None:
+        self.model.close()
+
+    def kv_claims(self, prompt_tokens: int, max_new_tokens: int) -> list:
+        return self.model.kv_claims(prompt_tokens, max_new_tokens)
+
+    @property
+    def in_target_sequence(self) -> bool:
+        return self.model.in_target_sequence
+
+    @property
+    def draft_sequence(self):
+        return self.model.draft_sequence
+
+    @property
+    def model_acceptance(self) -> float:
+        return self._accepted / self._drafted
+
+    def propose(self, context: Sequence[int], k: int, keep: Keep = keep_all) -> Draft:
+        return run_alone(self.proposing(context, k, keep))
+
+    def proposing(self, context: Sequence[int], k: int, keep: Keep = keep_all) -> Steps[Draft]:
+        """`propose` as steps: only a model draft runs forwards (yielded as the model's parts)."""
+        draft = self.ngram.propose(context, k, keep)
+        length, model_rate = best_model_length(self.model_acceptance, self.model_cost, k)
+        if length == 0 or (len(draft.tokens) and expected_tokens(draft.confidence) >= model_rate):
+            self._source = "ngram"
+            return draft
+        self._source = "model"
+
+        def within(j: int, confidence: float | None) -> bool:
+            return j < length and keep(j, confidence)
+
+        return (yield from self.model.proposing(context, length, within))
+
+    def commit(self, committed: Sequence[int], n_proposed: int) -> None:
+        by_model = self._source == "model"
+        self.ngram.commit(committed, 0 if by_model else n_proposed)
+        self.model.commit(committed, n_proposed if by_model else 0)
+        if by_model and n_proposed:
+            self._drafted += n_proposed
+            self._accepted += min(len(committed) - 1, n_proposed)
+        self._source = None
