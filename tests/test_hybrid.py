@@ -136,3 +136,31 @@ def test_hybrid_is_lossless_under_sampling(micro, micro_draft, monkeypatch):
         accepted += stats.accepted
     assert 0 < accepted < drafted
     helpers.assert_fits(outcomes, exact, "hybrid")
+
+
+def test_an_ngram_draft_is_cut_where_wider_verifies_stop_paying():
+    from verispec.core.control import CostModel
+
+    costs = CostModel()
+    for width in range(1, 18):  # a machine where each extra row costs 0.3 of a step
+        for _ in range(3):
+            costs.observe(width, 1.0 + 0.3 * (width - 1))
+    ngram = _Stub(_draft(list(range(8)), [0.95, 0.95, 0.3, 0.3, 0.3, 0.3, 0.3, 0.3]))
+    drafter = HybridDrafter(ngram, _Stub(_draft([], [])), 1.0)  # a model draft never pays here
+    drafter.measure_with(costs)
+    assert len(drafter.propose([1], 8).tokens) == 2
+    drafter.measure_with(CostModel())  # the optimistic prior: wide verifies nearly free
+    assert len(drafter.propose([1], 8).tokens) > 2
+
+
+def test_the_measured_controller_feeds_the_hybrid_its_costs(monkeypatch, tmp_path):
+    import verispec.core.methods as methods
+
+    target = helpers.make_target("llama", seed=1, init=0.3)
+    helpers.make_model(helpers.make_config("llama", init=0.3), seed=9).save_pretrained(tmp_path)
+    helpers.char_tokenizer().save_pretrained(tmp_path)
+    recipe = build("hybrid", target, MethodOptions(draft_model=str(tmp_path)))
+    assert repr(recipe.controller).startswith("measured:")
+    assert recipe.drafter.costs is recipe.controller.cost
+    recipe.controller.observe(3, 0, (), 0.02, 0.0)
+    assert recipe.drafter.costs.seconds == {4: 0.02}

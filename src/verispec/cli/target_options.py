@@ -99,7 +99,7 @@ def target_options(*chosen: str):
 # Method settings several commands take.
 EXIT_HEAD_OPTION = typer.Option(None, "--exit-head", help="Exit-head directory for eesd (default: the head trained or shipped for the model).")
 DRAFT_LENGTH_OPTION = typer.Option(None, "--draft-length", "-k", help="Most tokens drafted per step (default: the method's).")
-CONTROLLER_OPTION = typer.Option(None, help="Draft-length controller: constant[:K], heuristic[:K], adaptive[:K], beta-ts[:K], calibrated-ts[:K].")
+CONTROLLER_OPTION = typer.Option(None, help="Draft-length controller: constant[:K], heuristic[:K], adaptive[:K], measured[:K], beta-ts[:K], calibrated-ts[:K].")
 NGRAM_MEMORY_OPTION = typer.Option(
     True, "--ngram-memory/--no-ngram-memory",
     help="Memory across requests: anpd also drafts from the n-grams of earlier requests on the same model, suffix from its tree of earlier outputs (outputs never change; in a server one user's text can change another's speed).",

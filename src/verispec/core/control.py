@@ -446,6 +446,22 @@ class ExpectedThroughput(ConstantLength):
         return f"adaptive:{self.k}"
 
 
+class Measured(ConstantLength):
+    """Up to K, verifying everything proposed, while measuring what each verify width costs (into
+    its memory's `CostModel`): for a drafter that chooses its own draft lengths from those costs
+    (`drafters.hybrid`). It never cuts a draft, so it biases no drawn draft."""
+
+    def __init__(self, k: int, memory: ControllerMemory | None = None):
+        super().__init__(k)
+        self.cost = (memory or ControllerMemory()).cost
+
+    def observe(self, drafted, accepted, confidence, verify_s, draft_s) -> None:
+        self.cost.observe(drafted + 1, verify_s, drafted, draft_s)
+
+    def __repr__(self) -> str:
+        return f"measured:{self.k}"
+
+
 class BetaThompson(ConstantLength):
     """Thompson sampling over a Beta posterior of the per-token acceptance probability."""
 
@@ -520,12 +536,13 @@ class CalibratedThompson(BetaThompson):
         return f"calibrated-ts:{self.k}"
 
 
-LEARNING = {"adaptive", "beta-ts", "calibrated-ts"}  # controllers that take a ControllerMemory
+LEARNING = {"adaptive", "measured", "beta-ts", "calibrated-ts"}  # controllers that take a ControllerMemory
 
 CONTROLLERS = {
     "constant": ConstantLength,
     "heuristic": Heuristic,
     "adaptive": ExpectedThroughput,
+    "measured": Measured,
     "beta-ts": BetaThompson,
     "calibrated-ts": CalibratedThompson,
 }

@@ -247,7 +247,7 @@ METHODS: dict[str, Method] = {
                settings=DRAFT_LM_SETTINGS | {"beams", "tau", "no_repeat_ngram"},
                samples_only=True),
         Method("hybrid", "ANPD's n-gram drafts where they are expected to pay more, else the draft model's or "
-               "the exit head's (a cost model of this machine's steps)", True, 16, _hybrid, draws=True,
+               "the exit head's (a cost model of this machine's steps)", True, 16, _hybrid, "measured", draws=True,
                settings=(NGRAM_SETTINGS - {"tree"}) | DRAFT_LM_SETTINGS),
         Method("suffix", "SuffixDecoding: suffix trees over the prompt and earlier outputs (make suffix)", True, 24,
                lambda target, options, sampling: SuffixDrafter.for_target(target.attachments, options.suffix_config()),
@@ -447,5 +447,10 @@ def build(name: str, target: Target, options: MethodOptions = MethodOptions(),
         # What the controller learns carries over to the next request with the same drafter,
         # settings and controller (see ControllerMemory); the seed is not part of the key.
         key = (method.name, spec, length, options, sampling.temperature, sampling.top_k, sampling.top_p)
-        controller = parse_controller(spec, length, controller_memory(target, key))
+        memory = controller_memory(target, key)
+        controller = parse_controller(spec, length, memory)
+        drafter = method.make_drafter(target, options, sampling)
+        if hasattr(drafter, "measure_with"):  # a drafter that chooses its own lengths (hybrid)
+            drafter.measure_with(memory.cost)
+        return Recipe(drafter, controller, method.make_rule(options))
     return Recipe(method.make_drafter(target, options, sampling), controller, method.make_rule(options))

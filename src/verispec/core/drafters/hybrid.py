@@ -1,15 +1,17 @@
 """The hybrid drafter: at each step the draft expected to pay most, ANPD's n-gram draft (free to
 find) or a model's draft (a draft model or the EESD exit head; each of its tokens costs a step of
-that model).
+that model), each cut at the length that pays most.
 
-The choice is a cost model in units of one target step. An n-gram draft whose tokens ANPD expects
-accepted with probabilities c_1..c_n (its per-kind estimates) gives 1 + sum_j prod_{i<=j} c_i
-tokens for one verify. A model draft of L tokens accepted with probability a each (measured on
-this request's model drafts) gives 1 + a + ... + a^L tokens for one verify and L draft steps of
+The choice is a cost model in units of one target step. A verify of w tokens costs v(w) steps,
+measured on this machine as the requests run (`control.CostModel`, fed by the `measured`
+controller; before measurements its optimistic prior). An n-gram draft whose tokens ANPD expects
+accepted with probabilities c_1..c_n (its per-kind estimates) gives 1 + sum_{j<=L} prod_{i<=j} c_i
+tokens for v(L + 1). A model draft of L tokens accepted with probability a each (measured on this
+target's model drafts) gives 1 + a + ... + a^L tokens for v(L + 1) plus L draft steps of
 relative cost r (the draft's weight bytes per token over the target's: both steps are bound by
-reading their weights). The higher rate wins, and L is the length that maximises the model's
-rate. Exactness is the verify's: a draft is either deterministic (the n-gram's) or carries the q
-it was drawn from (the model's), and the rule treats each as it is.
+reading their weights). The higher rate wins. Exactness is the verify's: a draft is either
+deterministic (the n-gram's, which may be cut after it is seen) or carries the q it was drawn
+from (the model's, whose length is fixed before its first token is drawn).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from ...target.shared_forward import Steps, run_alone
+from ..control import CostModel, best_draft_length
 from .base import Draft, Keep, keep_all
 from .draft_model import SampledDrafter
 from .ngram import AnpdDrafter
@@ -35,13 +38,13 @@ def expected_tokens(confidence: Sequence[float]) -> float:
     return total
 
 
-def best_model_length(acceptance: float, cost: float, cap: int) -> tuple[int, float]:
+def best_model_length(acceptance: float, cost: float, cap: int, verify=lambda width: 1.0) -> tuple[int, float]:
     """(L, tokens per target step) for the model draft length L in 0..cap that maximises
-    (1 + a + ... + a^L) / (1 + L r); L = 0 is no draft."""
-    best, rate, gain = 0, 1.0, 1.0
+    (1 + a + ... + a^L) / (L r + v(L + 1)); L = 0 is no draft."""
+    best, rate, gain = 0, 1.0 / verify(1), 1.0
     for length in range(1, cap + 1):
         gain += acceptance ** length
-        candidate = gain / (1.0 + length * cost)
+        candidate = gain / (length * cost + verify(length + 1))
         if candidate > rate:
             best, rate = length, candidate
     return best, rate
@@ -52,9 +55,14 @@ class HybridDrafter:
 
     def __init__(self, ngram: AnpdDrafter, model: SampledDrafter, model_cost: float):
         self.ngram, self.model, self.model_cost = ngram, model, model_cost
+        self.costs = CostModel()  # replaced by the measured controller's (`measure_with`)
         self._drafted = PRIOR_WEIGHT
         self._accepted = PRIOR_ACCEPTANCE * PRIOR_WEIGHT
         self._source = None  # "ngram" or "model": whose draft this step verifies
+
+    def measure_with(self, costs: CostModel) -> None:
+        """Price verify widths with `costs` (measured by the controller as the requests run)."""
+        self.costs = costs
 
     def begin(self, prompt: Sequence[int]) -> None:
         self.ngram.begin(prompt)
@@ -83,11 +91,15 @@ class HybridDrafter:
 
     def proposing(self, context: Sequence[int], k: int, keep: Keep = keep_all) -> Steps[Draft]:
         """`propose` as steps: only a model draft runs forwards (yielded as the model's parts)."""
+        verify = self.costs.verify
         draft = self.ngram.propose(context, k, keep)
-        length, model_rate = best_model_length(self.model_acceptance, self.model_cost, k)
-        if length == 0 or (len(draft.tokens) and expected_tokens(draft.confidence) >= model_rate):
+        confidence = draft.confidence[: len(draft.tokens)]
+        cut = best_draft_length(confidence, lambda length: verify(length + 1))
+        ngram_rate = expected_tokens(confidence[:cut]) / verify(cut + 1)
+        length, model_rate = best_model_length(self.model_acceptance, self.model_cost, k, verify)
+        if length == 0 or (cut > 0 and ngram_rate >= model_rate):
             self._source = "ngram"
-            return draft
+            return draft.prefix(cut) if cut < len(draft.tokens) else draft
         self._source = "model"
 
         def within(j: int, confidence: float | None) -> bool:
