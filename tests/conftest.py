@@ -68,3 +68,18 @@ def text_target(char_tokenizer) -> Target:
     """A tiny Llama over the character tokenizer's vocabulary (no EOS anywhere)."""
     config = helpers.make_config("llama", vocab_size=len(char_tokenizer), init=0.1)
     return Target(helpers.make_model(config, seed=3), char_tokenizer, name="tiny-text-llama")
+
+
+@pytest.fixture(scope="module")
+def micro():
+    """A micro Llama over 8 tokens (exact sequence distributions are cheap to enumerate)."""
+    return Target(helpers.make_model(helpers.micro_llama_config(8, init=0.3), seed=0), None, name="micro")
+
+
+@pytest.fixture(scope="module")
+def micro_draft(tmp_path_factory):
+    """A different micro Llama with the same vocabulary, saved so methods can load it by path."""
+    path = tmp_path_factory.mktemp("draft")
+    helpers.make_model(helpers.micro_llama_config(8, init=0.3), seed=5).save_pretrained(path)
+    helpers.char_tokenizer().save_pretrained(path)  # loading needs one; ids are compared by vocab size here
+    return path

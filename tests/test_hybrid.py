@@ -11,7 +11,6 @@ from verispec.core.drafters.base import Draft
 from verispec.core.drafters.hybrid import HybridDrafter, best_model_length, expected_tokens
 from verispec.core.methods import MethodOptions, build
 from verispec.core.sampling import SamplingConfig
-from verispec.target.model import Target
 
 
 def test_expected_tokens_of_a_draft():
@@ -77,19 +76,6 @@ def test_model_drafts_teach_the_acceptance():
     assert drafter.model_acceptance < before
 
 
-@pytest.fixture(scope="module")
-def micro():
-    return Target(helpers.make_model(helpers.micro_llama_config(8, init=0.3), seed=0), None, name="micro")
-
-
-@pytest.fixture(scope="module")
-def micro_draft(tmp_path_factory):
-    path = tmp_path_factory.mktemp("draft")
-    helpers.make_model(helpers.micro_llama_config(8, init=0.3), seed=5).save_pretrained(path)
-    helpers.char_tokenizer().save_pretrained(path)
-    return path
-
-
 @pytest.mark.long
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_greedy_hybrid_equals_ar(arch, tmp_path, monkeypatch):
@@ -153,9 +139,7 @@ def test_an_ngram_draft_is_cut_where_wider_verifies_stop_paying():
     assert len(drafter.propose([1], 8).tokens) > 2
 
 
-def test_the_measured_controller_feeds_the_hybrid_its_costs(monkeypatch, tmp_path):
-    import verispec.core.methods as methods
-
+def test_the_measured_controller_feeds_the_hybrid_its_costs(tmp_path):
     target = helpers.make_target("llama", seed=1, init=0.3)
     helpers.make_model(helpers.make_config("llama", init=0.3), seed=9).save_pretrained(tmp_path)
     helpers.char_tokenizer().save_pretrained(tmp_path)

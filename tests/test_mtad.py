@@ -28,20 +28,6 @@ ALPHA = 1e-4
 PROMPT = [1, 2, 3, 1, 2, 3, 1, 2]
 
 
-@pytest.fixture(scope="module")
-def micro():
-    return Target(helpers.make_model(helpers.micro_llama_config(8, init=0.3), seed=0), None, name="micro")
-
-
-@pytest.fixture(scope="module")
-def micro_draft(tmp_path_factory):
-    """A different micro Llama with the same vocabulary, saved so methods can load it by path."""
-    path = tmp_path_factory.mktemp("draft")
-    helpers.make_model(helpers.micro_llama_config(8, init=0.3), seed=5).save_pretrained(path)
-    helpers.char_tokenizer().save_pretrained(path)  # loading needs one; ids are compared by vocab size here
-    return path
-
-
 def first_tokens(target, method, options, sampling, seeds):
     outcomes, drafted, accepted = [], 0, 0
     for seed in range(seeds):

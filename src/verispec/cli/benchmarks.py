@@ -54,7 +54,7 @@ def bench(
         peer_settings = PeerSettings(temperature, top_p, seed, early_exit_layer, draft_model, target.dtype, top_k)
         _check_methods_and_peers(options, peer_settings)
         settings, path, questions = _bench_settings(options, target.check())
-        directory = Path(out_dir) if out_dir else _timestamped("")
+        directory = Path(out_dir) if out_dir else _timestamped_dir()
         summary, config, probe = _run_bench(target, settings, peer_settings, path, questions, directory, resume,
                                             progress)
         report.write_report(directory, summary, config, config["info"].get("energy_meter", probe.description))
@@ -66,10 +66,10 @@ def bench(
     print(json.dumps(report.json_safe(aggregate.compact(summary))), flush=True)
 
 
-def _timestamped(prefix: str) -> Path:
+def _timestamped_dir() -> Path:
     from datetime import datetime
 
-    return Path("bench-out") / (prefix + datetime.now().strftime("%Y%m%d-%H%M%S"))
+    return Path("bench-out") / datetime.now().strftime("%Y%m%d-%H%M%S")
 
 
 def _check_methods_and_peers(options: dict, peer_settings) -> None:
