@@ -29,7 +29,6 @@ from pathlib import Path
 
 import numpy as np
 
-from bench_qmatmul import random_blocks
 from verispec.runtime import blockmm, qmatmul
 
 SHAPES = {  # name: (type, N outputs, K inputs)
@@ -39,6 +38,17 @@ SHAPES = {  # name: (type, N outputs, K inputs)
     "gemma-head": ("Q8_0", 262144, 640), "gemma-up": ("Q5_0", 2048, 640),  # the embedded Gemma 3 270M's
 }
 P, I64, INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+
+
+def random_blocks(type_name: str, rows: int, cols: int, seed: int) -> np.ndarray:
+    """Random valid blocks of a type: random bits, float16 scales of a sane size."""
+    block, size = qmatmul.BLOCKS[qmatmul.TYPES[type_name]]
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
+    fields = [(0, 2), (2, 4)] if type_name in ("Q4_K", "Q5_K") else [(208, 210)] if type_name == "Q6_K" else [(0, 2)]
+    for low, high in fields:
+        raw[:, :, low:high] = rng.uniform(1e-4, 0.05, (rows, cols // block, 1)).astype(np.float16).view(np.uint8)
+    return raw.reshape(-1)
 
 
 def build(folder: Path) -> ctypes.CDLL:

@@ -156,6 +156,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("run", type=Path, help="a `verispec bench --out` directory with an `ar` greedy run")
     parser.add_argument("--ratios", default="1.10,1.48,2.60,4.40,9.90")
+    parser.add_argument("--k", default="16", help="draft length caps to replay at, e.g. 16,32")
     parser.add_argument("--tree-budgets", default="", help="node budgets to replay trees at, e.g. 8,16")
     args = parser.parse_args()
     ratios = dict(zip(WIDTHS, [1.0, *map(float, args.ratios.split(","))]))
@@ -163,14 +164,15 @@ def main() -> None:
     records = [json.loads(line) for line in (args.run / "records.jsonl").open()]
     answers_by_id = {r["question_id"]: r["token_ids"] for r in records if r["method"] == "ar" and r["repeat"] == 0}
     _, questions = load_dataset(settings["dataset"], settings["categories"] or None, settings["per_category"])
-    tokenizer = load().tokenizer
+    tokenizer = load(settings.get("model")).tokenizer  # the run's model's
     answers = [(encode_question(tokenizer, q), answers_by_id[q.question_id]) for q in questions
                if q.question_id in answers_by_id]
     print(f"{len(answers)} answers from {args.run}")
-    for label, (config, memory) in VARIANTS.items():
-        per_forward, acceptance, speed, learned = replay(answers, config, memory, step_costs(ratios))
-        print(f"{label:24s} tokens/forward {per_forward:.2f}  acceptance {acceptance:.2f}  modelled vs ar {speed:.2f}x"
-              f"{learned}")
+    for k in (int(value) for value in args.k.split(",")):
+        for label, (config, memory) in VARIANTS.items():
+            per_forward, acceptance, speed, learned = replay(answers, config, memory, step_costs(ratios), k)
+            print(f"{label + f', K {k}':30s} tokens/forward {per_forward:.2f}  acceptance {acceptance:.2f}  "
+                  f"modelled vs ar {speed:.2f}x{learned}")
     per_forward, _, speed, _ = replay(answers, *VARIANTS["anpd"], step_costs(ratios), oracle=True)
     print(f"{'anpd, cut by an oracle':24s} tokens/forward {per_forward:.2f}  modelled vs ar {speed:.2f}x")
     for budget in (int(b) for b in args.tree_budgets.split(",") if b):

@@ -236,7 +236,7 @@ def test_lossless_methods_equal_ar_on_the_device(tiny_dirs, tmp_path, device, ar
         assert len(mtad.token_ids) == NEW_TOKENS and mtad.stats.drafted > 0
     assert all(accepted[label] for label in ("pld", "anpd", "eesd")), accepted  # not vacuous
     if not target.fast:  # the draft model is on the target's device and path
-        assert target.attachments[("draft-model", str(tiny_dirs["llama" if arch == "gemma3" else "gemma3"]))].device \
+        assert target.attachments[("draft-model", str(tiny_dirs["llama" if arch == "gemma3" else "gemma3"]), 0)].device \
             == target.device
 
 

@@ -30,7 +30,7 @@ verispec's own keywords: `method=` (default "anpd"; `verispec.method_names()`, o
 settings as in `verispec bench --methods`, e.g. "anpd/tree=8"), `seed=`,
 `stats=` (a `verispec.GenerationStats`, overwritten with this call's counts: drafted, accepted,
 target forwards, timings), and every `verispec.MethodOptions` field: `draft_length`,
-`controller`, `ngram_max_n`, `span_min`, `pld_max_ngram`, `exit_head`, `draft_model`, `beams`, `tau`,
+`controller`, `ngram_max_n`, `span_min`, `pld_max_ngram`, `exit_head`, `draft_model`, `draft_vocab`, `beams`, `tau`,
 `no_repeat_ngram`, `head_int8`, `ngram_memory`, `tree`, and suffix's `max_tree_depth`, `max_spec_factor`, `min_token_prob`,
 `max_cached_requests` (left unset: the method's default). `draft_model=` (sps, mtad) takes a
 model you loaded (a transformers causal LM with the same tokenizer, on the model's device) or a
@@ -132,6 +132,7 @@ def transformers_generate(
     pld_max_ngram: int | None = None,
     exit_head: str | None = None,
     draft_model=None,
+    draft_vocab: int | None = None,
     beams: int | None = None,
     tau: float | None = None,
     no_repeat_ngram: int | None = None,
