@@ -11,6 +11,7 @@ import pytest
 import helpers
 from verispec.errors import ConfigError
 from verispec.request.text import PLAIN_TEMPLATE
+from verispec.target.model import Target
 from verispec.train.corpus import PROMPTS_PATH, PromptRecord, generate_corpus, read_corpus, read_prompts
 
 
@@ -72,3 +73,31 @@ def test_generate_corpus_refuses_a_budget_it_cannot_split(tmp_path):
         generate_corpus(target, [PromptRecord(prompt="abc")], 1, tmp_path / "c.jsonl")
     with pytest.raises(ConfigError, match=r"\(got 8, 0\)"):
         generate_corpus(target, [PromptRecord(prompt="abc")], 8, tmp_path / "c.jsonl", samples=0)
+
+
+def test_the_corpus_is_decoded_together_and_each_document_is_the_text_it_gets_alone(tmp_path, monkeypatch):
+    """On a target that batches exactly, the continuations share forwards (fewer forwards than
+    documents' tokens), and each document is what `generate` writes for its prompt and seed alone."""
+    from verispec.api import generate
+
+    tokenizer = helpers.char_tokenizer(eos=True)
+    model = helpers.make_model(helpers.make_config("llama", vocab_size=len(tokenizer)), 4)
+    target = Target(model, tokenizer, name="tiny-int8", fast=True, blocks=helpers.blockify(model), numerics="int8")
+    assert target.pages_kv
+    records = [PromptRecord(prompt="abc"), PromptRecord(article="cab", question="ba?"), PromptRecord(prompt="b a")]
+    forwards = []
+    original = Target.forward_parts
+    monkeypatch.setattr(Target, "forward_parts", lambda self, parts: forwards.append(len(parts)) or original(self, parts))
+    out = generate_corpus(target, records, 8, tmp_path / "corpus.jsonl", samples=2, seed=5)
+    monkeypatch.setattr(Target, "forward_parts", original)
+    documents = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(documents) == 2 * 1 + 2 * 3 + 2 * 1
+    assert max(forwards) > 1, "the continuations were decoded one at a time"
+    # record i sample s is seeded 5 + 2 i + s; an article's summary and answer share its seed
+    seeds = [5, 6, 7, 7, 7, 8, 8, 8, 9, 10]
+    budgets = [8, 8, 16, 4, 4, 16, 4, 4, 8, 8]  # a prompt's continuation, an article, a summary, an answer
+    for document, seed, budget in zip(documents, seeds, budgets):
+        alone = generate(target, document["prompt"], "ar", max_new_tokens=budget, temperature=0.8, top_k=0,
+                         top_p=0.95, seed=seed)
+        target.release()
+        assert document["prompt"] + alone.text == document["text"], document

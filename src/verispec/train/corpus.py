@@ -4,8 +4,8 @@ Owns the prompt list (`data/prompts.jsonl`, written for this project: instructio
 passages across writing, role-play, reasoning, code, math and word problems, science, humanities,
 summarisation, question answering, extraction, translation and chat, kept apart from every
 benchmark prompt so that training never sees evaluation text), the generation of the corpus (the
-target samples continuations of the prompts, formatted like the benchmark formats them, with the
-engine's `ar` on the fast path), and reading/writing the corpus file (JSONL, one document a line:
+target samples continuations of the prompts, formatted like the benchmark formats them, with
+`ar`, many sequences a forward where the target batches exactly), and reading/writing the corpus file (JSONL, one document a line:
 {"prompt": ..., "text": prompt + continuation}).
 
 A prompt record is either {"prompt": instruction} or {"article": topic, "question": question}:
@@ -93,36 +93,60 @@ def generate_corpus(target, prompts: list[PromptRecord], new_tokens: int, out: P
     corpus JSONL. Sample s of record i is seeded with seed + i * samples + s, so the corpus is
     reproducible and each record's samples differ. An article is written with 2 * new_tokens
     tokens; its summary and answer with new_tokens // 2 (Spec-Bench's answers are short).
-    `progress` is called with 1 per finished sample."""
-    from ..api import generate
 
+    The continuations are decoded together (`generate_many`: many sequences a forward where the
+    target batches exactly, each the text it gives alone), in two rounds: every prompt's
+    continuation and every article, then the articles' summaries and answers. `progress` is
+    called with 1 per finished sample (a prompt's continuation; an article with its summary and
+    answer)."""
     check_generation(new_tokens, samples)
+    jobs = [(index, sample, record, seed + index * samples + sample)
+            for index, record in enumerate(prompts) for sample in range(samples)]
+    firsts = [(record.prompt, new_tokens) if record.prompt is not None
+              else (f"Write a news article about {record.article}.", 2 * new_tokens) for _, _, record, _ in jobs]
+    first_done = [record.prompt is not None for _, _, record, _ in jobs]  # a plain prompt's sample ends here
+    written = _continue_all(target, firsts, [job[3] for job in jobs], temperature, top_p,
+                            lambda i: progress(1) if progress is not None and first_done[i] else None)
+    articles = [i for i, (_, _, record, _) in enumerate(jobs) if record.article is not None]
+    followers = []  # (job position, prompt, tokens): each article's summary, then its answer
+    for i in articles:
+        article = written[i]["text"][len(written[i]["prompt"]):].strip()
+        followers += [(i, f"Summarize: {article}", new_tokens // 2),
+                      (i, f"{article}\n{jobs[i][2].question}", new_tokens // 2)]
+    pending = {i: 2 for i in articles}
 
-    def continue_(prompt: str, tokens: int, sample_seed: int) -> dict:
-        text = PLAIN_TEMPLATE.format(prompt=prompt)
-        result = generate(target, text, "ar", max_new_tokens=tokens, temperature=temperature, top_k=0,
-                          top_p=top_p, seed=sample_seed)
-        return {"prompt": text, "text": text + result.text}
+    def follower_done(k: int) -> None:
+        pending[followers[k][0]] -= 1
+        if not pending[followers[k][0]] and progress is not None:
+            progress(1)
 
+    follow = _continue_all(target, [(prompt, tokens) for _, prompt, tokens in followers],
+                           [jobs[i][3] for i, _, _ in followers], temperature, top_p, follower_done)
+    documents: list[list[dict]] = [[document] for document in written]
+    for (i, _, _), document in zip(followers, follow):
+        documents[i].append(document)
     out.parent.mkdir(parents=True, exist_ok=True)
-    with out.open("w") as sink:
-        for index, record in enumerate(prompts):
-            for sample in range(samples):
-                sample_seed = seed + index * samples + sample
-                if record.prompt is not None:
-                    documents = [continue_(record.prompt, new_tokens, sample_seed)]
-                else:
-                    written = continue_(f"Write a news article about {record.article}.", 2 * new_tokens, sample_seed)
-                    article = written["text"][len(written["prompt"]):].strip()
-                    documents = [written,
-                                 continue_(f"Summarize: {article}", new_tokens // 2, sample_seed),
-                                 continue_(f"{article}\n{record.question}", new_tokens // 2, sample_seed)]
-                for document in documents:
-                    sink.write(json.dumps(document) + "\n")
-                sink.flush()
-                if progress is not None:
-                    progress(1)
+    out.write_text("".join(json.dumps(document) + "\n" for group in documents for document in group))
     return out
+
+
+def _continue_all(target, prompts: list[tuple[str, int]], seeds: list[int], temperature: float, top_p: float,
+                  finished: Callable[[int], None]) -> list[dict]:
+    """{"prompt", "text"} of each (instruction, tokens) continued by the target in the plain
+    template, sampled with its seed, decoded together; `finished(i)` as each one ends. The first
+    request that fails raises its error."""
+    from ..api import RequestDone, make_request, stream_many
+
+    texts = [PLAIN_TEMPLATE.format(prompt=prompt) for prompt, _ in prompts]
+    requests = [make_request(target, text, "ar", max_new_tokens=tokens, temperature=temperature, top_k=0,
+                             top_p=top_p, seed=seed) for text, (_, tokens), seed in zip(texts, prompts, seeds)]
+    batch = stream_many(target, requests)
+    for event in batch:
+        if isinstance(event, RequestDone):
+            if event.error is not None:
+                raise event.error
+            finished(event.index)
+    return [{"prompt": text, "text": text + result.text} for text, result in zip(texts, batch.results)]
 
 
 def token_sequences(tokenizer, documents: list[str], length: int) -> Iterator[list[int]]:
