@@ -18,8 +18,8 @@ def train_exit(
     exit_layer: int = typer.Option(4, "--exit-layer", help="N: the head reads the residual stream after the target's first N layers."),
     draft_vocab: int = typer.Option(32768, "--draft-vocab", help="V_d: the head predicts over the V_d most frequent corpus tokens."),
     init_layer: Optional[int] = typer.Option(None, "--init-layer", help="Target layer the head's layer starts from (default: layer N, the first one the draft skips)."),
-    corpus: Optional[str] = typer.Option(None, help="Training text: JSONL with a 'text' field, or plain text (default: the shipped corpus the default model generated)."),
-    generate_corpus: bool = typer.Option(False, "--generate-corpus", help="First let the target continue the shipped training prompts, and train on that."),
+    corpus: Optional[str] = typer.Option(None, help="Training text: JSONL with a 'text' field, or plain text (default: text the target writes itself, see --generate-corpus)."),
+    generate_corpus: Optional[bool] = typer.Option(None, "--generate-corpus/--shipped-corpus", help="Let the target continue the shipped training prompts and train on its own text (self-distillation; the default for any model but the embedded one), or train on the shipped corpus the embedded model wrote (its default)."),
     corpus_tokens: int = typer.Option(256, "--corpus-tokens", help="With --generate-corpus: tokens generated per prompt (an article: twice that, its summary and answer: half)."),
     corpus_samples: int = typer.Option(1, "--corpus-samples", help="With --generate-corpus: continuations sampled per prompt."),
     steps: int = typer.Option(1500, help="Optimiser steps."),
@@ -37,8 +37,10 @@ def train_exit(
     from tqdm import tqdm
 
     from ..train.corpus import CORPUS_PATH, PROMPTS_PATH, generate_corpus as make_corpus, read_prompts
-    from ..train.exit_head import TrainConfig, check_fits, train_exit_head
+    from ..train.exit_head import TrainConfig, check_fits, check_resumable, train_exit_head
 
+    if generate_corpus is None:  # the embedded model wrote the shipped corpus; any other model writes its own
+        generate_corpus = corpus is None and target.model is not None
     try:
         config = TrainConfig(exit_layer=exit_layer, init_layer=init_layer, draft_vocab=draft_vocab, sequence_length=sequence_length,
                              batch=batch, steps=steps, learning_rate=learning_rate, max_minutes=max_minutes,
@@ -48,7 +50,11 @@ def train_exit(
         model = target.load(dtype="float32")
         check_fits(model, config)
         directory = Path(out_dir) if out_dir is not None else _default_head_dir(model)
-        if generate_corpus:
+        check_resumable(directory, resume)
+        if generate_corpus and resume and (directory / "corpus.jsonl").is_file():
+            corpus_path = directory / "corpus.jsonl"
+            err.print(f"corpus: reused {corpus_path}", highlight=False)
+        elif generate_corpus:
             prompts = read_prompts(PROMPTS_PATH)
             corpus_path = directory / "corpus.jsonl"
             with tqdm(total=len(prompts) * corpus_samples, desc="corpus", unit="sample") as bar:

@@ -236,6 +236,16 @@ def check_fits(target, config: TrainConfig) -> None:
         raise ConfigError(f"init layer must be in 0..{layers - 1}, got {config.init_layer}")
 
 
+def check_resumable(out_dir: Path, resume: bool) -> None:
+    """A ConfigError where `out_dir` holds a training that `resume` would overwrite, or none to
+    resume: checked before anything long runs."""
+    checkpoint_path = out_dir / CHECKPOINT
+    if checkpoint_path.exists() and not resume:
+        raise ConfigError(f"{checkpoint_path} exists: pass --resume to continue it, or choose another --out")
+    if resume and not checkpoint_path.exists() and not (out_dir / "corpus.jsonl").is_file():
+        raise ConfigError(f"nothing to resume: {checkpoint_path} does not exist")
+
+
 def train_exit_head(target, corpus_path: Path, out_dir: Path, config: TrainConfig, *, resume: bool = False,
                     progress_factory=None, log: Callable[[str], None] = print) -> dict:
     """Label, train and evaluate; writes the head (and checkpoints) into `out_dir`.
@@ -244,13 +254,10 @@ def train_exit_head(target, corpus_path: Path, out_dir: Path, config: TrainConfi
     check_fits(target, config)
     out_dir.mkdir(parents=True, exist_ok=True)
     checkpoint_path = out_dir / CHECKPOINT
-    if checkpoint_path.exists() and not resume:
-        raise ConfigError(f"{checkpoint_path} exists: pass --resume to continue it, or choose another --out")
-    if resume and not checkpoint_path.exists():
-        raise ConfigError(f"nothing to resume: {checkpoint_path} does not exist")
+    check_resumable(out_dir, resume)
     torch.manual_seed(config.seed)
     rng = random.Random(config.seed)
-    checkpoint = _load_checkpoint(checkpoint_path) if resume else None
+    checkpoint = _load_checkpoint(checkpoint_path) if resume and checkpoint_path.exists() else None
     if checkpoint is not None and checkpoint["config"] != asdict(config):
         changed = {k for k, v in asdict(config).items() if checkpoint["config"].get(k) != v} - {"steps", "max_minutes", "checkpoint_every"}
         if changed:
