@@ -153,6 +153,29 @@ def test_head_files_round_trip_and_mismatches_are_refused(tmp_path):
         load_head(tmp_path, other.model, "other")
 
 
+def test_a_head_sharing_the_targets_mlp_saves_the_rest_and_loads_it_back(tmp_path):
+    """shared=("layer.mlp.",): the MLP is layer init_layer's own, frozen, left out of the file,
+    and filled from the target again on loading; the rest round-trips."""
+    from safetensors.torch import load_file
+
+    target = helpers.make_target("llama", seed=0)
+    head = ExitHead(target.model, 1, [5, 3, 9], shared=("layer.mlp.",))
+    trained = [name for name, p in head.named_parameters() if p.requires_grad]
+    assert trained and not any(name.startswith("layer.mlp.") for name in trained)
+    assert any(name.startswith("layer.mlp.") for name, _ in head.named_parameters())
+    with torch.no_grad():
+        head.layer.self_attn.q_proj.weight.add_(0.5)
+    save_head(head, head.spec(target.model, "tiny"), tmp_path, dtype=torch.float32)
+    saved = load_file(str(tmp_path / "exit_head.safetensors"))
+    assert saved and not any(key.startswith("layer.mlp.") for key in saved)
+    loaded, spec = load_head(tmp_path, target.model, "tiny")
+    assert spec.shared == ("layer.mlp.",)
+    for name, value in head.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], value), name
+    layer = target.model.model.layers[head.init_layer]
+    assert torch.equal(loaded.layer.mlp.up_proj.weight, layer.mlp.up_proj.weight)
+
+
 def test_fingerprint_ignores_the_dtype():
     target = helpers.make_target("llama", seed=0)
     bf16 = helpers.make_model(helpers.make_config("llama"), seed=0).to(torch.bfloat16)
@@ -205,8 +228,12 @@ def test_training_lowers_the_held_out_kl(tmp_path):
     checkpoint = torch.load(tmp_path / "head" / CHECKPOINT, weights_only=True)
     assert checkpoint["step"] == 60 and checkpoint["vocab"] == head.vocab.tolist()
     assert set(checkpoint["head"]) == set(head.state_dict())
+    assert head.shared == ("layer.mlp.",)  # by default the MLP stays the target's: trained, it would differ
+    for name, value in head.layer.mlp.state_dict().items():
+        assert torch.equal(value, target.model.model.layers[head.init_layer].mlp.state_dict()[name]), name
     for name, value in head.state_dict().items():  # the head files hold the checkpoint's weights in bf16
-        torch.testing.assert_close(checkpoint["head"][name].to(torch.bfloat16).float(), value.float(), rtol=0, atol=0)
+        expected = checkpoint["head"][name] if head.is_shared(name) else checkpoint["head"][name].to(torch.bfloat16)
+        torch.testing.assert_close(expected.float(), value.float(), rtol=0, atol=0)
     labels = torch.load(tmp_path / "head" / LABELS, weights_only=True)
     assert len(labels["token_ids"]) == len(labels["exit_states"]) == summary["sequences"]
     # resume continues from the checkpoint and refuses changed settings

@@ -18,6 +18,7 @@ def train_exit(
     exit_layer: int = typer.Option(4, "--exit-layer", help="N: the head reads the residual stream after the target's first N layers."),
     draft_vocab: int = typer.Option(32768, "--draft-vocab", help="V_d: the head predicts over the V_d most frequent corpus tokens."),
     init_layer: Optional[int] = typer.Option(None, "--init-layer", help="Target layer the head's layer starts from (default: layer N, the first one the draft skips)."),
+    train_mlp: bool = typer.Option(False, "--train-mlp", help="Train the head's MLP too (a whole layer: 94 MB for Qwen2.5-1.5B in bf16); by default it stays the target's own and the head file holds its attention and norms (11 MB there)."),
     corpus: Optional[str] = typer.Option(None, help="Training text: JSONL with a 'text' field, or plain text (default: text the target writes itself, see --generate-corpus)."),
     generate_corpus: Optional[bool] = typer.Option(None, "--generate-corpus/--shipped-corpus", help="Let the target continue the shipped training prompts and train on its own text (self-distillation; the default for any model but the embedded one), or train on the shipped corpus the embedded model wrote (its default)."),
     corpus_tokens: int = typer.Option(256, "--corpus-tokens", help="With --generate-corpus: tokens generated per prompt (an article: twice that, its summary and answer: half)."),
@@ -42,7 +43,7 @@ def train_exit(
     if generate_corpus is None:  # the embedded model wrote the shipped corpus; any other model writes its own
         generate_corpus = corpus is None and target.model is not None
     try:
-        config = TrainConfig(exit_layer=exit_layer, init_layer=init_layer, draft_vocab=draft_vocab, sequence_length=sequence_length,
+        config = TrainConfig(exit_layer=exit_layer, init_layer=init_layer, train_mlp=train_mlp, draft_vocab=draft_vocab, sequence_length=sequence_length,
                              batch=batch, steps=steps, learning_rate=learning_rate, max_minutes=max_minutes,
                              checkpoint_every=checkpoint_every, seed=seed)
         corpus_path = _checked_corpus(corpus, generate_corpus, corpus_tokens, corpus_samples) or CORPUS_PATH

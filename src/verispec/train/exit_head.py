@@ -45,12 +45,14 @@ from .corpus import read_corpus, token_sequences
 CHECKPOINT = "checkpoint.pt"
 LABELS = "labels.pt"
 CHECKPOINT_KEYS = ("head", "optimizer", "step", "vocab", "config", "before")
+SHARED_MLP = ("layer.mlp.",)  # a head that trains its attention and norms, its MLP the target's
 
 
 @dataclass(frozen=True)
 class TrainConfig:
     exit_layer: int = 4
     init_layer: int | None = None  # target layer the head starts from (None: layer N)
+    train_mlp: bool = False  # False: the head's MLP stays the target's own (not trained, not saved)
     draft_vocab: int = 32768
     sequence_length: int = 256
     batch: int = 4  # sequences per step
@@ -287,7 +289,8 @@ def train_exit_head(target, corpus_path: Path, out_dir: Path, config: TrainConfi
     always = set(target.eos_token_ids)
     vocab = checkpoint["vocab"] if checkpoint else draft_vocabulary(
         [sequences[i] for i in train_ids], config.draft_vocab, always, target.vocab_size)
-    head = ExitHead(target, config.exit_layer, vocab, config.init_layer).float()
+    head = ExitHead(target, config.exit_layer, vocab, config.init_layer,
+                    shared=() if config.train_mlp else SHARED_MLP).float()
     head.train()
     parameters = [p for p in head.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(parameters, lr=config.learning_rate, weight_decay=0.0)

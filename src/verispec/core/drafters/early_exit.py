@@ -114,16 +114,22 @@ class ExitHeadSpec:
     init_layer: int  # the target layer the head's layer was initialised from
     draft_vocab: tuple[int, ...]  # V_d token ids, most frequent first
     training: dict = field(default_factory=dict)  # data, steps, loss, held-out metrics
+    # Prefixes of the head's parameters that are the target's own (layer init_layer's, not
+    # trained, not in the file): e.g. ("layer.mlp.",) for a head that trained its attention only
+    shared: tuple[str, ...] = ()
 
 
 class ExitHead(torch.nn.Module):
     """One decoder layer + final norm; logits over the draft vocabulary through the target's
     own (tied, frozen) output-embedding rows."""
 
-    def __init__(self, target, exit_layer: int, draft_vocab: Sequence[int], init_layer: int | None = None):
+    def __init__(self, target, exit_layer: int, draft_vocab: Sequence[int], init_layer: int | None = None,
+                 shared: Sequence[str] = ()):
         """target: the `Target` (or a sequence of it) the head drafts for. On a target without
         a transformers model (a GGUF file's own blocks) the layer and norm come from a weightless
-        skeleton of the architecture and must be filled (`load_head`, or training's init)."""
+        skeleton of the architecture and must be filled (`load_head`, or training's init).
+        shared: prefixes of parameters kept as the target's layer init_layer has them (frozen,
+        and left out of the head's file), e.g. ("layer.mlp.",): a head a fraction of a layer's size."""
         super().__init__()
         target = _view(target)
         parts = target.architecture_parts()  # the decoder's layers, final norm, rotary module
@@ -146,8 +152,13 @@ class ExitHead(torch.nn.Module):
         object.__setattr__(self, "_parts", parts)
         self.rotary_args = (parts.kinds[self.init_layer],) if parts.rotary_takes_kind else ()
         self._window = parts.windows[self.init_layer]
-        for parameter in self.parameters():
-            parameter.requires_grad_(True)
+        self.shared = tuple(shared)
+        for name, parameter in self.named_parameters():
+            parameter.requires_grad_(not self.is_shared(name))
+
+    def is_shared(self, name: str) -> bool:
+        """Whether parameter `name` is the target's own (frozen, not saved)."""
+        return any(name.startswith(prefix) for prefix in self.shared)
 
     def output_rows(self) -> torch.Tensor:
         """The draft vocabulary's rows of the target's output embedding: [V_d, hidden]."""
@@ -169,13 +180,14 @@ class ExitHead(torch.nn.Module):
 
     def spec(self, target, name: str, training: dict | None = None) -> ExitHeadSpec:
         return ExitHeadSpec(target_fingerprint(target), name, self.exit_layer, self.init_layer,
-                            tuple(int(t) for t in self.vocab.tolist()), training or {})
+                            tuple(int(t) for t in self.vocab.tolist()), training or {}, self.shared)
 
 
 def save_head(head: ExitHead, spec: ExitHeadSpec, directory: Path, dtype: torch.dtype = torch.bfloat16) -> None:
-    """Write HEAD_WEIGHTS (the layer and norm, in `dtype`) and HEAD_CONFIG into `directory`."""
+    """Write HEAD_WEIGHTS (the layer and norm, in `dtype`, less the parameters shared with the
+    target) and HEAD_CONFIG into `directory`."""
     directory.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach().to(dtype).cpu().contiguous() for k, v in head.state_dict().items()}
+    state = {k: v.detach().to(dtype).cpu().contiguous() for k, v in head.state_dict().items() if not head.is_shared(k)}
     save_file(state, str(directory / HEAD_WEIGHTS))
     (directory / HEAD_CONFIG).write_text(json.dumps(asdict(spec), indent=1) + "\n")
 
@@ -187,6 +199,7 @@ def read_spec(directory: Path) -> ExitHeadSpec:
     try:
         data = json.loads(path.read_text())
         data["draft_vocab"] = tuple(data["draft_vocab"])
+        data["shared"] = tuple(data.get("shared", ()))
         return ExitHeadSpec(**data)
     except (ValueError, TypeError, KeyError) as error:
         raise ModelLoadError(f"{path} is not an exit-head config: {error}") from error
@@ -207,10 +220,11 @@ def load_head(directory: Path, target, name: str = "", exit_layer: int | None = 
         raise ModelLoadError(
             f"the exit head at {directory} reads layer {spec.exit_layer}, but layer {exit_layer} was asked for"
         )
-    head = ExitHead(target, spec.exit_layer, spec.draft_vocab, spec.init_layer)
+    head = ExitHead(target, spec.exit_layer, spec.draft_vocab, spec.init_layer, spec.shared)
     state = {k: v.to(target.dtype) for k, v in load_file(str(directory / HEAD_WEIGHTS)).items()}
     head.to(target.dtype)
     missing, unexpected = head.load_state_dict(state, strict=False)
+    missing = [name for name in missing if not head.is_shared(name)]  # those are the target's, as it has them
     if missing or unexpected:
         raise ModelLoadError(f"exit head at {directory} does not fit this model (missing {missing}, unexpected {unexpected})")
     return head.eval(), spec
