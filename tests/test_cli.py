@@ -244,8 +244,8 @@ def test_train_exit_trains_on_the_models_own_text_unless_it_wrote_the_shipped_co
 
 
 def test_train_exit_resumes_on_the_corpus_it_generated(tiny_model_dir, tmp_path, monkeypatch):
-    """--resume after the corpus was written (the run stopped while labelling or training) trains
-    on that corpus without generating it again."""
+    """--resume after (part of) the corpus was written goes on with that corpus: it is generated
+    with resume, which keeps the samples already written (test_corpus), and trained on."""
     out = tmp_path / "head"
     out.mkdir()
     (out / "corpus.jsonl").write_text('{"text": "written before"}\n')
@@ -255,13 +255,14 @@ def test_train_exit_resumes_on_the_corpus_it_generated(tiny_model_dir, tmp_path,
         chosen.append(corpus_path)
         raise CorpusChosen
 
-    monkeypatch.setattr("verispec.train.corpus.generate_corpus", lambda *a, **k: chosen.append("generated"))
+    monkeypatch.setattr("verispec.train.corpus.generate_corpus",
+                        lambda target, prompts, tokens, path, **k: chosen.append(("generated", path, k["resume"])))
     monkeypatch.setattr("verispec.train.exit_head.train_exit_head", train)
     monkeypatch.setattr("verispec.target.loading.load", lambda *args, **kwargs: helpers.make_target("llama"))
     result = runner.invoke(app, ["train-exit", "--model", str(tiny_model_dir), "--exit-layer", "1", "--out", str(out),
                                  "--resume"])
     assert isinstance(result.exception, CorpusChosen), result.output
-    assert chosen == [out / "corpus.jsonl"]
+    assert chosen == [("generated", out / "corpus.jsonl", True), out / "corpus.jsonl"]
     result = runner.invoke(app, ["train-exit", "--model", str(tiny_model_dir), "--exit-layer", "1",
                                  "--out", str(tmp_path / "new"), "--resume"])
     assert_clean_error(result, "nothing to resume")

@@ -101,3 +101,25 @@ def test_the_corpus_is_decoded_together_and_each_document_is_the_text_it_gets_al
                          top_p=0.95, seed=seed)
         target.release()
         assert document["prompt"] + alone.text == document["text"], document
+
+
+def test_a_stopped_corpus_resumes_with_the_samples_it_had_and_ends_as_a_whole_run(tmp_path, monkeypatch):
+    """A run stopped after one prompt's sample and half an article (its last line cut short):
+    `resume` keeps that sample, drops the partial article, writes the others, and the file is
+    the one a run without a stop writes."""
+    import verispec.api as api
+
+    target = helpers.make_target("gemma3", seed=3, tokenizer=helpers.char_tokenizer())
+    records = [PromptRecord(prompt="abc"), PromptRecord(article="cab", question="ba?")]
+    whole = generate_corpus(target, records, 8, tmp_path / "whole.jsonl", samples=2, seed=5).read_text()
+    lines = whole.splitlines(keepends=True)
+    stopped = tmp_path / "stopped.jsonl"
+    stopped.write_text(lines[0] + lines[2] + lines[3][:20])  # "abc" sample 0; the first article, its summary cut
+    made = []
+    original = api.make_request
+    monkeypatch.setattr(api, "make_request", lambda *a, **k: made.append(a[1]) or original(*a, **k))
+    calls = []
+    generate_corpus(target, records, 8, stopped, samples=2, seed=5, resume=True, progress=calls.append)
+    assert stopped.read_text() == whole
+    assert calls == [1, 1, 1, 1]  # the kept sample, then the three written
+    assert len(made) == 1 + 2 * 3  # "abc" sample 1, and both articles with their summaries and answers

@@ -52,15 +52,12 @@ def train_exit(
         check_fits(model, config)
         directory = Path(out_dir) if out_dir is not None else _default_head_dir(model)
         check_resumable(directory, resume)
-        if generate_corpus and resume and (directory / "corpus.jsonl").is_file():
-            corpus_path = directory / "corpus.jsonl"
-            err.print(f"corpus: reused {corpus_path}", highlight=False)
-        elif generate_corpus:
+        if generate_corpus:  # on --resume, the samples a stopped run wrote are kept
             prompts = read_prompts(PROMPTS_PATH)
             corpus_path = directory / "corpus.jsonl"
             with tqdm(total=len(prompts) * corpus_samples, desc="corpus", unit="sample") as bar:
                 make_corpus(model, prompts, corpus_tokens, corpus_path, samples=corpus_samples, seed=seed,
-                            progress=bar.update)
+                            resume=resume, progress=bar.update)
 
         def progress(total, desc, initial=0):
             return tqdm(total=total, desc=desc, initial=initial, unit="step" if desc == "train" else "seq")

@@ -87,7 +87,7 @@ def check_generation(new_tokens: int, samples: int) -> None:
 
 
 def generate_corpus(target, prompts: list[PromptRecord], new_tokens: int, out: Path, *, samples: int = 1,
-                    temperature: float = 0.8, top_p: float = 0.95, seed: int = 0,
+                    temperature: float = 0.8, top_p: float = 0.95, seed: int = 0, resume: bool = False,
                     progress: Callable[[int], None] | None = None) -> Path:
     """Continue every prompt `samples` times with the target (sampling, `ar`) and write the
     corpus JSONL. Sample s of record i is seeded with seed + i * samples + s, so the corpus is
@@ -96,57 +96,104 @@ def generate_corpus(target, prompts: list[PromptRecord], new_tokens: int, out: P
 
     The continuations are decoded together (`generate_many`: many sequences a forward where the
     target batches exactly, each the text it gives alone), in two rounds: every prompt's
-    continuation and every article, then the articles' summaries and answers. `progress` is
-    called with 1 per finished sample (a prompt's continuation; an article with its summary and
-    answer)."""
+    continuation and every article, then the articles' summaries and answers. Each sample's
+    documents are appended to `out` as soon as they are all written (its lines carry "record",
+    "sample" and "part"), so that `resume` keeps the samples a stopped run finished and writes
+    only the others; at the end the lines are put in record order. `progress` is called with the
+    number of samples finished (kept ones first)."""
     check_generation(new_tokens, samples)
     jobs = [(index, sample, record, seed + index * samples + sample)
             for index, record in enumerate(prompts) for sample in range(samples)]
-    firsts = [(record.prompt, new_tokens) if record.prompt is not None
-              else (f"Write a news article about {record.article}.", 2 * new_tokens) for _, _, record, _ in jobs]
-    first_done = [record.prompt is not None for _, _, record, _ in jobs]  # a plain prompt's sample ends here
-    written = _continue_all(target, firsts, [job[3] for job in jobs], temperature, top_p,
-                            lambda i: progress(1) if progress is not None and first_done[i] else None)
-    articles = [i for i, (_, _, record, _) in enumerate(jobs) if record.article is not None]
-    followers = []  # (job position, prompt, tokens): each article's summary, then its answer
-    for i in articles:
-        article = written[i]["text"][len(written[i]["prompt"]):].strip()
-        followers += [(i, f"Summarize: {article}", new_tokens // 2),
-                      (i, f"{article}\n{jobs[i][2].question}", new_tokens // 2)]
-    pending = {i: 2 for i in articles}
-
-    def follower_done(k: int) -> None:
-        pending[followers[k][0]] -= 1
-        if not pending[followers[k][0]] and progress is not None:
-            progress(1)
-
-    follow = _continue_all(target, [(prompt, tokens) for _, prompt, tokens in followers],
-                           [jobs[i][3] for i, _, _ in followers], temperature, top_p, follower_done)
-    documents: list[list[dict]] = [[document] for document in written]
-    for (i, _, _), document in zip(followers, follow):
-        documents[i].append(document)
+    parts = {(index, sample): 1 if record.prompt is not None else 3 for index, sample, record, _ in jobs}
+    kept = _finished_samples(out, parts) if resume else {}
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text("".join(json.dumps(document) + "\n" for group in documents for document in group))
+    out.write_text("".join(_line(key, document) for key, group in kept.items() for document in group))
+    if kept and progress is not None:
+        progress(len(kept))
+    todo = [job for job in jobs if (job[0], job[1]) not in kept]
+    with out.open("a") as sink:
+
+        def finish(key: tuple[int, int], group: list[dict]) -> None:
+            sink.write("".join(_line(key, document) for document in group))
+            sink.flush()
+            if progress is not None:
+                progress(1)
+
+        _write_samples(target, todo, new_tokens, temperature, top_p, finish)
+    lines = out.read_text().splitlines()
+    lines.sort(key=lambda line: tuple(json.loads(line)[field] for field in ("record", "sample", "part")))
+    out.write_text("".join(line + "\n" for line in lines))
     return out
 
 
+def _line(key: tuple[int, int], document: dict) -> str:
+    return json.dumps({**document, "record": key[0], "sample": key[1]}) + "\n"
+
+
+def _finished_samples(out: Path, parts: dict[tuple[int, int], int]) -> dict[tuple[int, int], list[dict]]:
+    """The samples whose documents all stand in `out` (a partly written one is dropped), by
+    (record, sample), their documents in part order, as `generate_corpus` wrote them."""
+    if not out.is_file():
+        return {}
+    found: dict[tuple[int, int], list[dict]] = {}
+    for line in out.read_text().splitlines():
+        try:
+            document = json.loads(line)
+            key = (document.pop("record"), document.pop("sample"))
+        except (ValueError, KeyError, TypeError, AttributeError):
+            continue  # a line cut short by the stop, or not one of ours
+        found.setdefault(key, []).append(document)
+    return {key: sorted(group, key=lambda d: d["part"]) for key, group in found.items()
+            if parts.get(key) == len(group)}
+
+
+def _write_samples(target, jobs: list, new_tokens: int, temperature: float, top_p: float,
+                   finish: Callable[[tuple[int, int], list[dict]], None]) -> None:
+    """Continue `jobs` ((record index, sample, record, seed)) in two rounds, calling `finish(key,
+    documents)` as each sample's documents are all written."""
+    firsts = [(record.prompt, new_tokens) if record.prompt is not None
+              else (f"Write a news article about {record.article}.", 2 * new_tokens) for _, _, record, _ in jobs]
+    articles: dict[int, list[dict | None]] = {}  # job position: [article, summary, answer] as they come
+
+    def first_done(k: int, document: dict) -> None:
+        index, sample, record, _ = jobs[k]
+        if record.prompt is not None:
+            finish((index, sample), [{**document, "part": 0}])
+        else:
+            articles[k] = [{**document, "part": 0}, None, None]
+
+    _continue_all(target, firsts, [job[3] for job in jobs], temperature, top_p, first_done)
+    followers = []  # (job position, part, prompt, tokens): each article's summary (1) and answer (2)
+    for k, (article_document, _, _) in articles.items():
+        article = article_document["text"][len(article_document["prompt"]):].strip()
+        followers += [(k, 1, f"Summarize: {article}", new_tokens // 2),
+                      (k, 2, f"{article}\n{jobs[k][2].question}", new_tokens // 2)]
+
+    def follower_done(j: int, document: dict) -> None:
+        k, part = followers[j][:2]
+        articles[k][part] = {**document, "part": part}
+        if all(articles[k]):
+            finish(jobs[k][:2], articles.pop(k))
+
+    _continue_all(target, [(prompt, tokens) for _, _, prompt, tokens in followers],
+                  [jobs[k][3] for k, _, _, _ in followers], temperature, top_p, follower_done)
+
+
 def _continue_all(target, prompts: list[tuple[str, int]], seeds: list[int], temperature: float, top_p: float,
-                  finished: Callable[[int], None]) -> list[dict]:
-    """{"prompt", "text"} of each (instruction, tokens) continued by the target in the plain
-    template, sampled with its seed, decoded together; `finished(i)` as each one ends. The first
+                  finished: Callable[[int, dict], None]) -> None:
+    """Continue each (instruction, tokens) in the plain template with the target, sampled with
+    its seed, decoded together; `finished(i, {"prompt", "text"})` as each one ends. The first
     request that fails raises its error."""
     from ..api import RequestDone, make_request, stream_many
 
     texts = [PLAIN_TEMPLATE.format(prompt=prompt) for prompt, _ in prompts]
     requests = [make_request(target, text, "ar", max_new_tokens=tokens, temperature=temperature, top_k=0,
                              top_p=top_p, seed=seed) for text, (_, tokens), seed in zip(texts, prompts, seeds)]
-    batch = stream_many(target, requests)
-    for event in batch:
+    for event in stream_many(target, requests):
         if isinstance(event, RequestDone):
             if event.error is not None:
                 raise event.error
-            finished(event.index)
-    return [{"prompt": text, "text": text + result.text} for text, result in zip(texts, batch.results)]
+            finished(event.index, {"prompt": texts[event.index], "text": texts[event.index] + event.result.text})
 
 
 def token_sequences(tokenizer, documents: list[str], length: int) -> Iterator[list[int]]:
