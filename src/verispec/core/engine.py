@@ -230,7 +230,12 @@ def drafting(drafter: Drafter, controller: Controller, context: Sequence[int], r
              verifies_trees: bool, cut: bool = True) -> Steps[Draft]:
     """`next_draft` as steps: a drafter that feeds a draft model paging its KV (`proposing`)
     yields that model's rows (`shared_forward.Part`), which the batch runs for many requests at
-    once; any other drafter proposes without yielding."""
+    once; any other drafter proposes without yielding. A drafter under a grammar whose next
+    tokens are forced (`constraint.ConstrainedDrafter.forced_draft`) drafts those, up to `room`."""
+    forced_draft = getattr(drafter, "forced_draft", None)  # a constrained drafter (`constraint`)
+    forced = forced_draft(room) if forced_draft is not None else None
+    if forced is not None:  # the grammar's only continuation: drafted at no cost, always accepted
+        return forced
     k = min(controller.next_length(), room)
     proposing = getattr(drafter, "proposing", None)
     if k <= 0:
