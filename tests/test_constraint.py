@@ -29,6 +29,7 @@ import torch
 
 import helpers
 import verispec
+import verispec.core.constraint as constraint_module
 from verispec.core.acceptance import verify_lossless
 from verispec.core.constraint import constrain, mask_logits
 from verispec.core.control import ConstantLength
@@ -337,7 +338,7 @@ def exact_masked_distribution(target, prompt, response_format, sampling) -> dict
 
 
 @pytest.mark.long
-def test_sampled_methods_follow_the_masked_distribution(micro_text):
+def test_sampled_methods_follow_the_masked_distribution(micro_text, monkeypatch):
     sampling = SamplingConfig(temperature=1.0)
     response_format = {"type": "regex", "regex": MICRO_REGEX}
     constraint = compile_format(micro_text, response_format)
@@ -345,8 +346,15 @@ def test_sampled_methods_follow_the_masked_distribution(micro_text):
     exact = exact_masked_distribution(micro_text, prompt, response_format, sampling)
     vocab = micro_text.vocab_size
 
-    def plausible(context):  # a guess that often leaves the grammar ("-" and "</s>" where it forbids them)
-        return [5, 2, 3, 6, 7][len(context) % 5]
+    table = {}  # (generated prefix, token) -> probability, for the most likely valid next token
+    for outcome, probability in exact.items():
+        for cut in range(LENGTH):
+            table[outcome[:cut], outcome[cut]] = table.get((outcome[:cut], outcome[cut]), 0.0) + probability
+
+    def plausible(context):  # the most likely valid token: q's point mass, its random rest often invalid
+        generated = tuple(context[len(prompt):])
+        options = {t: table.get((generated, t), 0.0) for t in range(vocab)}
+        return max(options, key=options.get) if any(options.values()) else 3
 
     def runs(make_recipe, seeds):
         outcomes, accepted = [], 0
@@ -370,3 +378,9 @@ def test_sampled_methods_follow_the_masked_distribution(micro_text):
     assert accepted > 0.05 * seeds, accepted
     helpers.assert_fits(drawn, exact, "constrained q-drafter")
     assert Counter(len(o) for o in drawn) == Counter({LENGTH: seeds})
+    # Negative control: after a drawn token that left the grammar, sample from p instead of the
+    # residual norm(max(p - q, 0)): the same test at the same size must see it.
+    monkeypatch.setattr(constraint_module, "residual_distribution", lambda p, q: p)
+    broken, _ = runs(q_drafter, seeds)
+    _, pvalue, _ = helpers.chi_square_pvalue(Counter(broken), exact)
+    assert pvalue < 1e-4, "the chi-square test lacks the power to see a wrong residual"
