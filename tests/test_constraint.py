@@ -298,6 +298,21 @@ def test_a_bad_format_is_refused_before_decoding(target, response_format, messag
         verispec.make_request(target, "x", "anpd", response_format=response_format)
 
 
+@pytest.mark.parametrize("args,message", [
+    (["--json-schema", "bad.json"], "invalid json_schema: Invalid type: nonsense"),
+    (["--json-schema", "notjson.json"], "not JSON"),
+    (["--json-schema", "missing.json"], "cannot read missing.json"),
+    (["--regex", "[0-9"], "invalid regex"),
+    (["--grammar", "bad.lark"], "invalid grammar"),
+    (["--regex", "a", "--grammar", "bad.lark"], "give one of --regex, --grammar"),
+])
+def test_the_cli_refuses_a_bad_format_in_one_line_before_loading(monkeypatch, tmp_path, args, message):
+    (tmp_path / "bad.json").write_text('{"type": "nonsense"}')
+    (tmp_path / "notjson.json").write_text("{type: object")
+    (tmp_path / "bad.lark").write_text('start: "a" missing')
+    helpers.assert_cli_refuses_before_loading(monkeypatch, tmp_path, ["generate", *args, "hello"], message)
+
+
 def test_a_model_without_a_tokenizer_or_eos_is_refused(micro):
     with pytest.raises(ConfigError, match="tokenizer"):
         verispec.make_request(micro, [1, 2], "ar", response_format={"type": "json_object"})

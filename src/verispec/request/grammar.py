@@ -4,7 +4,7 @@ Owns what `response_format` may say (OpenAI's `{"type": "json_object"}` and `{"t
 "json_schema", "json_schema": {"schema": ...}}`, and `{"type": "regex", "regex": ...}`,
 `{"type": "grammar", "grammar": <Lark text>}`), its compilation against a target's tokenizer
 (`compile_format`: a bad schema, regex or grammar is a `ConfigError` naming the reason, raised
-before any decoding), and `LLGuidanceMatcher`, the `core.constraint.Matcher` one request decodes
+before any decoding; `checked_grammar` checks one without a model), and `LLGuidanceMatcher`, the `core.constraint.Matcher` one request decodes
 under. The tokenizer's llguidance form is built once per target (`Target.attachments`).
 
 llguidance (the constrained-decoding library llama.cpp offers) compiles JSON schemas, regular
@@ -88,9 +88,10 @@ class Constraint:
         return LLGuidanceMatcher(self)
 
 
-def compile_format(target: "Target", response_format: dict | None) -> Constraint | None:
-    """`response_format` compiled for `target`'s tokenizer, None for none or plain text. Raises
-    ConfigError (the reason in its message) for a format llguidance cannot compile."""
+def checked_grammar(response_format: dict | None, tokenizer=None) -> str | None:
+    """`response_format`'s llguidance grammar, validated (against `tokenizer`, an `LLTokenizer`,
+    where given; without one nothing needs a model), None for none or plain text. Raises
+    ConfigError with llguidance's reason on one line."""
     if response_format is None:
         return None
     grammar = grammar_text(response_format)
@@ -98,11 +99,19 @@ def compile_format(target: "Target", response_format: dict | None) -> Constraint
         return None
     import llguidance
 
-    tokenizer = llguidance_tokenizer(target)
     is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, tokenizer)
     if is_error:
-        raise ConfigError(f"invalid {response_format['type']}: {messages[0].strip()}")
-    return Constraint(grammar, tokenizer, response_format["type"])
+        raise ConfigError(f"invalid {response_format['type']}: {' '.join(messages[0].split())}")
+    return grammar
+
+
+def compile_format(target: "Target", response_format: dict | None) -> Constraint | None:
+    """`response_format` compiled for `target`'s tokenizer, None for none or plain text. Raises
+    ConfigError (the reason in its message) for a format llguidance cannot compile."""
+    if checked_grammar(response_format) is None:
+        return None
+    tokenizer = llguidance_tokenizer(target)
+    return Constraint(checked_grammar(response_format, tokenizer), tokenizer, response_format["type"])
 
 
 def llguidance_tokenizer(target: "Target"):
