@@ -59,11 +59,13 @@ class Matcher(Protocol):
 def mask_logits(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
     """logits [n, vocab] with -inf where allowed [n, vocab_g] (bool, host) is False; logits
     columns past vocab_g (padding rows of the head) are forbidden too. Returns [n, vocab]."""
-    vocab = logits.shape[-1]
-    keep = torch.zeros(allowed.shape[0], vocab, dtype=torch.bool, device=HOST)  # [n, vocab]
-    width = min(vocab, allowed.shape[-1])
-    keep[:, :width] = allowed[:, :width]
-    return logits.masked_fill(~keep.to(logits.device), float("-inf"))
+    n, vocab = logits.shape
+    width = allowed.shape[-1]
+    if width > vocab:
+        allowed = allowed[:, :vocab]
+    elif width < vocab:
+        allowed = torch.cat([allowed, torch.zeros(n, vocab - width, dtype=torch.bool, device=HOST)], dim=1)
+    return torch.where(allowed.to(logits.device), logits, float("-inf"))  # [n, vocab]
 
 
 def valid_prefix(matcher: Matcher, tokens: Sequence[int]) -> int:
