@@ -72,6 +72,7 @@ from starlette.requests import ClientDisconnect
 
 from ..core.batch import DEFAULT_MAX_ROWS
 from ..errors import ConfigError, UnknownMethodError, VerispecError
+from ..request.grammar import compile_format
 from ..request.lifecycle import Request as GenerationRequest
 from ..core.methods import TREE_MAX_NODES, MethodOptions, check_settings, method_request
 from ..target.model import Target
@@ -712,10 +713,19 @@ class Serving:
         except ConfigError as error:  # settings that do not go with this request's sampling
             param = "temperature" if str(error).startswith("temperature") else "method"  # greedy for mtad
             raise _invalid(str(error), param=param) from None
+        constraint = self.compile_format(getattr(body, "response_format", None))
         try:
-            return GenerationRequest(tuple(ids), name, max_tokens, sampling, body.stop_strings(), options)
+            return GenerationRequest(tuple(ids), name, max_tokens, sampling, body.stop_strings(), options, constraint)
         except ConfigError as error:
             raise _invalid(str(error)) from None
+
+    def compile_format(self, response_format: dict | None):
+        """The request's grammar (`request.grammar.Constraint`), None for text; a format that
+        does not compile is a 400 naming `response_format` and llguidance's reason."""
+        try:
+            return compile_format(self.target, response_format)
+        except ConfigError as error:
+            raise _invalid(str(error), param="response_format", code="invalid_response_format") from None
 
     # -- running a request's jobs and answering ------------------------------------------------
     def submit(self, body, generation: GenerationRequest) -> tuple[list[Ticket], asyncio.Queue]:

@@ -7,6 +7,10 @@ declared so that a non-default value is refused with a clear message instead of 
 ignored (see `unsupported`); fields nobody declared are ignored, as OpenAI's own server does with
 e.g. `user` or `metadata`.
 
+`response_format` (chat): OpenAI's `{"type": "text"}`, `{"type": "json_object"}` and `{"type":
+"json_schema", "json_schema": {"name", "schema", "strict"}}`; the app compiles it into the
+request's grammar (a schema that does not compile is a 400 naming `response_format`).
+
 Extension fields (not in OpenAI's API): `method` (a registered verispec method; default: the
 server's `--method`) and `top_k` (0 = off). `n` (1 to MAX_CHOICES) and `logprobs` (completions:
 0 to 5 top ones; chat: `logprobs` true and `top_logprobs` 0 to 20) are OpenAI's.
@@ -72,6 +76,7 @@ def _valid_text(value: str) -> str:
 
 Text = Annotated[str, AfterValidator(_valid_text)]
 MAX_CHOICES = 16  # n: choices of one request
+RESPONSE_FORMATS = ("text", "json_object", "json_schema")  # OpenAI's response_format types
 TokenBudget = Annotated[int, _integer(1, note=" (and at most the server's limit and the room left in the context)")]
 Penalty = Annotated[float, _number(-2, 2)]
 
@@ -167,7 +172,7 @@ class ChatCompletionRequest(_Sampling):
     logprobs: bool | None = None
     top_logprobs: Annotated[int, _integer(0, 20)] | None = None  # with logprobs: this many top ones per token
     tools: list[dict] | None = None  # only empty
-    response_format: dict | None = None  # only {"type": "text"}
+    response_format: dict | None = None  # text, json_object or json_schema (compiled by the app)
 
     def token_budget(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -183,6 +188,8 @@ class ChatCompletionRequest(_Sampling):
         problems = super().unsupported()
         if self.tools:
             problems.append(("tools", "tools (function calling) are not supported"))
-        if self.response_format is not None and self.response_format.get("type") != "text":
-            problems.append(("response_format", "only response_format {\"type\": \"text\"} is supported"))
+        kind = None if self.response_format is None else self.response_format.get("type")
+        if kind not in (None, *RESPONSE_FORMATS):
+            problems.append(("response_format", f"response_format type {kind!r} is not supported (one of "
+                                                f"{', '.join(RESPONSE_FORMATS)})"))
         return problems
