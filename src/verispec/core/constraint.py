@@ -18,9 +18,10 @@ The reference is constrained `ar`: the target's logits with the tokens the gramm
   the masked distribution exactly;
 - the rule sees each verified row masked by the grammar's state after the draft tokens before it;
 - after the verdict the matcher consumes the committed tokens;
-- where the grammar allows a single continuation (forced tokens), the draft is those tokens, at
-  no drafting cost: the masked target can only pick them, so they are always accepted. `ar`
-  drafts nothing (its controller's length is 0), so constrained `ar` stays the plain reference.
+- where the grammar allows a single continuation (forced text), the draft is its tokens, at no
+  drafting cost: the masked target can only pick them (but for a last token that the target may
+  merge with what follows), so they are accepted. `ar` drafts nothing (its controller's length
+  is 0), so constrained `ar` stays the plain reference.
 """
 
 from __future__ import annotations
@@ -49,7 +50,8 @@ class Matcher(Protocol):
         """Undo the last n consumed tokens."""
 
     def forced(self) -> list[int]:
-        """The tokens the grammar forces next (its only continuation), possibly none."""
+        """Tokens of the text the grammar forces next (its only continuation), possibly none;
+        every prefix valid in the grammar."""
 
     @property
     def stopped(self) -> bool:
@@ -200,8 +202,8 @@ class ConstrainedRule:
             p = probabilities(masked[len(draft)].unsqueeze(0), sampling)[0]  # [vocab]
             verdict = Verdict(verdict.n_accepted, sample(residual_distribution(p, cut[2]), generator), verdict.path)
         state.cut_drawn = None
-        if state.stats is not None and state.forced_now:  # a batch may have cut the forced draft
-            state.stats.forced += min(state.forced_now, len(draft))
+        if state.stats is not None and state.forced_now:  # those accepted (a batch may have cut the draft)
+            state.stats.forced += min(state.forced_now, verdict.n_accepted)
         state.forced_now = 0
         self._advance(draft, verdict)
         return verdict

@@ -159,7 +159,7 @@ class LLGuidanceMatcher:
         import llguidance
 
         self._matcher = llguidance.LLMatcher(constraint.tokenizer, constraint.grammar, log_level=0)
-        self._vocab = constraint.tokenizer.vocab_size
+        self._tokenizer, self._vocab = constraint.tokenizer, constraint.tokenizer.vocab_size
         if self._matcher.is_error():
             raise ConfigError(f"invalid {constraint.kind}: {self._matcher.get_error()}")
 
@@ -176,7 +176,19 @@ class LLGuidanceMatcher:
             raise RuntimeError(f"the grammar could not roll back {n} tokens: {self._matcher.get_error()}")
 
     def forced(self) -> list[int]:
-        return list(self._matcher.compute_ff_tokens())
+        """The forced text's tokens: llguidance's forced tokens (`compute_ff_tokens`, which holds
+        back a last token that could merge with what follows), or, where longer, the whole forced
+        text tokenized (that last token included: the target usually takes it; it is verified as
+        any draft), each prefix valid in the grammar."""
+        tokens = list(self._matcher.compute_ff_tokens())
+        text = self._matcher.compute_ff_bytes()
+        if text:
+            whole = self._tokenizer.tokenize_bytes(text)
+            n = self.consume(whole)
+            self.rollback(n)
+            if n > len(tokens):
+                tokens = whole[:n]
+        return tokens
 
     @property
     def stopped(self) -> bool:
