@@ -19,9 +19,11 @@ The reference is constrained `ar`: the target's logits with the tokens the gramm
 - the rule sees each verified row masked by the grammar's state after the draft tokens before it;
 - after the verdict the matcher consumes the committed tokens;
 - where the grammar allows a single continuation (forced text), the draft is its tokens, at no
-  drafting cost: the masked target can only pick them (but for a last token that the target may
-  merge with what follows), so they are accepted. `ar` drafts nothing (its controller's length
-  is 0), so constrained `ar` stays the plain reference.
+  drafting cost, verified as any draft: the masked target nearly always takes them (the mask
+  still allows other tokenizations of the same text, and the last token may merge with what
+  follows). Such a step drafts nothing else (the inner drafter is neither asked nor told of a
+  proposal: its protocol follows committed tokens only); its drafts come in the steps between.
+  `ar` drafts nothing (its controller's length is 0), so constrained `ar` stays the reference.
 """
 
 from __future__ import annotations
