@@ -104,7 +104,7 @@ class ConstraintState:
     def __init__(self, matcher: Matcher, stats: GenerationStats | None, force: bool):
         self.matcher, self.stats, self.force = matcher, stats, force
         self.cut_drawn: tuple[int, int, torch.Tensor] | None = None
-        self.forced_now = 0  # tokens of this step's draft that the grammar forced
+        self.forced_now = 0  # tokens of this step's draft that the grammar forced (set as each step drafts)
 
     def forced(self, limit: int) -> list[int]:
         if not self.force or limit <= 0 or self.matcher.stopped:
@@ -137,6 +137,11 @@ class ConstrainedDrafter:
         if not forced:
             return None
         return Draft(torch.tensor(forced, dtype=torch.long, device=HOST), confidence=(1.0,) * len(forced))
+
+    @property
+    def forced_step(self) -> bool:
+        """This step's draft is forced text (its controller learns nothing from it)."""
+        return self.state.forced_now > 0
 
     def propose(self, context: Sequence[int], k: int, keep: Keep = keep_all) -> Draft:
         self._asked = True
@@ -206,7 +211,6 @@ class ConstrainedRule:
         state.cut_drawn = None
         if state.stats is not None and state.forced_now:  # those accepted (a batch may have cut the draft)
             state.stats.forced += min(state.forced_now, verdict.n_accepted)
-        state.forced_now = 0
         self._advance(draft, verdict)
         return verdict
 

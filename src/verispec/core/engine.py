@@ -149,7 +149,8 @@ class Decoding:
             path = range(verdict.n_accepted) if draft.parents is None else verdict.path
             rows = torch.stack([logits[row] for row in [0, *(i + 1 for i in path)]])
         committed = settle(self.target, drafter, draft, verdict, len(self.context))
-        controller.observe(len(draft), verdict.n_accepted, draft.confidence, verify_s, draft_s)
+        if not getattr(drafter, "forced_step", False):  # a grammar's forced text says nothing of the drafter
+            controller.observe(len(draft), verdict.n_accepted, draft.confidence, verify_s, draft_s)
         self.stats.record_step(len(draft), verdict.n_accepted)
         return self._commit(committed, rows)
 
