@@ -166,7 +166,7 @@ class LLGuidanceMatcher:
     def allowed(self) -> torch.Tensor:
         """bool [vocab] on the host: the tokens the grammar allows next."""
         bits = np.frombuffer(self._matcher.compute_bitmask(), dtype=np.uint8)
-        return torch.from_numpy(np.unpackbits(bits, bitorder="little")[: self._vocab].astype(bool))
+        return torch.from_numpy(np.unpackbits(bits, bitorder="little")[: self._vocab].view(np.bool_))
 
     def consume(self, tokens) -> int:
         return self._matcher.try_consume_tokens(list(tokens)) if tokens else 0
