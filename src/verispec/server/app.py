@@ -590,8 +590,10 @@ class Serving:
         self.check_prompt_chars(sum(len(m["role"]) + len(m["content"]) + len(n.name or "")
                                     for m, n in zip(messages, body.messages)), "messages")
         ids = await self.encode(lambda: encode_messages(self.target.tokenizer, messages), "messages")
+        # off the event loop: the first format on a model builds llguidance's tokenizer (seconds)
+        constraint = await run_in_threadpool(self.compile_format, body.response_format)
         generation = self.generation_request(body, method, ids, body.token_budget(), body.token_budget_param(),
-                                             "messages")
+                                             "messages", constraint)
         return await self.respond(request, body, generation, chat=True)
 
     # -- checks and encoding -----------------------------------------------------------------------
@@ -669,9 +671,10 @@ class Serving:
         return ids
 
     def generation_request(self, body, method: tuple[str, MethodOptions], ids: list[int], max_tokens: int | None,
-                           budget_param: str, prompt_param: str) -> GenerationRequest:
+                           budget_param: str, prompt_param: str, constraint=None) -> GenerationRequest:
         """The library request; max_tokens (>= 1 by the schema) is checked against the server's
-        limit and the room the prompt leaves in the context."""
+        limit and the room the prompt leaves in the context. `constraint`: its compiled
+        `response_format` (`compile_format`), if any."""
         target, settings, pool = self.target, self.settings, self.pool
         room = target.max_length - len(ids)
         if pool is not None:  # nor more than the KV memory holds
@@ -713,7 +716,6 @@ class Serving:
         except ConfigError as error:  # settings that do not go with this request's sampling
             param = "temperature" if str(error).startswith("temperature") else "method"  # greedy for mtad
             raise _invalid(str(error), param=param) from None
-        constraint = self.compile_format(getattr(body, "response_format", None))
         try:
             return GenerationRequest(tuple(ids), name, max_tokens, sampling, body.stop_strings(), options, constraint)
         except ConfigError as error:
