@@ -417,3 +417,29 @@ def test_sampled_methods_follow_the_masked_distribution(micro_text, monkeypatch)
     broken, _ = runs(q_drafter, seeds)
     _, pvalue, _ = helpers.chi_square_pvalue(Counter(broken), exact)
     assert pvalue < 1e-4, "the chi-square test lacks the power to see a wrong residual"
+
+
+# -- the embedded model (slow) ---------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_on_the_embedded_model_every_lossless_method_equals_constrained_ar():
+    """The default Gemma 3 270M (its 262k sentencepiece vocabulary through llguidance's own
+    reading of the tokenizer): the schema holds, and every lossless method (eesd and sps with the
+    shipped exit head) gives constrained ar's tokens."""
+    target = verispec.load()
+    schema = {"type": "object", "additionalProperties": False, "required": ["name", "age", "city"],
+              "properties": {"name": {"type": "string"}, "age": {"type": "integer"}, "city": {"type": "string"}}}
+    response_format = {"type": "json_schema", "json_schema": {"schema": schema}}
+    prompt = "Extract the person as JSON with name, age and city.\nText: Maria Lopez is 34 and lives in Seville.\nJSON:"
+    reference = verispec.generate(target, prompt, "ar", max_new_tokens=40, response_format=response_format,
+                                  prompt_format="chat")
+    assert reference.stats.stop_reason == "eos"
+    value = json.loads(reference.text)
+    assert set(value) == {"name", "age", "city"} and type(value["age"]) is int
+    forced = 0
+    for method in ("pld", "anpd", "anpd/tree=8", "eesd", "sps", "hybrid"):
+        result = verispec.generate(target, prompt, method, max_new_tokens=40, response_format=response_format,
+                                   prompt_format="chat")
+        assert result.token_ids == reference.token_ids, method
+        forced += result.stats.forced
+    assert forced > 0
