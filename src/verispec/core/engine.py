@@ -235,7 +235,7 @@ def drafting(drafter: Drafter, controller: Controller, context: Sequence[int], r
     tokens are forced (`constraint.ConstrainedDrafter.forced_draft`) drafts those, up to `room`."""
     forced_draft = getattr(drafter, "forced_draft", None)  # a constrained drafter (`constraint`)
     forced = forced_draft(room) if forced_draft is not None else None
-    if forced is not None:  # the grammar's only continuation: drafted at no cost, always accepted
+    if forced is not None:  # the grammar's only continuation: drafted at no cost, nearly always accepted
         return forced
     k = min(controller.next_length(), room)
     proposing = getattr(drafter, "proposing", None)
