@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 from typing import Annotated, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 from ..core.sampling import MAX_SEED  # seeds are unsigned 64-bit integers (torch generators)
 
@@ -153,15 +153,57 @@ class TextPart(_Body):
     text: Text
 
 
+class CalledFunction(_Body):
+    name: Text
+    arguments: Text  # JSON text, as OpenAI sends it
+
+
+class ToolCall(_Body):
+    id: Text
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class Message(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Text | list[TextPart]
+    content: Text | list[TextPart] | None = None  # None only for an assistant turn of tool calls
     name: Text | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant turn's calls
+    tool_call_id: Text | None = None  # a tool turn: the call it answers
+
+    @model_validator(mode="after")
+    def _has_content(self) -> "Message":
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content is required (it may be null only in an assistant turn with tool_calls)")
+        return self
 
     def text(self) -> str:
+        if self.content is None:
+            return ""
         if isinstance(self.content, str):
             return self.content
         return "".join(part.text for part in self.content)
+
+
+class Function(_Body):
+    name: Text
+    description: Text | None = None
+    parameters: dict | None = None  # a JSON schema
+    strict: bool | None = None
+
+
+class Tool(_Body):
+    type: Literal["function"]
+    function: Function
+
+
+class ChosenFunction(_Body):
+    name: Text
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: ChosenFunction
 
 
 class ChatCompletionRequest(_Sampling):
@@ -171,7 +213,8 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: TokenBudget | None = None  # OpenAI's newer name for max_tokens; wins if both
     logprobs: bool | None = None
     top_logprobs: Annotated[int, _integer(0, 20)] | None = None  # with logprobs: this many top ones per token
-    tools: list[dict] | None = None  # only empty
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # default: auto with tools
     response_format: dict | None = None  # text, json_object or json_schema (compiled by the app)
 
     def token_budget(self) -> int | None:
@@ -186,8 +229,6 @@ class ChatCompletionRequest(_Sampling):
 
     def unsupported(self) -> list[tuple[str, str]]:
         problems = super().unsupported()
-        if self.tools:
-            problems.append(("tools", "tools (function calling) are not supported"))
         kind = None if self.response_format is None else self.response_format.get("type")
         if kind not in (None, *RESPONSE_FORMATS):
             problems.append(("response_format", f"response_format type {kind!r} is not supported (one of "
