@@ -9,7 +9,8 @@ e.g. `user` or `metadata`.
 
 `response_format` (chat): OpenAI's `{"type": "text"}`, `{"type": "json_object"}` and `{"type":
 "json_schema", "json_schema": {"name", "schema", "strict"}}`; the app compiles it into the
-request's grammar (a schema that does not compile is a 400 naming `response_format`).
+request's grammar (a schema that does not compile is a 400 naming `response_format`). `tools`,
+`tool_choice` and the messages' `tool_calls` / `tool_call_id`: see `tools.py`.
 
 Extension fields (not in OpenAI's API): `method` (a registered verispec method; default: the
 server's `--method`) and `top_k` (0 = off). `n` (1 to MAX_CHOICES) and `logprobs` (completions:
