@@ -24,6 +24,7 @@ def test_the_library_exports_its_names_and_each_resolves():
 def test_the_calls_users_make_keep_their_first_parameters():
     assert list(inspect.signature(verispec.generate).parameters)[:3] == ["target", "prompt", "method"]
     assert list(inspect.signature(verispec.load).parameters)[:1] == ["model"]
+    assert "response_format" in inspect.signature(verispec.make_request).parameters  # generate's, stream's too
 
 
 def test_the_command_line_has_its_commands():
@@ -46,6 +47,7 @@ def test_every_command_of_the_entry_point_keeps_its_target_options():
     for name in ("generate", "bench", "serve", "profile"):
         assert {"--model", "--dtype", "--fast", "--block-kernel", "--numerics", "--device", "--compile"} <= options[name]
     assert {"--model", "--device"} <= options["train-exit"]
+    assert {"--json-schema", "--regex", "--grammar"} <= options["generate"]  # structured output
 
 
 def test_the_server_has_its_routes(char_tokenizer):

@@ -625,7 +625,9 @@ CHAT_FIELDS = {
     "logprobs": BOOL_BAD,
     "top_logprobs": INT_BAD + ["21", "3"],  # 3 without logprobs: true
     "tools": ["5", '"x"', "[5]", '[{"type": "function"}]', "{}"],
-    "response_format": ["5", "[]", '{"type": "json_object"}', '{"type": NaN}', '{"type": "\\ud800"}'],
+    "response_format": ["5", "[]", '{"type": "json_schema"}', '{"type": "regex", "regex": "a"}',
+                        '{"type": "json_schema", "json_schema": {"schema": {"type": "nonsense"}}}',
+                        '{"type": NaN}', '{"type": "\\ud800"}'],
 }
 NESTED_GARBAGE = ["[[[[[[[[[[{}]]]]]]]]]]", '{"a": {"b": [NaN, {"c": "\\ud800"}, [1e400]]}}']
 DEEP = b"[" * 100_000 + b"]" * 100_000

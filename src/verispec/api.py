@@ -18,6 +18,7 @@ from .request.lifecycle import Generation, GenerationResult, Request
 from .core.methods import MethodOptions, build, get_method, with_settings
 from .target.model import Target
 from .core.sampling import SamplingConfig
+from .request.grammar import compile_format
 from .request.text import encode_prompt
 
 
@@ -72,6 +73,7 @@ def make_request(
     stop: Sequence[str] = (),
     prompt_format: str = "raw",
     options: MethodOptions | None = None,
+    response_format: dict | None = None,
 ) -> Request:
     """Validate the arguments of `generate`/`stream` and encode the prompt.
 
@@ -79,7 +81,11 @@ def make_request(
     'pld/constant:12'), applied to `options` (a setting given both ways with two values is a
     ConfigError: `methods.with_settings`).
     temperature / top_k / top_p left as None take the method's defaults (greedy for every
-    method but mtad, which samples at temperature 1 with top-k 10 and top-p 0.9)."""
+    method but mtad, which samples at temperature 1 with top-k 10 and top-p 0.9).
+    response_format: the output's format, as OpenAI's API writes it (`{"type": "json_object"}`,
+    `{"type": "json_schema", "json_schema": {"schema": {...}}}`) or `{"type": "regex", "regex":
+    ...}`, `{"type": "grammar", "grammar": <Lark text>}`: every method decodes exactly as `ar`
+    on the target's logits masked by the grammar (a bad one is a ConfigError before decoding)."""
     method, options = with_settings(method, options)
     sampling = sampling_for(method, temperature, top_k, top_p, seed)
     if isinstance(prompt, str):
@@ -88,7 +94,8 @@ def make_request(
         ids = [int(i) for i in prompt]
     if isinstance(stop, str):
         stop = (stop,)
-    return Request(tuple(ids), method, max_new_tokens, sampling, tuple(stop), options)
+    return Request(tuple(ids), method, max_new_tokens, sampling, tuple(stop), options,
+                   compile_format(target, response_format))
 
 
 def stream(target: Target, prompt: str | Sequence[int], method: str = "anpd", **kwargs) -> TextStream:

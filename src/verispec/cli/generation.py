@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import List, Optional
 
 import typer
 from rich.table import Table
 
-from ..errors import VerispecError
+from ..errors import ConfigError, VerispecError
 from .shell import app, fail, out, read_stdin
 from .target_options import (CONTROLLER_OPTION, DRAFT_LENGTH_OPTION, EXIT_HEAD_OPTION, NGRAM_MEMORY_OPTION, TargetOptions,
                              given_settings, refuse_unread_flags, target_options)
@@ -34,6 +35,9 @@ def generate(
     tau: Optional[float] = typer.Option(None, help="mtad only: joint-likelihood threshold (default: 0.5)."),
     tree: Optional[int] = typer.Option(None, "--tree", help="anpd only: draft a tree of up to N tokens, branching where the n-gram tables offer several next tokens, verified in one forward (on the fast path, and on the PyTorch path for the families it can mask; elsewhere single paths, said once; default: 0, single-path drafts)."),
     span_min: Optional[int] = typer.Option(None, "--span-min", help="anpd only: copy what followed an earlier occurrence of the context's end preceded by at least N equal tokens (4..32; 0: off; default: 8)."),
+    json_schema: Optional[Path] = typer.Option(None, "--json-schema", help="Constrain the output to JSON following the JSON schema in this file (every method decodes exactly as constrained ar)."),
+    regex: Optional[str] = typer.Option(None, "--regex", help="Constrain the output to match this regular expression."),
+    grammar: Optional[Path] = typer.Option(None, "--grammar", help="Constrain the output to the Lark grammar in this file (llguidance's Lark dialect)."),
     perplexity: bool = typer.Option(False, "--perplexity", help="Also score the generated tokens' perplexity under the target (temperature 1, no top-k/top-p)."),
     prompt_format: str = typer.Option("raw", help="raw: the prompt as given; chat: chat template or plain Q/A template."),
     stream: bool = typer.Option(False, "--stream", help="Print text as it is generated."),
@@ -49,6 +53,7 @@ def generate(
         # Everything that needs no model is checked before the model is loaded.
         prompt, name, request_args = _checked_request(prompt, method, stop, settings, max_new_tokens, temperature,
                                                       top_k, top_p, seed, prompt_format)
+        request_args["response_format"] = response_format(json_schema, regex, grammar)
         target.check()
         model = target.load()
         results = _run(model, prompt, name, method, request_args, compare, stream and not as_json)
@@ -66,6 +71,38 @@ def generate(
         print(json.dumps(_payload(summary, results, method, scores, compare)))
     else:
         _print_results(results, method, scores, compare, streamed=stream)
+
+
+def response_format(json_schema: Path | None, regex: str | None, grammar: Path | None) -> dict | None:
+    """The `response_format` of `--json-schema`, `--regex` or `--grammar` (at most one), checked
+    without the model (a bad file, schema, regex or grammar is a ConfigError)."""
+    from ..request.grammar import checked_grammar
+
+    given = [flag for flag, value in (("--json-schema", json_schema), ("--regex", regex), ("--grammar", grammar))
+             if value is not None]
+    if len(given) > 1:
+        raise ConfigError(f"give one of {', '.join(given)}, not several")
+    if json_schema is not None:
+        try:
+            schema = json.loads(_read(json_schema))
+        except json.JSONDecodeError as error:
+            raise ConfigError(f"--json-schema {json_schema}: not JSON ({error})") from None
+        chosen = {"type": "json_schema", "json_schema": {"name": json_schema.stem, "schema": schema}}
+    elif regex is not None:
+        chosen = {"type": "regex", "regex": regex}
+    elif grammar is not None:
+        chosen = {"type": "grammar", "grammar": _read(grammar)}
+    else:
+        return None
+    checked_grammar(chosen)
+    return chosen
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as error:
+        raise ConfigError(f"cannot read {path}: {error}") from None
 
 
 def _checked_request(prompt, method, stop, settings, max_new_tokens, temperature, top_k, top_p, seed, prompt_format):

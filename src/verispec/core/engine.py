@@ -149,7 +149,8 @@ class Decoding:
             path = range(verdict.n_accepted) if draft.parents is None else verdict.path
             rows = torch.stack([logits[row] for row in [0, *(i + 1 for i in path)]])
         committed = settle(self.target, drafter, draft, verdict, len(self.context))
-        controller.observe(len(draft), verdict.n_accepted, draft.confidence, verify_s, draft_s)
+        if not getattr(drafter, "forced_step", False):  # a grammar's forced text says nothing of the drafter
+            controller.observe(len(draft), verdict.n_accepted, draft.confidence, verify_s, draft_s)
         self.stats.record_step(len(draft), verdict.n_accepted)
         return self._commit(committed, rows)
 
@@ -230,7 +231,12 @@ def drafting(drafter: Drafter, controller: Controller, context: Sequence[int], r
              verifies_trees: bool, cut: bool = True) -> Steps[Draft]:
     """`next_draft` as steps: a drafter that feeds a draft model paging its KV (`proposing`)
     yields that model's rows (`shared_forward.Part`), which the batch runs for many requests at
-    once; any other drafter proposes without yielding."""
+    once; any other drafter proposes without yielding. A drafter under a grammar whose next
+    tokens are forced (`constraint.ConstrainedDrafter.forced_draft`) drafts those, up to `room`."""
+    forced_draft = getattr(drafter, "forced_draft", None)  # a constrained drafter (`constraint`)
+    forced = forced_draft(room) if forced_draft is not None else None
+    if forced is not None:  # the grammar's only continuation: drafted at no cost, nearly always accepted
+        return forced
     k = min(controller.next_length(), room)
     proposing = getattr(drafter, "proposing", None)
     if k <= 0:

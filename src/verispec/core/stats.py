@@ -17,6 +17,8 @@ Definitions (used everywhere, README included):
   tokens it leaves out the prefill and the steps that drafted nothing.
 - tokens_per_s = new_tokens / (prefill_s + decode_s): end to end, as Spec-Bench times it.
 - decode_tokens_per_s = (new_tokens - 1) / decode_s: the tokens after the prefill's.
+- forced: accepted draft tokens of the text a grammar forced (its only continuation;
+  `core/constraint.py`), counted in drafted and accepted as well.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ class GenerationStats:
     stop_reason: str = ""
     drafts: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
+    forced: int = 0  # accepted draft tokens of a grammar's forced text (counted in drafted and accepted too)
 
     def record_step(self, drafted: int, accepted: int) -> None:
         """Count one verification step (a target forward after the prefill) that verified
@@ -93,6 +96,7 @@ class GenerationStats:
             decode_s=self.decode_s + other.decode_s,
             drafts=self.drafts + other.drafts,
             accepted_per_position=_sum_lists(self.accepted_per_position, other.accepted_per_position),
+            forced=self.forced + other.forced,
         )
 
     def to_dict(self) -> dict:

@@ -16,11 +16,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Iterator, NamedTuple, Sequence
 
+from ..core.constraint import constrain
 from ..core.engine import DecodeConfig, Logprobs, Recipe, decode
 from ..errors import ConfigError
 from ..core.methods import MethodOptions, build, check_settings, get_method
 from ..core.sampling import SamplingConfig
 from ..core.stats import GenerationStats
+from .grammar import Constraint
 from .text import TextAssembler
 
 if TYPE_CHECKING:
@@ -49,6 +51,7 @@ class Request:
     sampling: SamplingConfig = SamplingConfig()
     stop: tuple[str, ...] = ()
     options: MethodOptions = field(default_factory=MethodOptions)
+    constraint: Constraint | None = None  # the output's grammar (`grammar.compile_format`), if any
 
     def __post_init__(self) -> None:
         get_method(self.method)  # raises for an unknown name
@@ -85,7 +88,16 @@ class Generation:
     # -- running it ---------------------------------------------------------------------------
     def decode(self, recipe: Recipe) -> Iterator[list[int]]:
         """Its decode loop alone on the target (`engine.decode`; `recipe` built on the target)."""
-        return decode(self.target, recipe, list(self.request.prompt_ids), self.config, self.stats, self.logprobs)
+        return decode(self.target, self.constrained(recipe), list(self.request.prompt_ids), self.config, self.stats,
+                      self.logprobs)
+
+    def constrained(self, recipe: Recipe) -> Recipe:
+        """`recipe` under the request's grammar (a matcher of its own), or itself without one.
+        `ar` drafts nothing, forced tokens included: constrained `ar` is the reference."""
+        constraint = self.request.constraint
+        if constraint is None:
+            return recipe
+        return constrain(recipe, constraint.matcher(), self.stats, force=self.request.method != "ar")
 
     def submit(self, engine: "BatchEngine") -> "Job":
         """Queue it in `engine`: its recipe built on a new sequence of the target (a drafter that
@@ -93,7 +105,7 @@ class Generation:
         (a prompt too long, a request that could never fit the KV memory)."""
         request = self.request
         sequence = self.target.new_sequence()
-        recipe = build(request.method, sequence, request.options, request.sampling)
+        recipe = self.constrained(build(request.method, sequence, request.options, request.sampling))
         self.job = engine.submit(list(request.prompt_ids), recipe, self.config, self.stats, sequence=sequence,
                                  logprobs=self.logprobs)
         self._engine = engine

@@ -67,15 +67,17 @@ def encode_prompt(tokenizer, prompt: str, prompt_format: str = "raw") -> list[in
     return [int(i) for i in tokenizer(prompt)["input_ids"]]
 
 
-def encode_messages(tokenizer, messages: Sequence[dict]) -> list[int]:
-    """Chat messages -> ids, with the chat template or a plain "Role: content" fallback."""
+def encode_messages(tokenizer, messages: Sequence[dict], tools: Sequence[dict] | None = None) -> list[int]:
+    """Chat messages -> ids, with the chat template (given `tools`, OpenAI's function
+    definitions, where the request has some) or a plain "Role: content" fallback."""
     if not messages:
         raise ConfigError("messages must not be empty")
     for message in messages:
         if isinstance(message.get("content"), str):
             checked_text(message["content"], "a message")
     if getattr(tokenizer, "chat_template", None):
-        ids = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True)
+        extra = {"tools": list(tools)} if tools else {}
+        ids = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True, **extra)
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):
             ids = ids["input_ids"]
         return [int(i) for i in ids]

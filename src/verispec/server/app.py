@@ -72,11 +72,13 @@ from starlette.requests import ClientDisconnect
 
 from ..core.batch import DEFAULT_MAX_ROWS
 from ..errors import ConfigError, UnknownMethodError, VerispecError
+from ..request.grammar import compile_format
 from ..request.lifecycle import Request as GenerationRequest
 from ..core.methods import TREE_MAX_NODES, MethodOptions, check_settings, method_request
 from ..target.model import Target
 from ..core.sampling import MAX_SEED, SamplingConfig
 from ..request.text import encode_messages, encode_prompt
+from . import tools
 from .connections import DEFAULT_HEADER_TIMEOUT, DEFAULT_MAX_CONNECTIONS
 from .metrics import ServerMetrics
 from .schemas import ChatCompletionRequest, CompletionRequest
@@ -585,13 +587,44 @@ class Serving:
         method = self.check_common(body)
         if not body.messages:
             raise _invalid("messages must not be empty", param="messages", code="empty_array")
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        messages = tools.template_messages(body.messages)
         self.check_prompt_chars(sum(len(m["role"]) + len(m["content"]) + len(n.name or "")
                                     for m, n in zip(messages, body.messages)), "messages")
-        ids = await self.encode(lambda: encode_messages(self.target.tokenizer, messages), "messages")
+        response_format = self.check_tools(body)
+        ids = await self.encode(lambda: self.encode_chat(body, messages), "messages")
+        # off the event loop: the first format on a model builds llguidance's tokenizer (seconds)
+        constraint = await run_in_threadpool(self.compile_format, response_format)
         generation = self.generation_request(body, method, ids, body.token_budget(), body.token_budget_param(),
-                                             "messages")
+                                             "messages", constraint)
         return await self.respond(request, body, generation, chat=True)
+
+    def check_tools(self, body: ChatCompletionRequest) -> dict | None:
+        """The request's output format: its `response_format`, or with `tool_choice` "required"
+        or a named function, a call's schema (`tools.call_schema`); a choice that names no tool
+        given, or asks for a call and a response_format at once, is a 400."""
+        choice = body.tool_choice
+        if choice is not None and choice != "none" and not body.tools:
+            raise _invalid("tool_choice needs tools", param="tool_choice")
+        if not isinstance(choice, str) and choice is not None and \
+                choice.function.name not in {tool.function.name for tool in body.tools}:
+            raise _invalid(f"tool_choice names the function {choice.function.name!r}, which is not among the tools",
+                           param="tool_choice")
+        schema = tools.call_schema(body.tools, choice)
+        if schema is None:
+            return body.response_format
+        if body.response_format is not None and body.response_format.get("type") != "text":
+            raise _invalid("a tool_choice that requires a call and a response_format cannot go together",
+                           param="response_format")
+        return {"type": "json_schema", "json_schema": {"name": "tool_call", "schema": schema}}
+
+    def encode_chat(self, body: ChatCompletionRequest, messages: list[dict]) -> list[int]:
+        """The chat prompt's ids, the tools given to the template (or described, without one)."""
+        tokenizer = self.target.tokenizer
+        if not tools.active(body.tools, body.tool_choice):
+            return encode_messages(tokenizer, [{"role": m["role"], "content": m["content"]} for m in messages])
+        if getattr(tokenizer, "chat_template", None):
+            return encode_messages(tokenizer, messages, [tool.model_dump(exclude_none=True) for tool in body.tools])
+        return encode_messages(tokenizer, tools.plain_messages(messages, body.tools))
 
     # -- checks and encoding -----------------------------------------------------------------------
     def check_model(self, model: str | None) -> None:
@@ -668,9 +701,10 @@ class Serving:
         return ids
 
     def generation_request(self, body, method: tuple[str, MethodOptions], ids: list[int], max_tokens: int | None,
-                           budget_param: str, prompt_param: str) -> GenerationRequest:
+                           budget_param: str, prompt_param: str, constraint=None) -> GenerationRequest:
         """The library request; max_tokens (>= 1 by the schema) is checked against the server's
-        limit and the room the prompt leaves in the context."""
+        limit and the room the prompt leaves in the context. `constraint`: its compiled
+        `response_format` (`compile_format`), if any."""
         target, settings, pool = self.target, self.settings, self.pool
         room = target.max_length - len(ids)
         if pool is not None:  # nor more than the KV memory holds
@@ -713,9 +747,17 @@ class Serving:
             param = "temperature" if str(error).startswith("temperature") else "method"  # greedy for mtad
             raise _invalid(str(error), param=param) from None
         try:
-            return GenerationRequest(tuple(ids), name, max_tokens, sampling, body.stop_strings(), options)
+            return GenerationRequest(tuple(ids), name, max_tokens, sampling, body.stop_strings(), options, constraint)
         except ConfigError as error:
             raise _invalid(str(error)) from None
+
+    def compile_format(self, response_format: dict | None):
+        """The request's grammar (`request.grammar.Constraint`), None for text; a format that
+        does not compile is a 400 naming `response_format` and llguidance's reason."""
+        try:
+            return compile_format(self.target, response_format)
+        except ConfigError as error:
+            raise _invalid(str(error), param="response_format", code="invalid_response_format") from None
 
     # -- running a request's jobs and answering ------------------------------------------------
     def submit(self, body, generation: GenerationRequest) -> tuple[list[Ticket], asyncio.Queue]:
@@ -752,6 +794,8 @@ class Serving:
         plain error."""
         jobs, events = self.submit(body, generation)
         shape = _Shape(chat, self.settings.model_id, generation, self.target.tokenizer)
+        if chat and tools.active(body.tools, body.tool_choice):
+            shape.calls = "constrained" if tools.call_schema(body.tools, body.tool_choice) else "free"
         try:
             if not body.stream:
                 return await self.complete(request, jobs, events, shape)
@@ -798,9 +842,12 @@ class Serving:
             while got is not None:
                 index, event = got
                 if isinstance(event, Delta):
-                    yield shape.sse(shape.chunk(event.text, index, logprobs=shape.logprobs(event)))
+                    if not shape.calls:  # a choice that may hold tool calls is sent whole at its end
+                        yield shape.sse(shape.chunk(event.text, index, logprobs=shape.logprobs(event)))
                 elif isinstance(event, Finished):
                     finished[index] = event
+                    if shape.calls:
+                        yield shape.sse(shape.chunk(shape.message(event, streamed=True), index))
                     yield shape.sse(shape.final_chunk(event, index))
                     if len(finished) == n:
                         if include_usage:
@@ -887,6 +934,7 @@ class _Shape:
     def __init__(self, chat: bool, model_id: str, generation: GenerationRequest, tokenizer=None):
         self.chat, self.model, self.generation, self.tokenizer = chat, model_id, generation, tokenizer
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        self.calls = ""  # "free" or "constrained" where the output may hold tool calls (`tools`)
         self.created = int(time.time())
         self._offsets: dict[int, int] = {}  # completions' text_offset so far, per choice (streams)
 
@@ -948,9 +996,9 @@ class _Shape:
     def completion(self, events: list[Finished]) -> dict:
         choices = []
         for index, event in enumerate(events):
-            finish = _FINISH_REASONS.get(event.reason, "length")
+            finish = self.finish_reason(event)
             if self.chat:
-                choices.append({"index": index, "message": {"role": "assistant", "content": event.text},
+                choices.append({"index": index, "message": self.message(event),
                                 "logprobs": self.logprobs(event), "finish_reason": finish})
             else:
                 choices.append({"index": index, "text": event.text, "logprobs": self.logprobs(event),
@@ -967,9 +1015,26 @@ class _Shape:
                   "finish_reason": finish}
         return {**self._head("text_completion"), "choices": [choice]}
 
+    def message(self, event: Finished, streamed: bool = False) -> dict:
+        """A chat choice's message (a stream's delta with `streamed`): its text, or with tools
+        its calls (`tools.parse_calls`) and the text outside them."""
+        if not self.calls:
+            return {"role": "assistant", "content": event.text}
+        content, calls = tools.parse_calls(event.text, self.calls == "constrained")
+        if streamed:
+            calls = [{"index": i, **call} for i, call in enumerate(calls)]
+            return {"content": content, "tool_calls": calls} if calls else {"content": content}
+        return {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})}
+
+    def finish_reason(self, event: Finished) -> str:
+        finish = _FINISH_REASONS.get(event.reason, "length")
+        if finish == "stop" and self.calls and tools.parse_calls(event.text, self.calls == "constrained")[1]:
+            return "tool_calls"
+        return finish
+
     def final_chunk(self, event: Finished, index: int) -> dict:
         """A choice's chunk with its finish_reason, its usage and metrics."""
-        last = self.chunk({} if self.chat else "", index, _FINISH_REASONS.get(event.reason, "length"))
+        last = self.chunk({} if self.chat else "", index, self.finish_reason(event))
         last.update(usage=self._usage([event]), verispec=self.extension(event))
         return last
 

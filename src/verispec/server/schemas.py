@@ -7,6 +7,11 @@ declared so that a non-default value is refused with a clear message instead of 
 ignored (see `unsupported`); fields nobody declared are ignored, as OpenAI's own server does with
 e.g. `user` or `metadata`.
 
+`response_format` (chat): OpenAI's `{"type": "text"}`, `{"type": "json_object"}` and `{"type":
+"json_schema", "json_schema": {"name", "schema", "strict"}}`; the app compiles it into the
+request's grammar (a schema that does not compile is a 400 naming `response_format`). `tools`,
+`tool_choice` and the messages' `tool_calls` / `tool_call_id`: see `tools.py`.
+
 Extension fields (not in OpenAI's API): `method` (a registered verispec method; default: the
 server's `--method`) and `top_k` (0 = off). `n` (1 to MAX_CHOICES) and `logprobs` (completions:
 0 to 5 top ones; chat: `logprobs` true and `top_logprobs` 0 to 20) are OpenAI's.
@@ -23,7 +28,7 @@ from __future__ import annotations
 import math
 from typing import Annotated, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 from ..core.sampling import MAX_SEED  # seeds are unsigned 64-bit integers (torch generators)
 
@@ -72,6 +77,7 @@ def _valid_text(value: str) -> str:
 
 Text = Annotated[str, AfterValidator(_valid_text)]
 MAX_CHOICES = 16  # n: choices of one request
+RESPONSE_FORMATS = ("text", "json_object", "json_schema")  # OpenAI's response_format types
 TokenBudget = Annotated[int, _integer(1, note=" (and at most the server's limit and the room left in the context)")]
 Penalty = Annotated[float, _number(-2, 2)]
 
@@ -148,15 +154,57 @@ class TextPart(_Body):
     text: Text
 
 
+class CalledFunction(_Body):
+    name: Text
+    arguments: Text  # JSON text, as OpenAI sends it
+
+
+class ToolCall(_Body):
+    id: Text
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class Message(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Text | list[TextPart]
+    content: Text | list[TextPart] | None = None  # None only for an assistant turn of tool calls
     name: Text | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant turn's calls
+    tool_call_id: Text | None = None  # a tool turn: the call it answers
+
+    @model_validator(mode="after")
+    def _has_content(self) -> "Message":
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content is required (it may be null only in an assistant turn with tool_calls)")
+        return self
 
     def text(self) -> str:
+        if self.content is None:
+            return ""
         if isinstance(self.content, str):
             return self.content
         return "".join(part.text for part in self.content)
+
+
+class Function(_Body):
+    name: Text
+    description: Text | None = None
+    parameters: dict | None = None  # a JSON schema
+    strict: bool | None = None
+
+
+class Tool(_Body):
+    type: Literal["function"]
+    function: Function
+
+
+class ChosenFunction(_Body):
+    name: Text
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: ChosenFunction
 
 
 class ChatCompletionRequest(_Sampling):
@@ -166,8 +214,9 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: TokenBudget | None = None  # OpenAI's newer name for max_tokens; wins if both
     logprobs: bool | None = None
     top_logprobs: Annotated[int, _integer(0, 20)] | None = None  # with logprobs: this many top ones per token
-    tools: list[dict] | None = None  # only empty
-    response_format: dict | None = None  # only {"type": "text"}
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # default: auto with tools
+    response_format: dict | None = None  # text, json_object or json_schema (compiled by the app)
 
     def token_budget(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -181,8 +230,8 @@ class ChatCompletionRequest(_Sampling):
 
     def unsupported(self) -> list[tuple[str, str]]:
         problems = super().unsupported()
-        if self.tools:
-            problems.append(("tools", "tools (function calling) are not supported"))
-        if self.response_format is not None and self.response_format.get("type") != "text":
-            problems.append(("response_format", "only response_format {\"type\": \"text\"} is supported"))
+        kind = None if self.response_format is None else self.response_format.get("type")
+        if kind not in (None, *RESPONSE_FORMATS):
+            problems.append(("response_format", f"response_format type {kind!r} is not supported (one of "
+                                                f"{', '.join(RESPONSE_FORMATS)})"))
         return problems
