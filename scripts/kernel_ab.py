@@ -22,13 +22,13 @@ import argparse
 import ctypes
 import random
 import statistics
-import subprocess
 import time
 from pathlib import Path
 
 from verispec.bench.profile import timing_context
 from verispec.target.loading import load
 from verispec.runtime import blockmm
+from verispec.runtime import build as build_module
 from verispec.runtime.linear import BlockLinear
 from verispec.runtime.native_layer import NativeLayer, bind
 
@@ -37,9 +37,7 @@ def build(folder: Path) -> blockmm.Kernel:
     """The kernels of `folder`'s sources, compiled as blockmm builds the variant this CPU runs."""
     variant = blockmm.chosen_variant()
     library = folder / f"kernel-ab-{variant}.so"
-    sources = [str(folder / name) for name in blockmm.SOURCES]
-    subprocess.run([blockmm._compiler() or "cc", *blockmm.FLAGS, *blockmm.VARIANTS[variant][0], *sources,
-                    "-o", str(library), "-lm"], check=True)
+    build_module.compile_sources(folder, variant, library)
     return blockmm.Kernel(ctypes.CDLL(str(library.resolve())), variant)
 
 
