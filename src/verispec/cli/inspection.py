@@ -38,8 +38,8 @@ def _facts(model) -> list[tuple[str, str]]:
     import transformers
 
     from .. import __version__
-    from ..bench.report import kernel_info
     from ..core.methods import METHODS
+    from ..runtime.blockmm import kernel_path
     from ..paths import cache_root
     from ..target.device import describe, spread_over_devices
     from ..target.loading import cpu_has_native_bf16
@@ -64,7 +64,7 @@ def _facts(model) -> list[tuple[str, str]]:
         ("own LM head", str(model.uses_own_head)),
         ("block kernel", model.block_kernel_summary),
         ("numerics", model.numerics),
-        ("kernel instruction set", kernel_info()),
+        ("kernels", kernel_path()),
         ("cache directory", str(cache_root())),
         ("methods", ", ".join(METHODS)),
         ("verispec", __version__),

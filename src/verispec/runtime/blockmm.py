@@ -36,9 +36,10 @@ import torch
 from . import build
 # The build (variants, flags, compiling) is `build`'s; these names stay here for existing callers.
 from .build import (  # noqa: F401
-    BUILDS as _BUILDS, FLAGS, INCLUDED as HEADERS, SOURCES, TEST_BUILDS, VARIANTS, _probe_flags, cpu_flags,
-    supported_variants,
+    BUILDS as _BUILDS, FLAGS, INCLUDED as HEADERS, SOURCES, TEST_BUILDS, VARIANTS, cpu_flags, supported_variants,
 )
+
+_probe_flags = build.probe_flags
 
 NUMERICS = ("int8", "fp32")
 ISA_ENV = "VERISPEC_KERNEL_ISA"

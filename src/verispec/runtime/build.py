@@ -14,7 +14,8 @@ entry points, used by `blockmm`, `qmatmul`, the C decoder layer's loader and the
   and source text into the cache, then reused;
 - `compile_sources(folder, variant, output)`: a folder's copy of the sources compiled as a variant
   (scripts/kernel_ab.py, scripts/qmatmul_ab.py);
-- `cpu_flags()` and `supported_variants()`: what this CPU runs.
+- `cpu_flags()` (`probe_flags()` where /proc/cpuinfo is missing) and `supported_variants()`: what
+  this CPU runs.
 
 "amx" needs, besides the CPU flags, the kernel's grant of the tile data state (`arch_prctl
 (ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)`), which only the loaded library can ask for
@@ -103,7 +104,7 @@ int main(void) {
 """
 
 
-def _probe_flags() -> frozenset[str]:
+def probe_flags() -> frozenset[str]:
     """The flags of VARIANTS that `__builtin_cpu_supports` reports, from a compiled probe (empty
     without a compiler or on a failure)."""
     found = compiler()
@@ -129,7 +130,7 @@ def cpu_flags() -> frozenset[str]:
             line = next((line for line in cpuinfo.read_text().splitlines() if line.startswith("flags")), "")
             flags = frozenset(line.partition(":")[2].split())
         elif platform.machine().lower() in ("x86_64", "amd64"):
-            flags = _probe_flags()
+            flags = probe_flags()
         _state["flags"] = flags
     return _state["flags"]
 

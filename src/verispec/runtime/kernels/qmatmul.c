@@ -98,6 +98,19 @@
  * Threads (OpenMP) split the outputs: tasks of 1 group (4 from M = 32 on), taken in runs of
  * consecutive tasks as threads come free; a sum is never split, so the thread count changes no bit.
  *
+ * AMX builds (real tiles, or the emulated test build) take the tile path for M >= 16 rows on the
+ * quantized types: 16 weight rows decoded once per chunk and multiplied against 16 rows of
+ * activations at a time by 16 x 16 x S tile products, then the same float sequence
+ * (qmatmul_amx.c's header).
+ *
+ * Files (as ggml-cpu lays out its kernels; one translation unit, compiled per instruction-set
+ * variant by runtime/build.py): this file holds the activations' quantization, the dispatch and the
+ * exported functions; isa.h the instruction-set gate; quants.h the block formats and their portable
+ * decoding (the reference per weight type); the loops come from one included file per level:
+ * qmatmul_portable.c (no SIMD), qmatmul_avx2.c (AVX2 and its VNNI forms: the decoders, the fused,
+ * buffered and row-wise paths, float_tiles) and, in AMX builds, qmatmul_amx.c (tile operations:
+ * amx.h).
+ *
  * Exported (int64 sizes; int functions return 0 on success, -1 on bad arguments or no memory):
  *   int64_t qmm_row_bytes(int type, int64_t K)
  *       bytes per row of a [*, K] weight, -1 for an unknown type or a K not allowed (quantized types:
@@ -122,7 +135,12 @@
  *       out [count, K] = rows ids of W dequantized exactly as gguf-py does (Q4_K / Q5_K:
  *       fl(fl(d * sc) * q) - fl(dmin * m); Q6_K: fl(fl(d * sc) * (q - 32)); 32-blocks: fl(d * code))
  *   const char *qmm_isa(void)
- *       the build: "avx512vnni", "avxvnni", "vnni-emulated", "avx2" or "portable" */
+ *       the build: "amx", "amx-emulated", "avx512vnni", "avxvnni", "vnni-emulated", "avx2" or "portable"
+ *   int qmm_tiles_init(void)
+ *       0 where the tile path can run (AMX tile data granted by the kernel, or emulated), -1 not an
+ *       AMX build, -2 refused: called once when the library is loaded
+ *   int qmm_tile_rows(void)
+ *       the M from which quantized products take the tile path (16), 0 in builds without it */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -427,5 +445,13 @@ int qmm_tiles_init(void) {
     return 0;
 #else
     return -1;
+#endif
+}
+
+int qmm_tile_rows(void) {
+#ifdef VS_AMX
+    return AMX_ROWS;
+#else
+    return 0;
 #endif
 }
