@@ -5,9 +5,10 @@
  *
  * The work is split in tasks of 16 outputs (a short last tile repeats its last row); a task walks
  * K in chunks of 256 inputs (one K-quant super-block, or 8 blocks of 32). Each chunk of the 16
- * weight rows is decoded once (quants.h's decode_scalar, the portable reference) into unsigned
+ * weight rows is decoded once into unsigned
  * bytes u = code + bias, row-major [16 outputs][256 inputs] (the bias of the AVX2 path: Q4_0 8,
- * Q5_0 16, Q6_K 32, Q8_0 128, Q4_K / Q5_K 0), and used by every row of the forward: per 16 rows of
+ * Q5_0 16, Q6_K 32, Q8_0 128, Q4_K / Q5_K 0: u is then the stored quant itself, unpacked with AVX2)
+ * and used by every row of the forward: per 16 rows of
  * activations and per sub-block j of S inputs (S = 32, Q6_K 16), one 16 x 16 x S tile product
  *   tile 1 (A): the 16 outputs' u over the sub-block: 16 rows of S bytes (stride 256)
  *   tile 2 (B): the activations of 16 rows over the sub-block, in the VNNI layout the instruction
@@ -44,19 +45,88 @@ static int amx_bias_log(int type) {
     }
 }
 
-/* Inputs k0 .. k0 + count - 1 of the 16 rows p[0..15], decoded into dec. */
+/* Bit 4 of byte i of the result = bit i of qh (i < 32): Q5_0's fifth bits as a vector. */
+static inline __m256i amx_q5_0_bits(uint32_t qh) {
+    const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32((int)qh),
+                                               _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                                                2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
+    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+    return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(0x10));
+}
+
+/* Bits `shift` .. of each byte of v moved to bit 4 (one bit, mask 0x10) or bits 4-5 (mask 0x30). */
+static inline __m256i amx_bits_to_4(__m256i v, const int shift, const int mask) {
+    const __m256i moved = shift <= 4 ? _mm256_slli_epi16(v, 4 - shift) : _mm256_srli_epi16(v, shift - 4);
+    return _mm256_and_si256(moved, _mm256_set1_epi8((char)mask));
+}
+
+/* The unsigned codes u = code + bias of inputs k0 .. k0 + count - 1 of one row, into u[0 .. count):
+ * for every type u is the stored quant itself (Q4_0 q, Q5_0 q, Q4_K q, Q5_K q, Q6_K q; Q8_0 the
+ * int8 code with its top bit flipped), unpacked as quants.h's decode_scalar reads it (AVX2). */
+static void amx_unpack(int type, const uint8_t *row, int64_t k0, int64_t count, uint8_t *u) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    const __m128i m4h = _mm_set1_epi8(0x0F);
+    switch (type) {
+        case GGUF_Q4_0:
+        case GGUF_Q5_0: {
+            const int five = type == GGUF_Q5_0, size = five ? 22 : 18;
+            for (int64_t b = 0; b < count / 32; b++) {
+                const uint8_t *blk = row + (k0 / 32 + b) * size;
+                const __m128i v = _mm_loadu_si128((const __m128i *)(blk + (five ? 6 : 2)));
+                __m256i q = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), m4h), _mm_and_si128(v, m4h));
+                if (five) q = _mm256_or_si256(q, amx_q5_0_bits(ld32(blk + 2)));
+                _mm256_storeu_si256((__m256i *)(u + 32 * b), q);
+            }
+            break;
+        }
+        case GGUF_Q8_0:
+            for (int64_t b = 0; b < count / 32; b++) {
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(row + (k0 / 32 + b) * 34 + 2));
+                _mm256_storeu_si256((__m256i *)(u + 32 * b), _mm256_xor_si256(v, _mm256_set1_epi8((char)0x80)));
+            }
+            break;
+        case GGUF_Q4_K:
+        case GGUF_Q5_K: {
+            const int five = type == GGUF_Q5_K;
+            const uint8_t *blk = row + (k0 / 256) * (five ? 176 : 144), *qs = blk + (five ? 48 : 16);
+            const __m256i Q = _mm256_loadu_si256((const __m256i *)(blk + 16)); /* Q5_K: qh */
+            for (int c = 0; c < 4; c++) {
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
+                __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+                if (five) {
+                    lo = _mm256_or_si256(lo, amx_bits_to_4(Q, 2 * c, 0x10));
+                    hi = _mm256_or_si256(hi, amx_bits_to_4(Q, 2 * c + 1, 0x10));
+                }
+                _mm256_storeu_si256((__m256i *)(u + 64 * c), lo);
+                _mm256_storeu_si256((__m256i *)(u + 64 * c + 32), hi);
+            }
+            break;
+        }
+        default: { /* Q6_K */
+            const uint8_t *blk = row + (k0 / 256) * 210, *ql = blk, *qh = blk + 128;
+            for (int h = 0; h < 2; h++) {
+                const __m256i Q = _mm256_loadu_si256((const __m256i *)(qh + 32 * h));
+                for (int s = 0; s < 4; s++) {
+                    const __m256i L = _mm256_loadu_si256((const __m256i *)(ql + 64 * h + 32 * (s & 1)));
+                    const __m256i low = s < 2 ? _mm256_and_si256(L, m4) : _mm256_and_si256(_mm256_srli_epi16(L, 4), m4);
+                    _mm256_storeu_si256((__m256i *)(u + 128 * h + 32 * s), _mm256_or_si256(low, amx_bits_to_4(Q, 2 * s, 0x30)));
+                }
+            }
+            break;
+        }
+    }
+}
+
+/* Inputs k0 .. k0 + count - 1 of the 16 rows p[0..15], decoded into dec: the codes (amx_unpack),
+ * and the scales as quants.h reads them (32-blocks: d per block; K-quants: the integer header). */
 static void amx_decode(int type, const TypeInfo *t, const uint8_t *const p[AMX_N], int64_t k0, int64_t count,
                        AmxDecoded *dec) {
-    const int bias_log = amx_bias_log(type), bias = bias_log >= 0 ? 1 << bias_log : 0;
     for (int n = 0; n < AMX_N; n++) {
-        int8_t code[CHUNK];
-        float ws[MAX_SUBS], wo[MAX_SUBS];
-        decode_scalar(type, p[n], k0, count, code, ws, wo, 1);
-        for (int64_t k = 0; k < count; k++) dec->u[n][k] = (uint8_t)(code[k] + bias);
+        amx_unpack(type, p[n], k0, count, dec->u[n]);
         if (t->block == 256)
             k_header_scalar(type, p[n] + (k0 / 256) * t->bytes, dec->sc[n], dec->mn[n], 1, &dec->d[n], &dec->dmin[n]);
         else
-            for (int j = 0; j < count / 32; j++) dec->ws[n][j] = ws[j];
+            for (int64_t j = 0; j < count / 32; j++) dec->ws[n][j] = half_to_float(ld16(p[n] + (k0 / 32 + j) * t->bytes));
     }
 }
 
@@ -103,42 +173,58 @@ static void amx_task(int type, const TypeInfo *t, const uint8_t *w, int64_t row_
         for (int64_t m0 = 0; m0 < M; m0 += AMX_M) {
             const int rows = (int)(M - m0 < AMX_M ? M - m0 : AMX_M);
             const int8_t *b = xb + (m0 / AMX_M) * K4 * 64;
+            /* Per row r of the tile (0 for the padding rows past M, whose results are not stored):
+             * corr[j] the bias times the row's sum of xq over sub-block j; rs[j] the row's scale of
+             * block j (32-blocks), rs[0] its super-block's D (K-quants); msub[j] the row's sum of xq over
+             * sub-block j of 32 (K-quants with mins). Loops over r run over all 16 (vectorised). */
+            int32_t corr[MAX_SUBS][AMX_M], msub[MAX_SUBS][AMX_M];
+            float rs[MAX_SUBS][AMX_M];
+            for (int r = 0; r < AMX_M; r++) {
+                const int real = r < rows;
+                const int64_t m = m0 + r;
+                const int32_t *sums = xsum + (real ? m : 0) * ldsum + k0 / 16;
+                for (int j = 0; j < J; j++) {
+                    corr[j][r] = real && bias_log >= 0 ? amx_xsum(sums, kquant, S, j) << bias_log : 0;
+                    msub[j][r] = real && t->offsets ? amx_xsum(sums, 1, 32, j) : 0;
+                    rs[j][r] = real && !kquant ? xs[m * nb + k0 / 32 + j] : 0.0f;
+                }
+                if (kquant) rs[0][r] = real ? xs[m * nb + k0 / 32] : 0.0f;
+            }
             for (int j = 0; j < J; j++) {
                 tile_zero(0);
                 tile_load(1, dec->u[0] + j * S, CHUNK);
                 tile_load(2, b + (k0 + (int64_t)j * S) / 4 * 64, 64);
                 tile_dpbusd(0, 1, 2);
                 tile_store(0, c, 4 * AMX_M);
-                for (int r = 0; r < rows; r++) {
-                    const int64_t m = m0 + r;
-                    const int32_t *sums = xsum + m * ldsum + k0 / 16;
-                    const int32_t correction = bias_log >= 0 ? amx_xsum(sums, kquant, S, j) << bias_log : 0;
-                    if (kquant) { /* sc_j * the exact sum, in the integer domain; the bias once per super-block */
-                        for (int n = 0; n < AMX_N; n++)
-                            isum[n][r] = (j == 0 ? 0 : isum[n][r]) + dec->sc[n][j] * (c[n][r] - correction);
+                for (int n = 0; n < AMX_N; n++) {
+                    if (kquant) { /* sc_j * the exact sum, in the integer domain */
+                        const int32_t sc = dec->sc[n][j];
+                        for (int r = 0; r < AMX_M; r++) isum[n][r] = (j == 0 ? 0 : isum[n][r]) + sc * (c[n][r] - corr[j][r]);
                         continue;
                     }
-                    const float row_scale = xs[m * nb + k0 / 32 + j];
-                    for (int n = 0; n < AMX_N; n++) {
-                        const float scale = row_scale * dec->ws[n][j], term = (float)(c[n][r] - correction) * scale;
-                        acc[n * mpad + m] = acc[n * mpad + m] + term;
+                    const float ws = dec->ws[n][j];
+                    float *a = acc + n * mpad + m0;
+                    for (int r = 0; r < AMX_M; r++) {
+                        const float scale = rs[j][r] * ws, term = (float)(c[n][r] - corr[j][r]) * scale;
+                        a[r] = a[r] + term;
                     }
                 }
             }
             if (!kquant) continue;
-            for (int r = 0; r < rows; r++) {
-                const int64_t m = m0 + r;
-                const float D = xs[m * nb + k0 / 32];
-                const int32_t *record = xsum + m * ldsum + k0 / 16;
-                for (int n = 0; n < AMX_N; n++) {
-                    const float scale = D * dec->d[n], term = (float)isum[n][r] * scale;
-                    acc[n * mpad + m] = acc[n * mpad + m] + term;
-                    if (t->offsets) {
-                        int32_t msum = 0;
-                        for (int j = 0; j < J; j++) msum += dec->mn[n][j] * amx_xsum(record, 1, 32, j);
-                        const float mscale = D * dec->dmin[n], mterm = (float)msum * mscale;
-                        shift[n * mpad + m] = shift[n * mpad + m] + mterm;
-                    }
+            for (int n = 0; n < AMX_N; n++) { /* the super-block's float step */
+                float *a = acc + n * mpad + m0, *sh = shift + n * mpad + m0;
+                for (int r = 0; r < AMX_M; r++) {
+                    const float scale = rs[0][r] * dec->d[n], term = (float)isum[n][r] * scale;
+                    a[r] = a[r] + term;
+                }
+                if (!t->offsets) continue;
+                int32_t msum[AMX_M];
+                for (int r = 0; r < AMX_M; r++) msum[r] = 0;
+                for (int j = 0; j < J; j++)
+                    for (int r = 0; r < AMX_M; r++) msum[r] += dec->mn[n][j] * msub[j][r];
+                for (int r = 0; r < AMX_M; r++) {
+                    const float mscale = rs[0][r] * dec->dmin[n], mterm = (float)msum[r] * mscale;
+                    sh[r] = sh[r] + mterm;
                 }
             }
         }
