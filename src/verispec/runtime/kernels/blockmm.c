@@ -13,8 +13,9 @@
  *
  * x [M, K] float32, codes [N, K] int8, scales and offsets [N, K / B] float32 (offsets may be
  * NULL), y [M, N] float32. B divides K and is a multiple of 16. Rows n are split over `threads`
- * OpenMP threads. The vector code needs AVX2 and FMA (compiled in only where the build enables
- * both, blockmm.py); otherwise a portable loop computes the rows_few arithmetic in scalar C. */
+ * OpenMP threads. The vector code needs AVX2 and FMA (compiled in where isa.h sets VS_AVX2: AVX2,
+ * FMA and F16C, as every SIMD variant of runtime/build.py enables them); otherwise a portable loop
+ * computes the rows_few arithmetic in scalar C. */
 #include <stdint.h>
 #include <stdlib.h>
 #include "kernels.h"

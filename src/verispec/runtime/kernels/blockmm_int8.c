@@ -48,7 +48,8 @@
  * vpmaddubsw, one vpmaddwd and one add on signed codes, one vpmaddubsw and one vpaddw on unsigned
  * ones (one vpdpbusd with VNNI, for both forms); the float work is once per block. The AVX-512
  * VNNI build runs two whole groups as one 16-lane tile (`tile_wide`, one 512-bit vpdpbusd per row
- * and step). BLOCKMM_EMULATE_VNNI builds the VNNI paths for AVX2 (a test build, see blockmm.py).
+ * and step). BLOCKMM_EMULATE_VNNI builds the VNNI paths for AVX2 (a test build, see runtime/build.py; the
+ * instruction-set macros are isa.h's).
  *
  * x [M, K] float32, y [M, N] float32; B divides K and is a multiple of 4. */
 #include <math.h>

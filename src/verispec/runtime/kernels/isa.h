@@ -3,7 +3,7 @@
  * and the SIMD helpers more than one kernel file uses. Every kernel source includes this header and
  * tests only these macros, never the compiler's own (__AVX2__, __AVX512VNNI__, ...):
  *
- *   VS_AVX2          AVX2 + FMA + F16C (every SIMD build of blockmm.py: avx2, avxvnni, avx512vnni,
+ *   VS_AVX2          AVX2 + FMA + F16C (every SIMD build of runtime/build.py: avx2, avxvnni, avx512vnni,
  *                    the emulated test builds, amx): the vector paths; without it, portable C.
  *   VS_VNNI          vpdpbusd on 256-bit vectors, as `dpbusd256` (AVX-512 VNNI + VL, AVX-VNNI, or
  *                    emulated from AVX2 with -DBLOCKMM_EMULATE_VNNI: exactly the same int32 sums).
@@ -13,7 +13,7 @@
  *   VS_AMX           the tile path of qmatmul_amx.c: real AMX-INT8 (-mamx-tile -mamx-int8, the "amx"
  *                    variant) or its portable emulation (-DBLOCKMM_EMULATE_AMX, "amx-emulated");
  *                    the tile operations themselves are in amx.h.
- *   VS_ISA_NAME      the build's name as blockmm.py knows it: "amx", "amx-emulated", "avx512vnni",
+ *   VS_ISA_NAME      the build's name as runtime/build.py knows it: "amx", "amx-emulated", "avx512vnni",
  *                    "avxvnni", "vnni-emulated", "avx2" or "portable" (blockmm_isa, qmm_isa).
  *
  * The integer sums are exact on every level, and the float sequences are written per level to be
