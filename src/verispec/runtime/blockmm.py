@@ -173,8 +173,9 @@ def kernel_isa() -> str | None:
 
 def kernel_path() -> str:
     """Which kernel path runs, in words, e.g. "avx2 (AMX: no; VNNI: no)": the variant, whether wide
-    forwards use AMX tiles ("yes, tiles granted", "emulated", "no", or "refused: ..." where the CPU
-    has them but the kernel did not grant the tile data) and whether products use VNNI."""
+    forwards use AMX tiles ("yes, tiles granted", "emulated", "no", or "not used: why" where the CPU
+    has them but the kernel did not grant the tile data or the build failed) and whether products
+    use VNNI."""
     found, why = kernel()
     if found is None:
         return f"none ({why})"
@@ -184,7 +185,7 @@ def kernel_path() -> str:
     elif isa == "amx-emulated":
         amx = "emulated"
     elif "amx" in _state.get("skipped", {}):
-        amx = f"refused: {_state['skipped']['amx']}"
+        amx = f"not used: {_state['skipped']['amx']}"
     else:
         amx = "no"
     vnni = "yes" if isa in ("amx", "avx512vnni", "avxvnni") else "emulated" if isa == "vnni-emulated" else "no"
