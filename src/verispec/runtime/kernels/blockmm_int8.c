@@ -117,7 +117,7 @@ static inline wide_i wide_flip(wide_i w) {
     return (wide_i){_mm256_xor_si256(w.lo, flip), _mm256_xor_si256(w.hi, flip)};
 }
 static inline wide_i wide_dpbusd(wide_i acc, wide_i u, wide_i s) {
-    return (wide_i){dpbusd256(acc.lo, u.lo, s.lo), dpbusd256(acc.hi, u.hi, s.hi)};
+    return (wide_i){VS_DPBUSD(acc.lo, u.lo, s.lo), VS_DPBUSD(acc.hi, u.hi, s.hi)};
 }
 static inline wide_i wide_sub(wide_i a, wide_i b) { return (wide_i){_mm256_sub_epi32(a.lo, b.lo), _mm256_sub_epi32(a.hi, b.hi)}; }
 static inline wide_f wide_cvt(wide_i a) { return (wide_f){_mm256_cvtepi32_ps(a.lo), _mm256_cvtepi32_ps(a.hi)}; }
@@ -204,7 +204,7 @@ static inline __attribute__((always_inline)) void tile(
                 for (int g = 0; g < G; g++) w[g] = _mm256_xor_si256(w[g], flip);
                 for (int r = 0; r < R; r++) {
                     const __m256i xb = row_step(xq, K, r, s);
-                    for (int g = 0; g < G; g++) sums[r][g] = dpbusd256(sums[r][g], w[g], xb);
+                    for (int g = 0; g < G; g++) sums[r][g] = VS_DPBUSD(sums[r][g], w[g], xb);
                 }
             }
 #else
@@ -227,7 +227,7 @@ static inline __attribute__((always_inline)) void tile(
                 load_step(w, w0, w1, G, s);
                 for (int r = 0; r < R; r++) {
                     const __m256i xb = row_step(xq, K, r, s);
-                    for (int g = 0; g < G; g++) sums[r][g] = dpbusd256(sums[r][g], w[g], xb);
+                    for (int g = 0; g < G; g++) sums[r][g] = VS_DPBUSD(sums[r][g], w[g], xb);
                 }
             }
 #else

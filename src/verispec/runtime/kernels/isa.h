@@ -6,7 +6,11 @@
  *   VS_AVX2          AVX2 + FMA + F16C (every SIMD build of runtime/build.py: avx2, avxvnni, avx512vnni,
  *                    the emulated test builds, amx): the vector paths; without it, portable C.
  *   VS_VNNI          vpdpbusd on 256-bit vectors, as `dpbusd256` (AVX-512 VNNI + VL, AVX-VNNI, or
- *                    emulated from AVX2 with -DBLOCKMM_EMULATE_VNNI: exactly the same int32 sums).
+ *                    emulated from AVX2 with -DBLOCKMM_EMULATE_VNNI: exactly the same int32 sums);
+ *                    VS_DPBUSD names the same operation as the intrinsic itself (blockmm_int8.c
+ *                    calls it so: an inline wrapper there changes GCC's register allocation, and
+ *                    with these two spellings every kernel compiles to the instructions it had
+ *                    before the gate was shared).
  *   VS_VNNI_WIDE     16-lane (512-bit) vpdpbusd: AVX-512 VNNI, or the emulated VNNI build, where a
  *                    "wide" vector is two 256-bit halves (blockmm_int8.c's tile_wide).
  *   VS_AVX512        the real AVX-512 instructions (512-bit registers) are available.
@@ -44,13 +48,16 @@ static inline __m256i dpbusd256(__m256i acc, __m256i u, __m256i s) {
     const __m256i s_even = _mm256_srai_epi16(_mm256_slli_epi16(s, 8), 8), s_odd = _mm256_srai_epi16(s, 8);
     return _mm256_add_epi32(acc, _mm256_add_epi32(_mm256_madd_epi16(u_even, s_even), _mm256_madd_epi16(u_odd, s_odd)));
 }
+#define VS_DPBUSD dpbusd256
 #elif defined(VS_AVX2) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
 #define VS_VNNI 1
 #define VS_VNNI_WIDE 1
-static inline __m256i dpbusd256(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_epi32(acc, u, s); }
+#define VS_DPBUSD _mm256_dpbusd_epi32
+static inline __m256i dpbusd256(__m256i acc, __m256i u, __m256i s) { return VS_DPBUSD(acc, u, s); }
 #elif defined(VS_AVX2) && defined(__AVXVNNI__)
 #define VS_VNNI 1
-static inline __m256i dpbusd256(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_avx_epi32(acc, u, s); }
+#define VS_DPBUSD _mm256_dpbusd_avx_epi32
+static inline __m256i dpbusd256(__m256i acc, __m256i u, __m256i s) { return VS_DPBUSD(acc, u, s); }
 #endif
 
 /* The tile path: real AMX-INT8 where the compiler was given it, else the emulation when asked. */
