@@ -1,9 +1,9 @@
 """Builds of the C kernels timed side by side in one process, for kernel edits on a noisy machine.
 
 Each directory given holds the kernel sources (`blockmm.c`, `blockmm_int8.c`, `decoder_layer.c`,
-`qmatmul.c` and the `*.h` they include: copies of src/verispec/runtime/kernels/, some edited);
-each is compiled, into its directory, with the flags of the instruction-set variant this CPU
-runs. The default model is loaded once (its transformers form on the int8 block forms, the fast
+`qmatmul.c` and the files they include: the `*.h` and qmatmul's per-instruction-set `qmatmul_*.c`;
+copies of src/verispec/runtime/kernels/, some edited); each is compiled, into its directory, with
+the flags of the instruction-set variant this CPU runs (`build.compile_sources`). The default model is loaded once (its transformers form on the int8 block forms, the fast
 path; `qmatmul_ab.py` times the GGUF-block kernel), and before every forward its decoder layers
 and block linears are switched to one of the builds, in a shuffled order per
 round, so that the machine's drift (other tenants, clock changes) falls on every build alike.
@@ -22,13 +22,13 @@ import argparse
 import ctypes
 import random
 import statistics
-import subprocess
 import time
 from pathlib import Path
 
 from verispec.bench.profile import timing_context
 from verispec.target.loading import load
 from verispec.runtime import blockmm
+from verispec.runtime import build as build_module
 from verispec.runtime.linear import BlockLinear
 from verispec.runtime.native_layer import NativeLayer, bind
 
@@ -37,9 +37,7 @@ def build(folder: Path) -> blockmm.Kernel:
     """The kernels of `folder`'s sources, compiled as blockmm builds the variant this CPU runs."""
     variant = blockmm.chosen_variant()
     library = folder / f"kernel-ab-{variant}.so"
-    sources = [str(folder / name) for name in blockmm.SOURCES]
-    subprocess.run([blockmm._compiler() or "cc", *blockmm.FLAGS, *blockmm.VARIANTS[variant][0], *sources,
-                    "-o", str(library), "-lm"], check=True)
+    build_module.compile_sources(folder, variant, library)
     return blockmm.Kernel(ctypes.CDLL(str(library.resolve())), variant)
 
 

@@ -1,8 +1,9 @@
 """Builds of the GGUF-block kernel (`qmatmul.c`) timed side by side in one process, for kernel edits.
 
 Each directory given holds a `qmatmul.c` (a copy of src/verispec/runtime/kernels/qmatmul.c, some
-edited) and the headers it includes (`kernels/*.h`); each is compiled alone into that directory
-with the flags of the instruction-set variant this CPU runs (as `blockmm` compiles it). For each
+edited) and the files it includes (`kernels/*.h` and the per-instruction-set `qmatmul_*.c`); each is
+compiled alone into that directory with the flags of the instruction-set variant this CPU runs, or
+`--variant`'s (`build.compile_sources`, as the package compiles it). For each
 shape and row count M, every build multiplies the same random blocks by the same activations,
 which each build quantizes itself, in the form it reads (`qmm_quantize_super` for the K-quants
 where the build has it), so builds of different numerics can be timed side by side. The builds
@@ -13,7 +14,7 @@ print "same"). Shapes are Qwen2.5-1.5B's and two of the embedded Gemma 3 270M's 
 "q4l3" (4096 x 1536 Q4_K, 3.5 MB) stays in the last-level cache, so it times the arithmetic
 rather than the memory.
 
-    mkdir -p /tmp/a /tmp/b && cp src/verispec/runtime/kernels/{qmatmul.c,*.h} /tmp/a && cp /tmp/a/* /tmp/b
+    mkdir -p /tmp/a /tmp/b && cp src/verispec/runtime/kernels/{qmatmul*.c,*.h} /tmp/a && cp /tmp/a/* /tmp/b
     (edit /tmp/b/qmatmul.c)
     python scripts/qmatmul_ab.py /tmp/a /tmp/b --rows 1,3,8 --shapes q4l3,q6k --threads 1
 """
@@ -23,13 +24,13 @@ from __future__ import annotations
 import argparse
 import ctypes
 import random
-import subprocess
 import time
 from pathlib import Path
 
 import numpy as np
 
 from verispec.runtime import blockmm, qmatmul
+from verispec.runtime.build import BUILDS, compile_sources
 
 SHAPES = {  # name: (type, N outputs, K inputs)
     "q4k": ("Q4_K", 8960, 1536), "q4l3": ("Q4_K", 4096, 1536), "q5k": ("Q5_K", 8960, 1536),
@@ -51,10 +52,9 @@ def random_blocks(type_name: str, rows: int, cols: int, seed: int) -> np.ndarray
     return raw.reshape(-1)
 
 
-def build(folder: Path) -> ctypes.CDLL:
-    library = folder / "qmatmul-ab.so"
-    flags = (*blockmm.FLAGS, *blockmm.VARIANTS[blockmm.chosen_variant()][0])
-    subprocess.run([blockmm._compiler() or "cc", *flags, str(folder / "qmatmul.c"), "-o", str(library), "-lm"], check=True)
+def build(folder: Path, variant: str) -> ctypes.CDLL:
+    library = folder / f"qmatmul-ab-{variant}.so"
+    compile_sources(folder, variant, library, sources=("qmatmul.c",))
     lib = ctypes.CDLL(str(library))
     lib.qmm_quantize.argtypes = [P, I64, I64, P, P, P, P, INT]
     if hasattr(lib, "qmm_quantize_super"):
@@ -80,8 +80,11 @@ def main() -> None:
     parser.add_argument("--shapes", default="q4k,q6k,head", help=f"of {', '.join(SHAPES)}")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--variant", choices=list(BUILDS), default=None,
+                        help="the build's flags (default: the variant this CPU runs; amx-emulated times the tile path)")
     args = parser.parse_args()
-    libraries = [build(folder) for folder in args.folders]
+    variant = args.variant or blockmm.chosen_variant()
+    libraries = [build(folder, variant) for folder in args.folders]
     rng = np.random.default_rng(0)
     for shape in args.shapes.split(","):
         type_name, n, k = SHAPES[shape]

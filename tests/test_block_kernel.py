@@ -253,16 +253,26 @@ def test_auto_dtype_prefers_float32_for_a_block_kernel_model(monkeypatch, tmp_pa
 
 
 def test_the_kernel_sources_and_headers_are_built_and_shipped_together():
-    """Every header a kernel source includes is one the build copies beside the sources and
-    hashes into its key (`blockmm.HEADERS`), and the package ships both kinds of file."""
+    """Every file a kernel source includes (headers, and qmatmul.c's per-instruction-set files, at
+    any depth) is one the build copies beside the sources and hashes into its key
+    (`build.INCLUDED`, also `blockmm.HEADERS`), none is compiled on its own, and the package ships
+    both kinds of file."""
     import re
     from importlib import resources
     from pathlib import Path
 
+    from verispec.runtime import build
+
     folder = resources.files("verispec.runtime.kernels")
-    included = {name for source in blockmm.SOURCES
-                for name in re.findall(r'^#include "([^"]+)"', folder.joinpath(source).read_text(), re.M)}
-    assert included and included <= set(blockmm.HEADERS)
-    assert all(folder.joinpath(name).is_file() for name in blockmm.HEADERS)
+    included, pending = set(), list(build.SOURCES)
+    while pending:
+        for name in re.findall(r'^\s*#include "([^"]+)"', folder.joinpath(pending.pop()).read_text(), re.M):
+            if name not in included:
+                included.add(name)
+                pending.append(name)
+    assert {"isa.h", "amx.h", "quants.h", "qmatmul_avx2.c", "qmatmul_portable.c", "qmatmul_amx.c"} <= included
+    assert included == set(build.INCLUDED) == set(blockmm.HEADERS)
+    assert not included & set(build.SOURCES)
+    assert all(folder.joinpath(name).is_file() for name in build.INCLUDED)
     pyproject = (Path(__file__).resolve().parent.parent / "pyproject.toml").read_text()
     assert '"runtime/kernels/*.c"' in pyproject and '"runtime/kernels/*.h"' in pyproject

@@ -449,6 +449,10 @@ def test_info_on_a_tiny_model(tiny_model_dir):
     assert result.exit_code == 0, result.output
     assert "LlamaForCausalLM" in result.stdout and "anpd" in result.stdout
     assert "block kernel" in result.stdout  # off: a transformers directory has no GGUF blocks
+    from verispec.runtime import blockmm
+
+    assert "kernels" in result.stdout and blockmm.kernel_path().split(" (")[0] in result.stdout
+    assert "(AMX: " in result.stdout and "VNNI: " in result.stdout  # the path, whether tiles and VNNI run
     result = runner.invoke(app, ["info", "--model", str(tiny_model_dir), "--no-block-kernel"])
     assert result.exit_code == 0, result.output
 

@@ -108,3 +108,34 @@ def test_the_batched_curve_and_the_prefill_rate_on_a_target_that_batches():
     assert target.prefix_cache and len(target.pool.prefix) == 0  # nothing cached by the timing
     lines = format_batched(curve, prefill).splitlines()
     assert len(lines) == 2 + 3 + 1 and lines[-1].startswith("prefill of 100 tokens")
+
+
+def test_the_integer_roof_and_the_share_of_it_a_prefill_reaches(tmp_path):
+    """On a GGUF file's own blocks: the wide product's multiply-adds per second on the largest
+    quantized layer matrix, a token's multiply-adds through every layer matrix, and the prefill's
+    share of the roof; None on a target without GGUF matrices."""
+    pytest.importorskip("gguf")
+    from gguf_models import write_tiny_gguf
+    from verispec.bench.profile import format_batched, integer_roof, prefill_rate, roof_fraction
+    from verispec.gguf.metadata import read_gguf_model
+    from verispec.runtime import blockmm, qmatmul
+    from verispec.runtime.gguf_decoder import GgufDecoder
+    from verispec.target.model import Target
+
+    gguf = read_gguf_model(write_tiny_gguf(tmp_path / "m.gguf", "qwen2"), cache_dir=tmp_path / "cache")
+    target = Target.of_decoder(GgufDecoder(gguf, blockmm.kernel()[0]), gguf.config, gguf.tokenizer, gguf.name,
+                               gguf.eos_token_ids)
+    roof = integer_roof(target, rows=32, repeats=1)
+    matrices = [m for layer in target.decoder.layers for m in layer.keep if isinstance(m, qmatmul.QMatrix)]
+    quantized = [m for m in matrices if m.type not in qmatmul.FLOAT_TYPES]
+    largest = max(quantized, key=lambda m: m.rows * m.cols)
+    assert roof["rows"] == 32 and roof["type"] == largest.type_name and roof["shape"] == [largest.rows, largest.cols]
+    assert roof["multiply_adds_per_s"] > 0
+    assert roof["token_multiply_adds"] == sum(m.rows * m.cols for m in matrices)
+    prefill = prefill_rate(target, 40, repeats=1)
+    fraction = roof_fraction(prefill, roof)
+    assert fraction == pytest.approx(prefill["tokens_per_s"] * roof["token_multiply_adds"] / roof["multiply_adds_per_s"])
+    line = format_batched(None, prefill, roof).splitlines()[-1]
+    assert line.startswith("integer roof: ") and f"{100 * fraction:.0f}% of it" in line
+
+    assert integer_roof(helpers.make_target("llama")) is None

@@ -16,7 +16,9 @@ interleaved rounds so that a slow period of the machine shows in every width ali
 On a target that batches (`Target.pages_kv`) it also times the batched decode curve
 (`batched_decode`: `ar`'s aggregate tokens per second with 1, 2, 4, 8 and 16 sequences decoding
 together, each after its own context), the KV memory a position takes, and a prompt's prefill
-rate (`prefill_rate`: a 1,000-token prompt through the same kernels as decode).
+rate (`prefill_rate`: a 1,000-token prompt through the same kernels as decode); on a GGUF
+file's own blocks the integer roof (`integer_roof`: the multiply-adds per second a wide product of
+the GGUF-block kernel reaches here) and the share of it the prefill reaches (`roof_fraction`).
 """
 
 from __future__ import annotations
@@ -271,6 +273,46 @@ def prefill_rate(target, length: int = DEFAULT_PREFILL, repeats: int = 3) -> dic
     return {"tokens": length, "ms": round(best * 1e3, 3), "tokens_per_s": round(length / best, 1)}
 
 
+def _layer_matrices(target) -> list:
+    """The GGUF layers' matrices of a target on a file's own blocks (`qmatmul.QMatrix`), else []."""
+    from ..runtime.qmatmul import QMatrix
+
+    layers = getattr(getattr(target, "decoder", None), "layers", None) or []
+    return [m for layer in layers for m in getattr(layer, "keep", []) if isinstance(m, QMatrix)]
+
+
+def integer_roof(target, rows: int = 64, repeats: int = 5) -> dict | None:
+    """The integer roof of a wide forward on this machine: the multiply-adds per second the
+    GGUF-block kernel reaches on the target's largest quantized layer matrix with `rows` rows of
+    activations (quantized once, outside the timing; the fastest of `repeats` calls on the process's
+    threads; arithmetic-bound: each weight is decoded once for all rows), and the multiply-adds of one
+    token through every layer matrix: {"rows", "type", "shape", "multiply_adds_per_s",
+    "token_multiply_adds"}. None off the GGUF runtime (no such matrices, or no kernel)."""
+    from ..runtime import qmatmul
+
+    matrices = _layer_matrices(target)
+    quantized = [m for m in matrices if m.type not in qmatmul.FLOAT_TYPES]
+    kernel, _ = qmatmul.kernel()
+    if not quantized or kernel is None:
+        return None
+    largest = max(quantized, key=lambda m: m.rows * m.cols)
+    x = torch.randn(rows, largest.cols, generator=torch.Generator().manual_seed(0))
+    activations = kernel.quantize(x)
+    out = torch.empty(rows, largest.rows)
+    kernel.matmul(activations, largest, out=out)  # warm-up (and the activations' quantization)
+    seconds = min(_seconds(lambda: kernel.matmul(activations, largest, out=out)) for _ in range(repeats))
+    return {"rows": rows, "type": largest.type_name, "shape": [largest.rows, largest.cols],
+            "multiply_adds_per_s": round(largest.rows * largest.cols * rows / seconds),
+            "token_multiply_adds": sum(m.rows * m.cols for m in matrices)}
+
+
+def roof_fraction(prefill: dict, roof: dict) -> float:
+    """The share of the integer roof a prefill reaches: its tokens per second times a token's
+    multiply-adds through the layer matrices, over the roof's multiply-adds per second (the LM head,
+    run for the last row only, and attention are left out)."""
+    return prefill["tokens_per_s"] * roof["token_multiply_adds"] / roof["multiply_adds_per_s"]
+
+
 def _timed_prefill(target, prompt: list[int]) -> float:
     """Seconds of one prefill of `prompt` (the last row's logits) on a fresh sequence."""
     sequence = target.new_sequence()
@@ -281,8 +323,9 @@ def _timed_prefill(target, prompt: list[int]) -> float:
         sequence.release()
 
 
-def format_batched(batched: dict | None, prefill: dict | None) -> str:
-    """The batched decode curve and the prefill rate (either may be None) as lines for a terminal."""
+def format_batched(batched: dict | None, prefill: dict | None, roof: dict | None = None) -> str:
+    """The batched decode curve and the prefill rate (either may be None) as lines for a terminal,
+    with the integer roof and the share of it the prefill reaches where `roof` is given."""
     lines = []
     if batched is not None:
         lines += [f"batched decode ({batched['context']}-token contexts, one row each per step; KV "
@@ -293,4 +336,13 @@ def format_batched(batched: dict | None, prefill: dict | None) -> str:
     if prefill is not None:
         lines.append(f"prefill of {prefill['tokens']} tokens: {prefill['ms'] / 1e3:.2f} s "
                      f"({prefill['tokens_per_s']:.0f} tok/s)")
+    if roof is not None:
+        n, k = roof["shape"]
+        line = (f"integer roof: {roof['multiply_adds_per_s'] / 1e9:.1f} G multiply-adds/s ({roof['rows']} rows x "
+                f"{roof['type']} [{n}, {k}])")
+        if prefill is not None:
+            reached = prefill["tokens_per_s"] * roof["token_multiply_adds"]
+            line += (f"; prefill reaches {reached / 1e9:.1f} G/s, {100 * roof_fraction(prefill, roof):.0f}% of it "
+                     f"({roof['token_multiply_adds'] / 1e6:.0f} M multiply-adds a token in the layers)")
+        lines.append(line)
     return "\n".join(lines)

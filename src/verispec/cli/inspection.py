@@ -38,8 +38,8 @@ def _facts(model) -> list[tuple[str, str]]:
     import transformers
 
     from .. import __version__
-    from ..bench.report import kernel_info
     from ..core.methods import METHODS
+    from ..runtime.blockmm import kernel_path
     from ..paths import cache_root
     from ..target.device import describe, spread_over_devices
     from ..target.loading import cpu_has_native_bf16
@@ -64,7 +64,7 @@ def _facts(model) -> list[tuple[str, str]]:
         ("own LM head", str(model.uses_own_head)),
         ("block kernel", model.block_kernel_summary),
         ("numerics", model.numerics),
-        ("kernel instruction set", kernel_info()),
+        ("kernels", kernel_path()),
         ("cache directory", str(cache_root())),
         ("methods", ", ".join(METHODS)),
         ("verispec", __version__),
@@ -90,7 +90,8 @@ def profile(
     where the target batches, the aggregate decode rate of many sequences and a prompt's prefill rate."""
     import torch
 
-    from ..bench.profile import batched_decode, format_batched, format_profile, prefill_rate, profile_target
+    from ..bench.profile import (batched_decode, format_batched, format_profile, integer_roof, prefill_rate,
+                                 profile_target, roof_fraction)
     from ..bench.report import kernel_info, machine_info
 
     try:
@@ -112,6 +113,9 @@ def profile(
         if model.pages_kv:
             result["batched"] = batched_decode(model, counts, context) if counts else None
             result["prefill"] = prefill_rate(model, prefill) if prefill else None
+            result["roof"] = integer_roof(model)
+            if result["roof"] is not None and result["prefill"] is not None:
+                result["prefill"]["roof_fraction"] = round(roof_fraction(result["prefill"], result["roof"]), 3)
     except VerispecError as error:
         fail(str(error))
         return
@@ -123,8 +127,8 @@ def profile(
     out.print(f"{model.name} on {result['machine']['cpu']} ({result['threads']} threads, kernel: {result['kernel']})",
               highlight=False)
     out.print(format_profile(result), highlight=False)
-    if result.get("batched") or result.get("prefill"):
-        out.print(format_batched(result["batched"], result["prefill"]), highlight=False)
+    if result.get("batched") or result.get("prefill") or result.get("roof"):
+        out.print(format_batched(result.get("batched"), result.get("prefill"), result.get("roof")), highlight=False)
 
 
 def _draft_head(model, exit_head: Optional[str]):

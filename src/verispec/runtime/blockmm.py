@@ -1,6 +1,6 @@
 """The block-weight matrix multiply: y = x W^T computed on W's int8 block form.
 
-Owns one thing: building (once per machine and instruction set, with the system C compiler) and
+Owns one thing: loading (the build is `build`'s: variants, flags, compiling) and
 calling the C kernels, which multiply activations by a weight matrix stored as int8 codes with a
 float32 scale (and offset) per block of inputs, in two numerics:
 
@@ -16,146 +16,44 @@ float32 scale (and offset) per block of inputs, in two numerics:
   block in block order: batch-invariant (a row's result does not depend on the other rows, the
   thread count or the instruction set), bit for bit.
 
-The library is compiled for one instruction-set variant (`VARIANTS`), chosen at run time from
-the flags the CPU reports (never `-march=native`): AVX-512 VNNI, AVX-VNNI, AVX2+FMA+F16C, or
-portable C. `VERISPEC_KERNEL_ISA` forces one (a variant this CPU cannot run is refused with the
-reason); `kernel_isa()` says which one runs. Without a C compiler, `kernel()` returns None with
-the reason and callers keep their float32 path. The same library holds the C decoder layer
-(`kernels/decoder_layer.c`, called by `native_layer`).
+The library is compiled for one instruction-set variant (`build.VARIANTS`), chosen at run time
+from the flags the CPU reports (never `-march=native`): AMX (where the kernel also grants the tile
+data; else the next), AVX-512 VNNI, AVX-VNNI, AVX2+FMA+F16C, or portable C. `VERISPEC_KERNEL_ISA`
+forces one, or a test build (a variant this CPU cannot run is refused with the reason);
+`kernel_isa()` says which one runs, `kernel_path()` the same in words for `verispec info`. Without
+a C compiler, `kernel()` returns None with the reason and callers keep their float32 path. The
+same library holds the C decoder layer (`kernels/decoder_layer.c`, called by `native_layer`) and
+the GGUF-block kernels (`kernels/qmatmul.c`, called by `qmatmul`).
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import os
-import platform
-import shutil
-import subprocess
-import tempfile
-from importlib import resources
-from pathlib import Path
 
 import torch
 
-SOURCES = ("blockmm.c", "blockmm_int8.c", "decoder_layer.c", "qmatmul.c")  # compiled into one library
-HEADERS = ("kernels.h", "numerics.h")  # included by the sources: part of the build's key and copied beside them
-FLAGS = ("-O3", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-Wl,-Bsymbolic")
-# Instruction-set variants, best first: the compiler flags of each and the /proc/cpuinfo flags
-# the CPU must report to run it.
-VARIANTS = {
-    "avx512vnni": (("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mavx2", "-mfma", "-mf16c"),
-                   ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx2", "fma", "f16c")),
-    "avxvnni": (("-mavx2", "-mfma", "-mf16c", "-mavxvnni"), ("avx2", "fma", "f16c", "avx_vnni")),
-    "avx2": (("-mavx2", "-mfma", "-mf16c"), ("avx2", "fma", "f16c")),
-    "portable": ((), ()),
-}
-# Builds never chosen for running, only for tests: "vnni-emulated" compiles the VNNI code paths
-# for an AVX2 CPU, with vpdpbusd computed exactly from AVX2 instructions (slower than "avx2"), so
-# that a machine without VNNI checks their logic bit for bit; `VERISPEC_KERNEL_ISA` can force it.
-TEST_BUILDS = {
-    "vnni-emulated": (("-mavx2", "-mfma", "-mf16c", "-DBLOCKMM_EMULATE_VNNI"), ("avx2", "fma", "f16c")),
-}
-_BUILDS = {**VARIANTS, **TEST_BUILDS}
+from . import build
+# The build (variants, flags, compiling) is `build`'s; these names stay here for existing callers.
+from .build import (  # noqa: F401
+    BUILDS as _BUILDS, FLAGS, INCLUDED as HEADERS, SOURCES, TEST_BUILDS, VARIANTS, cpu_flags, supported_variants,
+)
+
+_probe_flags = build.probe_flags
+
 NUMERICS = ("int8", "fp32")
 ISA_ENV = "VERISPEC_KERNEL_ISA"
 _state: dict = {}
 _variants: dict = {}  # variant name -> Kernel, or the reason it is unavailable (str)
 
 
-def _cache_dir() -> Path:
-    from ..paths import cache_root
-
-    return cache_root() / "kernels"
-
-
 def _compiler() -> str | None:
-    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    return build.compiler()
 
 
-_PROBE = r"""
-#include <stdio.h>
-int main(void) {
-    __builtin_cpu_init();
-    const char *flags[] = {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx_vnni"};
-    int has[8] = {__builtin_cpu_supports("avx2"), __builtin_cpu_supports("fma"), __builtin_cpu_supports("f16c"),
-                  __builtin_cpu_supports("avx512f"), __builtin_cpu_supports("avx512bw"),
-                  __builtin_cpu_supports("avx512vl"), __builtin_cpu_supports("avx512vnni"),
-#if defined(__GNUC__) && __GNUC__ >= 11
-                  __builtin_cpu_supports("avxvnni")
-#else
-                  0
-#endif
-    };
-    for (int i = 0; i < 8; i++) if (has[i]) printf("%s ", flags[i]);
-    return 0;
-}
-"""
-
-
-def _probe_flags() -> frozenset[str]:
-    """The flags of VARIANTS that `__builtin_cpu_supports` reports, from a compiled probe (empty
-    without a compiler or on a failure)."""
-    compiler = _compiler()
-    if compiler is None:
-        return frozenset()
-    try:
-        with tempfile.TemporaryDirectory() as folder:
-            source, program = Path(folder) / "probe.c", Path(folder) / "probe"
-            source.write_text(_PROBE)
-            subprocess.run([compiler, str(source), "-o", str(program)], check=True, capture_output=True)
-            return frozenset(subprocess.run([str(program)], capture_output=True, text=True).stdout.split())
-    except (OSError, subprocess.CalledProcessError):
-        return frozenset()
-
-
-def cpu_flags() -> frozenset[str]:
-    """The instruction-set flags the CPU reports (/proc/cpuinfo, else a compiled probe using
-    `__builtin_cpu_supports` on x86; empty if neither is available: only the portable variant runs)."""
-    if "flags" not in _state:
-        flags: frozenset[str] = frozenset()
-        cpuinfo = Path("/proc/cpuinfo")
-        if cpuinfo.exists():
-            line = next((line for line in cpuinfo.read_text().splitlines() if line.startswith("flags")), "")
-            flags = frozenset(line.partition(":")[2].split())
-        elif platform.machine().lower() in ("x86_64", "amd64"):
-            flags = _probe_flags()
-        _state["flags"] = flags
-    return _state["flags"]
-
-
-def supported_variants(flags: frozenset[str] | None = None) -> list[str]:
-    """The variants this CPU can run, best first ("portable" always)."""
-    flags = cpu_flags() if flags is None else flags
-    return [name for name, (_, needed) in VARIANTS.items() if set(needed) <= flags]
-
-
-def build_variant(variant: str, compiler: str | None = None) -> Path:
-    """The shared library of `variant` (a key of VARIANTS or TEST_BUILDS), compiled once per variant, compiler and
-    source text, then cached. Compiling does not need a CPU that runs the variant (loading and
-    calling it does). Raises RuntimeError if the compiler fails."""
-    compiler = compiler or _compiler()
-    if compiler is None:
-        raise RuntimeError("no C compiler (cc) found")
-    folder = resources.files("verispec.runtime.kernels")
-    sources = {name: folder.joinpath(name).read_text() for name in (*SOURCES, *HEADERS)}
-    flags = (*FLAGS, *_BUILDS[variant][0])
-    key = hashlib.sha256("|".join([*sources.values(), compiler, *flags]).encode()).hexdigest()[:16]
-    target = _cache_dir() / f"blockmm-{variant}-{key}.so"
-    if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as staging:
-        for name, text in sources.items():
-            (Path(staging) / name).write_text(text)
-        paths = [Path(staging) / name for name in SOURCES]
-        built = Path(staging) / target.name
-        result = subprocess.run([compiler, *flags, *map(str, paths), "-o", str(built), "-lm"], capture_output=True,
-                                text=True)
-        if result.returncode != 0:
-            raise RuntimeError(f"{compiler} failed: {result.stderr.strip()[:500]}")
-        os.replace(built, target)  # atomic: a concurrent build either wins or finds it done
-    return target
+def build_variant(variant: str, compiler: str | None = None):
+    """`build.compile_library` (kept for existing callers)."""
+    return build.compile_library(variant, compiler)
 
 
 class Kernel:
@@ -175,6 +73,13 @@ class Kernel:
         compiled = library.blockmm_isa
         compiled.restype = ctypes.c_char_p
         self.compiled_isa = compiled().decode()  # what the C preprocessor saw: "avx512vnni", ..., "portable"
+        # 0: the AMX tile path is ready (real tiles granted by the kernel, or emulated); -1: not an
+        # AMX build (or sources from before the tile path: scripts/kernel_ab.py); -2: the kernel
+        # refused the tile data (arch_prctl ARCH_REQ_XCOMP_PERM)
+        self.tiles = -1
+        if hasattr(library, "qmm_tiles_init"):
+            library.qmm_tiles_init.restype = ctypes.c_int
+            self.tiles = library.qmm_tiles_init()
 
     def matmul(self, x: torch.Tensor, form, numerics: str = "fp32") -> torch.Tensor:
         """x [m, in] float32 times the block-form weights `form` (`gguf.blocks.BlockWeights`,
@@ -214,7 +119,11 @@ def load_variant(variant: str) -> tuple[Kernel | None, str | None]:
                                       f"{', '.join(missing)}; it runs {', '.join(supported_variants())})")
             else:
                 try:
-                    _variants[variant] = Kernel(ctypes.CDLL(str(build_variant(variant))), variant)
+                    found = Kernel(ctypes.CDLL(str(build.compile_library(variant))), variant)
+                    _variants[variant] = found
+                    if variant == "amx" and found.tiles != 0:
+                        _variants[variant] = ("the kernel did not grant the AMX tile data "
+                                              "(arch_prctl ARCH_REQ_XCOMP_PERM refused)")
                 except (OSError, RuntimeError) as error:
                     _variants[variant] = f"could not build the block kernel: {error}"
     found = _variants[variant]
@@ -222,29 +131,62 @@ def load_variant(variant: str) -> tuple[Kernel | None, str | None]:
 
 
 def chosen_variant() -> str:
-    """The variant `kernel()` loads: `VERISPEC_KERNEL_ISA` if set, else the best this CPU runs."""
-    return os.environ.get(ISA_ENV, "").strip().lower() or supported_variants()[0]
+    """The variant `kernel()` loads: `VERISPEC_KERNEL_ISA` if set, else the best this CPU runs (the
+    first of `supported_variants()` that loads: "amx" only where the kernel grants the tiles)."""
+    forced = os.environ.get(ISA_ENV, "").strip().lower()
+    if forced:
+        return forced
+    found, _ = kernel()
+    return found.isa if found is not None else supported_variants()[0]
 
 
 def kernel() -> tuple[Kernel | None, str | None]:
     """(the kernel, None), or (None, why it is unavailable). Built once per machine and variant
-    (`chosen_variant`), then cached."""
+    (the forced one, else the best this CPU runs that loads), then cached."""
     if "kernel" not in _state:
+        forced = os.environ.get(ISA_ENV, "").strip().lower()
         if os.environ.get("VERISPEC_NO_BLOCK_KERNEL"):
             _state["kernel"] = (None, "disabled by VERISPEC_NO_BLOCK_KERNEL")
-        elif _compiler() is None:
+        elif build.compiler() is None:
             _state["kernel"] = (None, "no C compiler (cc) found")
+        elif forced:
+            found, why = load_variant(forced)
+            _state["kernel"] = (found, None if why is None else f"{ISA_ENV}={forced}: {why}")
         else:
-            variant = chosen_variant()
-            found, why = load_variant(variant)
-            if why is not None and os.environ.get(ISA_ENV):
-                why = f"{ISA_ENV}={variant}: {why}"
+            skipped = {}
+            for variant in supported_variants():
+                found, why = load_variant(variant)
+                if found is not None:
+                    break
+                skipped[variant] = why
             _state["kernel"] = (found, why)
+            _state["skipped"] = skipped
     return _state["kernel"]
 
 
 def kernel_isa() -> str | None:
-    """The instruction-set variant the block kernel runs ("avx512vnni", "avxvnni", "avx2" or
-    "portable"), or None where it does not run (see `kernel()` for why)."""
+    """The instruction-set variant the block kernel runs ("amx", "avx512vnni", "avxvnni", "avx2" or
+    "portable", or a forced test build), or None where it does not run (see `kernel()` for why)."""
     found, _ = kernel()
     return None if found is None else found.isa
+
+
+def kernel_path() -> str:
+    """Which kernel path runs, in words, e.g. "avx2 (AMX: no; VNNI: no)": the variant, whether wide
+    forwards use AMX tiles ("yes, tiles granted", "emulated", "no", or "not used: why" where the CPU
+    has them but the kernel did not grant the tile data or the build failed) and whether products
+    use VNNI."""
+    found, why = kernel()
+    if found is None:
+        return f"none ({why})"
+    isa = found.isa
+    if isa == "amx":
+        amx = "yes, tiles granted"
+    elif isa == "amx-emulated":
+        amx = "emulated"
+    elif "amx" in _state.get("skipped", {}):
+        amx = f"not used: {_state['skipped']['amx']}"
+    else:
+        amx = "no"
+    vnni = "yes" if isa in ("amx", "avx512vnni", "avxvnni") else "emulated" if isa == "vnni-emulated" else "no"
+    return f"{isa} (AMX: {amx}; VNNI: {vnni})"

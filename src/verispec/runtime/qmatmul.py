@@ -18,6 +18,10 @@ thread count or on the instruction set; for Q8_0 and Q5_0 it equals bit for bit 
 form (`blockmm`, numerics "int8") computes. ggml's own kernels sum in another float order and
 split sums across threads, so they could not give these bits.
 
+Wide forwards (M >= `QKernel.tile_rows`, 16) take the AMX tile path in AMX builds (the "amx"
+variant where the CPU and the kernel allow it, the "amx-emulated" test build anywhere): the same
+bits by another route (kernels/qmatmul_amx.c).
+
 Decoder layers that feed one input to several matrices (q, k, v; gate, up) quantize it once
 (`QKernel.quantize` -> `Activations`) and call `QKernel.matmul(activations, w, out=...)` per matrix,
 `out` possibly a column range of one [M, q + k + v] buffer (any row stride). `QKernel.functions`
@@ -192,6 +196,11 @@ class QKernel:
             function.restype, function.argtypes = restype, argtypes
             self.functions[name] = function
         self.compiled_isa = self.functions["qmm_isa"]().decode()
+        # the M from which quantized products take the AMX tile path (real or emulated), 0 without it
+        self.tile_rows = 0
+        if hasattr(library, "qmm_tile_rows"):
+            library.qmm_tile_rows.restype = ctypes.c_int
+            self.tile_rows = library.qmm_tile_rows()
 
     @staticmethod
     def _threads(threads: int | None) -> int:

@@ -13,19 +13,17 @@
  *
  * x [M, K] float32, codes [N, K] int8, scales and offsets [N, K / B] float32 (offsets may be
  * NULL), y [M, N] float32. B divides K and is a multiple of 16. Rows n are split over `threads`
- * OpenMP threads. The vector code needs AVX2 and FMA (compiled in only where the build enables
- * both, blockmm.py); otherwise a portable loop computes the rows_few arithmetic in scalar C. */
+ * OpenMP threads. The vector code needs AVX2 and FMA (compiled in where isa.h sets VS_AVX2: AVX2,
+ * FMA and F16C, as every SIMD variant of runtime/build.py enables them); otherwise a portable loop
+ * computes the rows_few arithmetic in scalar C. */
 #include <stdint.h>
 #include <stdlib.h>
 #include "kernels.h"
-#if defined(__AVX2__) && defined(__FMA__)
-#define BLOCKMM_SIMD 1
-#include <immintrin.h>
-#endif
+#include "isa.h"
 
 #define ROWS_PER_TASK 64
 
-#ifdef BLOCKMM_SIMD
+#ifdef VS_AVX2
 static inline __m256 widen8(const int8_t *p) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
 }
@@ -211,19 +209,7 @@ static void rows(const float *x, const float *xsum, int64_t M, int64_t K, const 
 #endif
 
 /* Which instruction-set variant this library was compiled as (blockmm.py checks it). */
-const char *blockmm_isa(void) {
-#if defined(BLOCKMM_EMULATE_VNNI)
-    return "vnni-emulated";
-#elif defined(__AVX512VNNI__) && defined(__AVX512VL__)
-    return "avx512vnni";
-#elif defined(__AVXVNNI__)
-    return "avxvnni";
-#elif defined(BLOCKMM_SIMD)
-    return "avx2";
-#else
-    return "portable";
-#endif
-}
+const char *blockmm_isa(void) { return VS_ISA_NAME; }
 
 /* Returns 0 on success, -1 for unsupported shapes. */
 int blockmm(const float *x, int64_t M, int64_t K, const int8_t *codes, const float *scales,

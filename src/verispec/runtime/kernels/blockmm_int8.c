@@ -48,7 +48,8 @@
  * vpmaddubsw, one vpmaddwd and one add on signed codes, one vpmaddubsw and one vpaddw on unsigned
  * ones (one vpdpbusd with VNNI, for both forms); the float work is once per block. The AVX-512
  * VNNI build runs two whole groups as one 16-lane tile (`tile_wide`, one 512-bit vpdpbusd per row
- * and step). BLOCKMM_EMULATE_VNNI builds the VNNI paths for AVX2 (a test build, see blockmm.py).
+ * and step). BLOCKMM_EMULATE_VNNI builds the VNNI paths for AVX2 (a test build, see runtime/build.py; the
+ * instruction-set macros are isa.h's).
  *
  * x [M, K] float32, y [M, N] float32; B divides K and is a multiple of 4. */
 #include <math.h>
@@ -57,10 +58,7 @@
 #include <string.h>
 #include "kernels.h"
 #include "numerics.h"
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-#define INT8_SIMD 1
-#include <immintrin.h>
-#endif
+#include "isa.h"
 
 #define GROUP 8           /* outputs per packed group: one float32 lane each */
 #define GROUPS_PER_TASK 4 /* output groups per OpenMP task */
@@ -97,32 +95,12 @@ static void quantize_row(const float *x, int64_t K, int64_t B, int8_t *q, float 
     }
 }
 
-#ifdef INT8_SIMD
-#if defined(BLOCKMM_EMULATE_VNNI)
-/* A test build (blockmm.py's "vnni-emulated"): the VNNI code paths on an AVX2 CPU, with vpdpbusd
- * computed exactly from AVX2 instructions, so that a machine without VNNI tests their logic. */
-#define INT8_VNNI 1
-#define DPBUSD dpbusd_emulated
-static inline __m256i dpbusd_emulated(__m256i acc, __m256i u, __m256i s) {
-    const __m256i low = _mm256_set1_epi16(0x00FF);
-    const __m256i u_even = _mm256_and_si256(u, low), u_odd = _mm256_srli_epi16(u, 8);       /* zero-extended */
-    const __m256i s_even = _mm256_srai_epi16(_mm256_slli_epi16(s, 8), 8), s_odd = _mm256_srai_epi16(s, 8);
-    return _mm256_add_epi32(acc, _mm256_add_epi32(_mm256_madd_epi16(u_even, s_even), _mm256_madd_epi16(u_odd, s_odd)));
-}
-#elif defined(__AVX512VNNI__) && defined(__AVX512VL__)
-#define INT8_VNNI 1
-#define DPBUSD _mm256_dpbusd_epi32
-#elif defined(__AVXVNNI__)
-#define INT8_VNNI 1
-#define DPBUSD _mm256_dpbusd_avx_epi32
-#endif
-
-#if defined(BLOCKMM_EMULATE_VNNI) || (defined(__AVX512VNNI__) && defined(__AVX512VL__))
+#ifdef VS_AVX2
+#ifdef VS_VNNI_WIDE
 /* Two output groups (16 lanes) in one 512-bit vector: `tile_wide` below. In the emulated build a
  * "wide" vector is a pair of 256-bit ones and every operation is applied to both halves, so the
  * tile's logic (lane order, loads, corrections) is tested on AVX2; the AVX-512 build uses one zmm. */
-#define INT8_WIDE 1
-#ifdef BLOCKMM_EMULATE_VNNI
+#ifdef VS_VNNI_EMULATED
 typedef struct { __m256i lo, hi; } wide_i;
 typedef struct { __m256 lo, hi; } wide_f;
 static inline wide_i wide_load2(const int8_t *a, const int8_t *b) {
@@ -139,7 +117,7 @@ static inline wide_i wide_flip(wide_i w) {
     return (wide_i){_mm256_xor_si256(w.lo, flip), _mm256_xor_si256(w.hi, flip)};
 }
 static inline wide_i wide_dpbusd(wide_i acc, wide_i u, wide_i s) {
-    return (wide_i){DPBUSD(acc.lo, u.lo, s.lo), DPBUSD(acc.hi, u.hi, s.hi)};
+    return (wide_i){VS_DPBUSD(acc.lo, u.lo, s.lo), VS_DPBUSD(acc.hi, u.hi, s.hi)};
 }
 static inline wide_i wide_sub(wide_i a, wide_i b) { return (wide_i){_mm256_sub_epi32(a.lo, b.lo), _mm256_sub_epi32(a.hi, b.hi)}; }
 static inline wide_f wide_cvt(wide_i a) { return (wide_f){_mm256_cvtepi32_ps(a.lo), _mm256_cvtepi32_ps(a.hi)}; }
@@ -218,7 +196,7 @@ static inline __attribute__((always_inline)) void tile(
         for (int r = 0; r < R; r++)
             for (int g = 0; g < G; g++) sums[r][g] = _mm256_setzero_si256();
         if (!S) {
-#ifdef INT8_VNNI
+#ifdef VS_VNNI
             const __m256i flip = _mm256_set1_epi8((char)0x80);
             for (int64_t s = first; s < end; s++) { /* u = code + 128 (a flipped top bit); xt removes 128 * sum(xq) */
                 __m256i w[2];
@@ -226,7 +204,7 @@ static inline __attribute__((always_inline)) void tile(
                 for (int g = 0; g < G; g++) w[g] = _mm256_xor_si256(w[g], flip);
                 for (int r = 0; r < R; r++) {
                     const __m256i xb = row_step(xq, K, r, s);
-                    for (int g = 0; g < G; g++) sums[r][g] = DPBUSD(sums[r][g], w[g], xb);
+                    for (int g = 0; g < G; g++) sums[r][g] = VS_DPBUSD(sums[r][g], w[g], xb);
                 }
             }
 #else
@@ -244,12 +222,12 @@ static inline __attribute__((always_inline)) void tile(
 #endif
         } else {
             __m256i w[2];
-#ifdef INT8_VNNI
+#ifdef VS_VNNI
             for (int64_t s = first; s < end; s++) {
                 load_step(w, w0, w1, G, s);
                 for (int r = 0; r < R; r++) {
                     const __m256i xb = row_step(xq, K, r, s);
-                    for (int g = 0; g < G; g++) sums[r][g] = DPBUSD(sums[r][g], w[g], xb);
+                    for (int g = 0; g < G; g++) sums[r][g] = VS_DPBUSD(sums[r][g], w[g], xb);
                 }
             }
 #else
@@ -303,7 +281,7 @@ static inline __attribute__((always_inline)) void tile(
         }
 }
 
-#ifdef INT8_WIDE
+#ifdef VS_VNNI_WIDE
 /* `tile` for two whole output groups at once on VNNI builds (both code forms: flip = 1 for signed
  * codes, summed as code + 128), lanes 0-7 group g0 and 8-15 group g0 + 1: per row and step one
  * 64-multiply-add vpdpbusd; the same per-lane operations as `tile`, so the same bits. */
@@ -406,7 +384,7 @@ static __attribute__((noinline)) void tiles_unsigned(const int8_t *xq, const flo
 static void tile_any(const int8_t *xq, const float *xs, const float *xo, const int32_t *xt, int64_t rows,
                      int64_t groups, int64_t K, int64_t B, const int8_t *codes, Scales scales,
                      const float *offsets, int steps16, int64_t N, float *y, int64_t g0) {
-#ifdef INT8_WIDE
+#ifdef VS_VNNI_WIDE
     if (groups == 2) {
         tiles_wide(xq, xs, xo, xt, rows, !steps16, K, B, codes, scales, offsets, N, y, g0);
         return;
@@ -466,7 +444,7 @@ int blockmm_int8(const float *x, int64_t M, int64_t K, const int8_t *codes, cons
     const int steps16 = code_bias < 0 ? 0 : code_span <= 32 ? 4 : code_span <= 64 ? 2 : 1; /* 0: signed codes */
     int8_t *xq = malloc((size_t)(M * K));
     float *xs = malloc(sizeof(float) * (size_t)(M * 2 * nb));
-#ifdef INT8_VNNI
+#ifdef VS_VNNI
     const int xt_bias = code_bias >= 0 ? code_bias : 128; /* signed codes are summed as code + 128 (see tile) */
 #else
     const int xt_bias = code_bias;

@@ -30,10 +30,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include "kernels.h"
-#if defined(__AVX2__) && defined(__FMA__)
-#define LAYER_SIMD 1
-#include <immintrin.h>
-#endif
+#include "isa.h"
 
 enum { QKV = 0, O = 1, GATE_UP = 2, DOWN = 3 };
 enum { ACT_GELU_TANH = 0, ACT_SILU = 1 };
@@ -181,7 +178,7 @@ static void rms_norm(const Norm *norm, const float *x, float *out, int64_t rows,
 static float dot(const float *a, const float *b, int64_t size) {
     int64_t i = 0;
     float total = 0.0f;
-#ifdef LAYER_SIMD
+#ifdef VS_AVX2
     __m256 s0 = _mm256_setzero_ps(), s1 = s0;
     for (; i + 16 <= size; i += 16) {
         s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
@@ -211,7 +208,7 @@ static float dot(const float *a, const float *b, int64_t size) {
 static void scores_of(const float *q, int64_t heads, const float *keys, int64_t count, int64_t d, float *s,
                       int64_t stride) {
     int64_t j = 0;
-#ifdef LAYER_SIMD
+#ifdef VS_AVX2
     if (d % 8 == 0) {
         for (; j + 8 <= count; j += 8) {
             const float *k = keys + j * d;
@@ -268,7 +265,7 @@ static void weighted_sum(const float *p, int64_t p_stride, int64_t heads, const 
         float *og[4];
         for (int64_t h = 0; h < hs; h++) pg[h] = p + (g0 + h) * p_stride, og[h] = out + (g0 + h) * out_stride;
         int64_t c = 0;
-#ifdef LAYER_SIMD
+#ifdef VS_AVX2
         for (; c < fused; c += 16) {
             __m256 a[4][2];
             for (int h = 0; h < 4; h++) a[h][0] = a[h][1] = _mm256_setzero_ps();
@@ -322,7 +319,7 @@ static void rotate(float *v, const float *cos_row, const float *sin_row, int64_t
     }
 }
 
-#ifdef LAYER_SIMD
+#ifdef VS_AVX2
 /* e^x for 8 floats: Cephes' expf (range reduction by ln 2 in two parts, degree-6 polynomial,
  * scaling by 2^n through the exponent bits); relative error about 1e-7, like expf. */
 static inline __m256 exp8(__m256 x) {
@@ -367,7 +364,7 @@ static inline float exp1(float x) {
  * function: 1 + tanh(c) = 2 / (1 + e^(-2c)), written without the cancellation near tanh = -1). */
 static void activation_product(int act, const float *g, const float *u, float *p, int64_t size) {
     int64_t i = 0;
-#ifdef LAYER_SIMD
+#ifdef VS_AVX2
     const __m256 one = _mm256_set1_ps(1.0f), c0 = _mm256_set1_ps(2.0f * 0.7978845608028654f);
     const __m256 c1 = _mm256_set1_ps(0.044715f), minus = _mm256_set1_ps(-0.0f);
     for (; i + 8 <= size; i += 8) {
@@ -397,7 +394,7 @@ static void activation_product(int act, const float *g, const float *u, float *p
 static double exp_shifted(float *row, int64_t size, float best) {
     int64_t j = 0;
     double total = 0.0;
-#ifdef LAYER_SIMD
+#ifdef VS_AVX2
     const __m256 shift = _mm256_set1_ps(best);
     float lanes[8];
     for (; j + 8 <= size; j += 8) {

@@ -7,10 +7,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-#include <immintrin.h>
-#define QUANTIZE_SIMD 1
-#endif
+#include "isa.h"
 
 /* float16 -> float32, exact (every float16 is a float32). */
 static inline float half_to_float(uint16_t h) {
@@ -30,7 +27,7 @@ static inline float half_to_float(uint16_t h) {
 static inline float abs_max(const float *x, int64_t n) {
     float amax = 0.0f;
     int64_t i = 0;
-#ifdef QUANTIZE_SIMD
+#ifdef VS_AVX2
     const __m256 sign = _mm256_set1_ps(-0.0f);
     __m256 m8 = _mm256_setzero_ps();
     for (; i + 8 <= n; i += 8) m8 = _mm256_max_ps(m8, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + i)));
@@ -53,7 +50,7 @@ static inline int32_t quantize_codes(const float *x, int64_t n, float scale, int
         memset(q, 0, (size_t)n);
         return 0;
     }
-#ifdef QUANTIZE_SIMD
+#ifdef VS_AVX2
     const int64_t vectors = n - n % 8; /* inputs the AVX2 loop takes */
     const __m256 s = _mm256_set1_ps(scale), low = _mm256_set1_ps(-127.0f), high = _mm256_set1_ps(127.0f);
     for (int64_t i = 0; i < vectors; i += 8) {
