@@ -27,7 +27,7 @@ def train_exit(
     batch: int = typer.Option(4, help="Sequences per step."),
     sequence_length: int = typer.Option(256, "--sequence-length", help="Tokens per training sequence."),
     learning_rate: float = typer.Option(3e-4, "--learning-rate", help="Peak learning rate (AdamW, warm-up then cosine)."),
-    max_minutes: float = typer.Option(40.0, "--max-minutes", help="Stop training (and save) after this much wall time."),
+    max_minutes: float = typer.Option(40.0, "--max-minutes", help="Stop training (and save) after this many minutes of training (the corpus and its labels not counted)."),
     checkpoint_every: int = typer.Option(50, "--checkpoint-every", help="Steps between checkpoints."),
     out_dir: Optional[str] = typer.Option(None, "--out", help="Directory for the head, checkpoints and labels (default: the cache, where eesd finds it for this model with no --exit-head)."),
     resume: bool = typer.Option(False, "--resume", help="Continue from the checkpoint in --out."),

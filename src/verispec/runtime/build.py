@@ -13,7 +13,7 @@ entry points, used by `blockmm`, `qmatmul`, the C decoder layer's loader and the
 - `compile_library(variant)`: the shared library of a variant, compiled once per variant, compiler
   and source text into the cache, then reused;
 - `compile_sources(folder, variant, output)`: a folder's copy of the sources compiled as a variant
-  (scripts/kernel_ab.py, scripts/qmatmul_ab.py);
+  (scripts/kernel_ab.py);
 - `cpu_flags()` (`probe_flags()` where /proc/cpuinfo is missing) and `supported_variants()`: what
   this CPU runs.
 

@@ -307,7 +307,7 @@ def train_exit_head(target, corpus_path: Path, out_dir: Path, config: TrainConfi
     rows = head.output_rows().float()  # [V_d, d]
     bar = progress_factory(config.steps, "train", initial=step) if progress_factory else None
     losses: list[float] = []
-    deadline = started + 60 * config.max_minutes
+    deadline = time.perf_counter() + 60 * config.max_minutes  # the training loop's own time, labelling not counted
     stopped = "steps"
 
     def save_checkpoint() -> None:
