@@ -123,3 +123,15 @@ def test_a_stopped_corpus_resumes_with_the_samples_it_had_and_ends_as_a_whole_ru
     assert stopped.read_text() == whole
     assert calls == [1, 1, 1, 1]  # the kept sample, then the three written
     assert len(made) == 1 + 2 * 3  # "abc" sample 1, and both articles with their summaries and answers
+
+
+def test_resume_refuses_a_corpus_it_did_not_write_rather_than_overwrite_it(tmp_path):
+    """A corpus file without the record/sample/part of each line (another version's, or the
+    user's) is refused, not truncated to the samples it could recognise (none)."""
+    target = helpers.make_target("gemma3", seed=3, tokenizer=helpers.char_tokenizer())
+    out = tmp_path / "corpus.jsonl"
+    text = '{"prompt": "p", "text": "p and more"}\n' * 3
+    out.write_text(text)
+    with pytest.raises(ConfigError, match="not written by this version"):
+        generate_corpus(target, [PromptRecord(prompt="abc")], 8, out, resume=True)
+    assert out.read_text() == text

@@ -136,13 +136,18 @@ def _finished_samples(out: Path, parts: dict[tuple[int, int], int]) -> dict[tupl
     if not out.is_file():
         return {}
     found: dict[tuple[int, int], list[dict]] = {}
-    for line in out.read_text().splitlines():
+    lines = out.read_text().splitlines()
+    for number, line in enumerate(lines, start=1):
         try:
             document = json.loads(line)
-            key = (document.pop("record"), document.pop("sample"))
-        except (ValueError, KeyError, TypeError, AttributeError):
-            continue  # a line cut short by the stop, or not one of ours
-        found.setdefault(key, []).append(document)
+        except ValueError:
+            if number == len(lines):
+                continue  # the last line, cut short by the stop
+            raise ConfigError(f"{out}:{number} is not a corpus line; delete {out} to write the corpus anew") from None
+        if not isinstance(document, dict) or not {"record", "sample", "part"} <= set(document):
+            raise ConfigError(f"{out} was not written by this version's corpus generation (line {number} has no "
+                              f"record, sample and part); delete it to write the corpus anew") from None
+        found.setdefault((document.pop("record"), document.pop("sample")), []).append(document)
     return {key: sorted(group, key=lambda d: d["part"]) for key, group in found.items()
             if parts.get(key) == len(group)}
 
