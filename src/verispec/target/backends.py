@@ -46,6 +46,10 @@ from .lazy_logits import LazyRows
 from ..runtime.kv_pool import PagedKV
 from ..runtime.rows import Rows
 
+# Numerics whose C layers are batch-invariant at every width (`DecoderBackend.reuses_drafted`)
+BATCH_INVARIANT_NUMERICS = ("int8", "gguf")
+
+
 @dataclass
 class SequenceState:
     """One sequence on a backend: its KV cache, the exit-layer capture, the last tree's placement."""
@@ -54,6 +58,9 @@ class SequenceState:
     capture_layer: int = 0  # keep the residual stream after this many layers (0: none)
     captures: list = field(default_factory=list)  # [(first position, states [n, hidden])], by position
     tree: tuple[int, list[int], list[int]] | None = None  # the last forward_tree's (start, slots, ids)
+    # An early-exit draft's rows of layers 0..capture_layer-1, already in the cache: (their first
+    # position, their tokens, the residual stream after those layers [m, hidden]); see `offer_drafted`
+    drafted: tuple[int, list[int], torch.Tensor] | None = None
 
     def keep_capture(self, start: int, states: torch.Tensor | None) -> None:
         """The residual stream of positions start.. (captured by a forward): rows captured at or
@@ -68,6 +75,29 @@ class SequenceState:
             if position + kept.shape[0] > start:
                 self.captures[-1] = (position, kept[: start - position])
         self.captures.append((start, states))
+
+    def offer_drafted(self, start: int, tokens: Sequence[int], states: torch.Tensor) -> None:
+        """A drafter ran layers 0..capture_layer-1 for `tokens` at positions start.. in this
+        sequence's cache (past its length), leaving their residual stream `states` [m, hidden]:
+        the next forward from `start` may take them instead of recomputing (`take_drafted`)."""
+        assert states.shape[0] == len(tokens), "one state per drafted token"
+        self.drafted = (start, list(tokens), states) if len(tokens) else None
+
+    def take_drafted(self, start: int, ids: Sequence[int]) -> torch.Tensor | None:
+        """The offered states of the longest prefix of `ids` (a forward from position `start`)
+        whose tokens are the drafted ones at the same positions: [j, hidden], or None. What is
+        left of the offer stays for the forward that continues it (a verify run in two parts)
+        only if every row of this one matched; any other forward, and any crop, ends the offer."""
+        offer, self.drafted = self.drafted, None
+        if offer is None or offer[0] != start:
+            return None
+        _, tokens, states = offer
+        j = 0
+        while j < min(len(ids), len(tokens)) and ids[j] == tokens[j]:
+            j += 1
+        if j == len(ids) and j < len(tokens):
+            self.drafted = (start + j, tokens[j:], states[j:])
+        return states[:j] if j else None
 
     def exit_states(self, low: int, high: int, hidden: int, device) -> torch.Tensor:
         """The captured residual stream of positions [low, high): [high - low, hidden]; forgets
@@ -226,7 +256,19 @@ class DecoderBackend(Backend):
         return state.cache.length
 
     def crop(self, state: SequenceState, length: int) -> None:
+        state.drafted = None
         state.cache.crop(length)
+
+    def reuses_drafted(self) -> bool:
+        """Whether a forward may take a draft's rows of the first layers as they are
+        (`SequenceState.take_drafted`): every layer runs in C in numerics where a row's result
+        does not depend on the rows sharing its call, at any width (batch invariance: int8
+        activations, or a GGUF file's blocks), so the drafter's rows and the keys they wrote are
+        the bits this forward would compute. (The fp32 block path is not: its C layers' sums
+        depend on the width, by about 1e-5.)"""
+        decoder = self.decoder
+        return (decoder.use_native and decoder.native_layers == len(decoder.layers)
+                and decoder.numerics in BATCH_INVARIANT_NUMERICS)
 
     def _before_write(self, state: SequenceState) -> None:
         """A forward is about to write past the cache's length."""
@@ -241,8 +283,15 @@ class DecoderBackend(Backend):
         self._before_write(state)
         x = decoder.embed(ids[0])  # [n, hidden]
         if state.capture_layer:
-            rope: dict = {}  # rotary tables, computed once for both halves
-            x = decoder.run(x, start, cache, range(state.capture_layer), rope=rope)
+            first = range(state.capture_layer)
+            drafted = state.take_drafted(start, ids[0].tolist()) if self.reuses_drafted() else None
+            if drafted is None:
+                rope: dict = {}  # rotary tables, computed once for both halves
+                x = decoder.run(x, start, cache, first, rope=rope)
+            else:  # the draft's rows of the first layers (and their keys) are already there: the rest only
+                j = drafted.shape[0]
+                rope = {}
+                x = torch.cat([drafted, decoder.run(x[j:], start + j, cache, first)]) if j < n else drafted
             state.keep_capture(start, x)
             x = decoder.run(x, start, cache, range(state.capture_layer, len(decoder.layers)), rope=rope)
         else:
@@ -290,6 +339,7 @@ class DecoderBackend(Backend):
         """The tree placed by `Tree.of_parents` (the primary branch at its positions, the other
         rows in scratch slots); where every layer is in C and `lazy`, staged as a linear verify is."""
         assert not state.capture_layer, "tree verification does not capture exit states"
+        state.drafted = None
         target, decoder, cache = self.target, self.decoder, state.cache
         start = cache.length
         self._before_write(state)
@@ -404,6 +454,7 @@ class PagedBackend(DecoderBackend):
         """Place `part`'s rows after its sequence's cache, blocks reserved (may raise
         `kv_pool.PoolExhausted` before anything is written), and describe them for the C layers."""
         state = part.sequence.state
+        state.drafted = None  # a batched forward runs every layer for its rows
         cache = state.cache
         start, n = cache.length, len(part.tokens)
         if part.prefix_cache:

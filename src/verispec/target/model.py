@@ -253,6 +253,9 @@ class Target:
     def capture_exit(self, layer: int) -> None:
         self._sequence.capture_exit(layer)
 
+    def offer_drafted(self, start: int, tokens: Sequence[int], states: torch.Tensor) -> None:
+        self._sequence.offer_drafted(start, tokens, states)
+
     def new_sequence(self) -> "TargetSequence":
         """A sequence of its own on this target (for one of several requests at once)."""
         return TargetSequence(self)

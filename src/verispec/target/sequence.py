@@ -115,6 +115,13 @@ class TargetSequence:
         what lies before `low` (an early-exit drafter consumes positions in order)."""
         return self.state.exit_states(low, high, self.target.config.hidden_size, self.target.device)
 
+    def offer_drafted(self, start: int, tokens: Sequence[int], states: torch.Tensor) -> None:
+        """An early-exit drafter ran the first `capture_exit` layers for `tokens` at positions
+        start.. of this cache, with residual stream `states` [m, hidden]: the verify that follows
+        takes those rows instead of recomputing them where the layers are batch-invariant
+        (`backends.SequenceState.offer_drafted`)."""
+        self.state.offer_drafted(start, tokens, states)
+
     def capture_exit(self, layer: int) -> None:
         """Keep the residual stream after `layer` layers of every forward (for early-exit
         drafters). Cleared by `reset()`."""

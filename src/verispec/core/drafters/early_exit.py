@@ -277,6 +277,9 @@ class ExitHeadLM:
         self._index = prepared.head.init_layer
         self._rotary_kind = prepared.head.rotary_args
         self._scratch: int | None = None  # draft rows in the target's layers 0..N-1 from this position on
+        # This draft's rows of the target's layers 0..N-1 at consecutive positions (fast path):
+        # (first position, tokens, residual streams [1, d] each), offered to the verify at `end_draft`
+        self._drafted: tuple[int, list[int], list[torch.Tensor]] | None = None
 
     def begin(self, prompt: Sequence[int]) -> None:
         self.target.capture_exit(self.exit_layer)
@@ -331,7 +334,9 @@ class ExitHeadLM:
         # The last token is not in the target's cache yet: run layers 0..N-1 for it, writing
         # scratch entries that the next verification overwrites (fast path) or that `end_draft`
         # crops (PyTorch path).
-        rows.append(self._first_layers(token, Tree.contiguous(last, 1, self.device)))
+        residual = self._first_layers(token, Tree.contiguous(last, 1, self.device))  # [1, d]
+        rows.append(residual)
+        self._drafted = (last, [int(context[-1])], [residual]) if self.decoder is not None else None
         # Only the last row's logits are used: projecting the catch-up rows too cost a
         # 32k-row projection per committed token (a whole prompt's on the first draft).
         logits = self._head(torch.cat(rows), self._head_length, last_only=True)  # [1, V_d]
@@ -341,8 +346,22 @@ class ExitHeadLM:
     @torch.inference_mode()
     def extend(self, tokens: torch.Tensor, tree: Tree) -> torch.Tensor:
         """Draft tokens through layers 0..N-1 (scratch entries in the target's cache) and the head."""
-        residual = self._first_layers(tokens, tree)
+        residual = self._first_layers(tokens, tree)  # [m, d]
+        self._note_drafted(tokens, tree, residual)
         return self._head(residual, int(tree.positions[0]), tree if tree.slots is not None else None)
+
+    def _note_drafted(self, tokens: torch.Tensor, tree: Tree, residual: torch.Tensor) -> None:
+        """Keep a draft's rows for the verify while they continue the chain from `sync` at
+        consecutive positions (a linear draft); a branching one (beams in scratch slots) ends it."""
+        drafted = self._drafted
+        if drafted is None:
+            return
+        first, ids, states = drafted
+        if tree.slots is not None or int(tree.positions[0]) != first + len(ids):
+            self._drafted = None
+            return
+        ids += tokens.tolist()
+        states.append(residual)
 
     def keep(self, m: int) -> None:
         self._head_length += m
@@ -352,8 +371,14 @@ class ExitHeadLM:
             self._cache.length = self._head_length
 
     def end_draft(self) -> None:
-        """The draft is done: on the PyTorch path, its rows leave the target's layers 0..N-1
-        before the verification forward appends to every layer (the fast path's are overwritten)."""
+        """The draft is done: on the fast path its rows of layers 0..N-1 are offered to the
+        verification forward, which takes those whose tokens it verifies where the layers are
+        batch-invariant and overwrites the others; on the PyTorch path they leave the target's
+        layers 0..N-1 before the verification forward appends to every layer."""
+        if self._drafted is not None:
+            first, ids, states = self._drafted
+            self.target.offer_drafted(first, ids, torch.cat(states))
+            self._drafted = None
         if self._scratch is not None:
             torch_path.crop_layers(self.target.cache, range(self.exit_layer), self._scratch)
             self._scratch = None
