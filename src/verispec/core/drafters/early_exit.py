@@ -30,9 +30,18 @@ path keeps it, the PyTorch path reads it with a forward hook on layer N), so com
 cache entries are never rewritten. When the controller decides not to draft, nothing is
 computed: the next draft catches up on the skipped positions from the states the target's
 forwards captured meanwhile.
-Verification runs the full model on every verified token (it does not reuse the draft's layer-N
-states): the savings would be at most N/L of the body's cost on the drafted tokens, and reusing
-them would make the target's numerics depend on how the draft was computed.
+The verify reuses the draft's rows where that gives the same bits: drafting ran layers 0..N-1
+for the last committed token and every fed draft token at their own positions in the target's
+cache, so at `end_draft` the drafter offers their residual streams (`TargetSequence.offer_drafted`),
+and a verify whose layers are batch-invariant at every width (C layers in int8 or a GGUF file's
+numerics: `backends.DecoderBackend.reuses_drafted`) takes the rows whose tokens match and runs
+layers 0..N-1 only for the rest (the last draft token, and anything after a differing token),
+then layers N..L-1 for all. A row's result does not depend on the rows sharing its call there, so
+the logits, the keys and the captured exit states are those of a verify that recomputes
+(tests/test_draft_reuse.py). What it saves is arithmetic, not weight reads: the first layers
+still run once per verify (for the row the draft did not feed), so it pays where extra rows cost
+(a wide verify on few cores), by about k rows x N/L of a row's cost. Elsewhere (the fp32 block
+path, the PyTorch path, the batch's shared forwards) the verify recomputes every row.
 """
 
 from __future__ import annotations
