@@ -30,7 +30,7 @@ import pickle
 import random
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Callable
 
@@ -41,6 +41,7 @@ from ..target import torch_path
 from ..core.drafters.early_exit import ExitHead, save_head
 from ..errors import ConfigError
 from .corpus import read_corpus, token_sequences
+from .exit_layer import candidates, choose
 
 CHECKPOINT = "checkpoint.pt"
 LABELS = "labels.pt"
@@ -48,9 +49,14 @@ CHECKPOINT_KEYS = ("head", "optimizer", "step", "vocab", "config", "before")
 SHARED_MLP = ("layer.mlp.",)  # a head that trains its attention and norms, its MLP the target's
 
 
+AUTO = "auto"  # TrainConfig.exit_layer: chosen among `exit_layer.candidates` by short probe heads
+CHOICE = "exit_layer.json"  # the probes' measurements and the chosen layer, next to the checkpoint
+PROBE_EVAL_TOKENS = 1024  # held-out positions a probe head is scored on
+
+
 @dataclass(frozen=True)
 class TrainConfig:
-    exit_layer: int = 4
+    exit_layer: int | str = 4  # N, or AUTO
     init_layer: int | None = None  # target layer the head starts from (None: layer N)
     train_mlp: bool = False  # False: the head's MLP stays the target's own (not trained, not saved)
     draft_vocab: int = 32768
@@ -64,9 +70,13 @@ class TrainConfig:
     max_minutes: float = 40.0  # training stops (and saves) when this wall time is used up
     eval_tokens: int = 4096  # held-out positions scored against the full vocabulary
     seed: int = 0
+    probe_steps: int = 60  # with exit_layer AUTO: training steps of each candidate layer's probe head
 
     def __post_init__(self) -> None:
-        for name in ("exit_layer", "draft_vocab", "sequence_length", "batch", "steps", "checkpoint_every"):
+        if self.exit_layer != AUTO and (isinstance(self.exit_layer, bool) or not isinstance(self.exit_layer, int)
+                                        or self.exit_layer < 1):
+            raise ConfigError(f"exit-layer must be '{AUTO}' or an integer >= 1, got {self.exit_layer!r}")
+        for name in ("draft_vocab", "sequence_length", "batch", "steps", "checkpoint_every", "probe_steps"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ConfigError(f"{name.replace('_', '-')} must be an integer >= 1, got {getattr(self, name)!r}")
         if self.init_layer is not None and (not isinstance(self.init_layer, int) or self.init_layer < 0):
@@ -130,45 +140,67 @@ def _load_labels(path: Path, sequences: list[list[int]]) -> Labels:
 def label(target, sequences: list[list[int]], exit_layer: int, progress: Callable[[int], None] | None = None) -> Labels:
     """Run the frozen target over each sequence, keeping layer-N and final states (bfloat16, on
     the host): on the fast path where the target has one, else through its PyTorch forward."""
+    exits, finals = label_layers(target, sequences, [exit_layer], progress)
+    return Labels(exits[exit_layer], finals, sequences)
+
+
+@torch.inference_mode()
+def label_layers(target, sequences: list[list[int]], exit_layers, progress: Callable[[int], None] | None = None
+                 ) -> tuple[dict[int, list[torch.Tensor]], list[torch.Tensor]]:
+    """`label` for several exit layers in one pass over the corpus: ({N: per sequence [T, hidden]
+    the residual stream after N layers}, per sequence [T, hidden] the final-normed states)."""
+    exit_layers = sorted(set(exit_layers))
+    layers = len(target.decoder.layers) if target.fast else len(torch_path.parts(target.model, "training an exit head").layers)
+    if not all(1 <= n <= layers for n in exit_layers):
+        raise ConfigError(f"exit layer must be in 1..{layers}, got {', '.join(map(str, exit_layers))}")
     if not target.fast:
-        return _label_on_device(target, sequences, exit_layer, progress)
+        return _label_on_device(target, sequences, exit_layers, progress)
     fast = target.decoder
-    if not 1 <= exit_layer <= len(fast.layers):
-        raise ConfigError(f"exit layer must be in 1..{len(fast.layers)}, got {exit_layer}")
-    exits, finals = [], []
+    exits: dict[int, list[torch.Tensor]] = {n: [] for n in exit_layers}
+    finals = []
     for ids in sequences:
         cache = fast.new_cache(len(ids))
         x = fast.embed(torch.tensor(ids, device=target.device))
-        x = fast.run(x, 0, cache, range(exit_layer))
-        exits.append(x.to(torch.bfloat16))
-        x = fast.run(x, 0, cache, range(exit_layer, len(fast.layers)))
+        done = 0
+        for n in exit_layers:  # the layers in pieces, each ending at an exit layer
+            x = fast.run(x, 0, cache, range(done, n))
+            exits[n].append(x.to(torch.bfloat16))
+            done = n
+        x = fast.run(x, 0, cache, range(done, len(fast.layers)))
         finals.append(fast.norm(x).to(torch.bfloat16))
         if progress is not None:
             progress(1)
-    return Labels(exits, finals, sequences)
+    return exits, finals
 
 
-def _label_on_device(target, sequences: list[list[int]], exit_layer: int, progress) -> Labels:
-    """`label` through the model's own decoder (the PyTorch path, any device): layer N's output
-    is read with a forward hook, the final states are the decoder's normed output."""
+def _label_on_device(target, sequences: list[list[int]], exit_layers: list[int], progress
+                     ) -> tuple[dict[int, list[torch.Tensor]], list[torch.Tensor]]:
+    """`label_layers` through the model's own decoder (the PyTorch path, any device): the exit
+    layers' outputs are read with forward hooks, the final states are the decoder's normed output."""
     parts = torch_path.parts(target.model, "training an exit head")
-    if not 1 <= exit_layer <= len(parts.layers):
-        raise ConfigError(f"exit layer must be in 1..{len(parts.layers)}, got {exit_layer}")
-    captured: list[torch.Tensor] = []
-    hook = parts.layers[exit_layer - 1].register_forward_hook(
-        lambda module, args, output: captured.append(output[0] if isinstance(output, tuple) else output))
-    exits, finals = [], []
+    captured: dict[int, torch.Tensor] = {}
+
+    def hook(n):
+        def keep(module, args, output):
+            captured[n] = output[0] if isinstance(output, tuple) else output
+        return keep
+
+    hooks = [parts.layers[n - 1].register_forward_hook(hook(n)) for n in exit_layers]
+    exits: dict[int, list[torch.Tensor]] = {n: [] for n in exit_layers}
+    finals = []
     try:
         for ids in sequences:
             captured.clear()
             final = parts.body(input_ids=torch.tensor([ids], device=target.device), use_cache=False).last_hidden_state[0]
-            exits.append(captured[0][0].to(torch.bfloat16).cpu())  # [T, d]
+            for n in exit_layers:
+                exits[n].append(captured[n][0].to(torch.bfloat16).cpu())  # [T, d]
             finals.append(final.to(torch.bfloat16).cpu())  # [T, d]
             if progress is not None:
                 progress(1)
     finally:
-        hook.remove()
-    return Labels(exits, finals, sequences)
+        for handle in hooks:
+            handle.remove()
+    return exits, finals
 
 
 def draft_vocabulary(sequences: list[list[int]], size: int, always: set[int], vocab_size: int) -> list[int]:
@@ -232,7 +264,7 @@ def check_fits(target, config: TrainConfig) -> None:
     """A ConfigError where `config` asks for layers the target does not have: checked before
     anything long runs (generating a corpus, labelling it)."""
     layers = target.config.num_hidden_layers
-    if not 1 <= config.exit_layer <= layers:
+    if config.exit_layer != AUTO and not 1 <= config.exit_layer <= layers:
         raise ConfigError(f"exit layer must be in 1..{layers}, got {config.exit_layer}")
     if config.init_layer is not None and config.init_layer >= layers:
         raise ConfigError(f"init layer must be in 0..{layers - 1}, got {config.init_layer}")
@@ -248,6 +280,90 @@ def check_resumable(out_dir: Path, resume: bool) -> None:
         raise ConfigError(f"nothing to resume: {checkpoint_path} does not exist")
 
 
+def _vocabulary(target, sequences: list[list[int]], train_ids: list[int], config: TrainConfig) -> list[int]:
+    return draft_vocabulary([sequences[i] for i in train_ids], config.draft_vocab, set(target.eos_token_ids),
+                            target.vocab_size)
+
+
+def _new_head(target, config: TrainConfig, vocab: list[int]) -> tuple[ExitHead, torch.optim.Optimizer]:
+    """A head at config.exit_layer (float32, training mode) and its AdamW over the trained parameters."""
+    head = ExitHead(target, config.exit_layer, vocab, config.init_layer,
+                    shared=() if config.train_mlp else SHARED_MLP).float()
+    head.train()
+    parameters = [p for p in head.parameters() if p.requires_grad]
+    return head, torch.optim.AdamW(parameters, lr=config.learning_rate, weight_decay=0.0)
+
+
+def _train_steps(head: ExitHead, optimizer, labels: Labels, train_ids: list[int], rng: random.Random,
+                 config: TrainConfig, step: int, steps: int, deadline: float, after_step: Callable[[int], None],
+                 bar=None) -> tuple[int, str]:
+    """Optimiser steps from `step` to `steps` (warm-up, then cosine over `steps`), or until
+    `deadline`; `after_step(step)` after each. Returns (the step reached, "steps" or "time")."""
+    rows = head.output_rows().float()  # [V_d, d]
+    parameters = [p for p in head.parameters() if p.requires_grad]
+    losses: list[float] = []
+    while step < steps:
+        if time.perf_counter() > deadline:
+            return step, "time"
+        batch = [train_ids[rng.randrange(len(train_ids))] for _ in range(config.batch)]
+        length = min(labels.exit_states[i].shape[0] for i in batch)
+        exit_states = torch.stack([labels.exit_states[i][:length] for i in batch]).to(rows.device).float()  # [B, T, d]
+        final = torch.stack([labels.final_states[i][:length] for i in batch]).to(rows.device).float()  # [B, T, d]
+        scale = min(1.0, (step + 1) / config.warmup) * 0.5 * (1 + math.cos(math.pi * step / steps))
+        for group in optimizer.param_groups:
+            group["lr"] = config.learning_rate * scale
+        loss = _kl(head(exit_states), final @ rows.T)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(parameters, 1.0)
+        optimizer.step()
+        step += 1
+        losses.append(float(loss.detach()))
+        if bar:
+            bar.set_postfix(kl=f"{sum(losses[-20:]) / len(losses[-20:]):.3f}")
+        after_step(step)
+    return step, "steps"
+
+
+def _choose_exit_layer(target, sequences, train_ids, held_out, config: TrainConfig, out_dir: Path, resume: bool,
+                       progress_factory, log) -> tuple[TrainConfig, dict, Labels | None]:
+    """config with exit_layer AUTO resolved: each of `exit_layer.candidates` gets a probe head
+    trained for config.probe_steps on labels from one pass over the corpus, its held-out greedy
+    acceptance is measured, and `exit_layer.choose` picks the layer of best expected speedup.
+    Returns (the resolved config, the choice's record, the chosen layer's labels); on a resume
+    the recorded choice is reused (labels None: read from the labels file)."""
+    path = out_dir / CHOICE
+    if resume and path.is_file():
+        choice = json.loads(path.read_text())
+        log(f"exit layer {choice['chosen']} (chosen earlier, {path})")
+        return replace(config, exit_layer=int(choice["chosen"])), choice, None
+    layers = candidates(target.config.num_hidden_layers)
+    log(f"choosing the exit layer among {layers}: labelling {len(sequences)} sequences once, then a "
+        f"{config.probe_steps}-step probe head for each")
+    bar = progress_factory(len(sequences), "label") if progress_factory else None
+    exits, finals = label_layers(target, sequences, layers, bar.update if bar else None)
+    if bar:
+        bar.close()
+    vocab = _vocabulary(target, sequences, train_ids, config)
+    acceptance = {}
+    for n in layers:
+        probe_config = replace(config, exit_layer=n)
+        labels = Labels(exits[n], finals, sequences)
+        head, optimizer = _new_head(target, probe_config, vocab)
+        _train_steps(head, optimizer, labels, train_ids, random.Random(config.seed), probe_config, 0,
+                     config.probe_steps, math.inf, lambda step: None)
+        measured = evaluate(head, labels, held_out, target.full_logits, min(config.eval_tokens, PROBE_EVAL_TOKENS))
+        acceptance[n] = measured["greedy_acceptance"]
+        log(f"exit layer {n}: probe's held-out greedy acceptance {acceptance[n]:.1%}")
+    chosen, table = choose(acceptance, target.config, config.draft_vocab)
+    choice = {"chosen": chosen, "probe_steps": config.probe_steps, "layers": {str(n): v for n, v in table.items()}}
+    path.write_text(json.dumps(choice, indent=1) + "\n")
+    each = ", ".join(f"{n}: {v['speedup']:.2f}x" for n, v in table.items())
+    log(f"exit layer {chosen} chosen (expected {table[chosen]['speedup']:.2f}x at drafts of "
+        f"{table[chosen]['draft_length']}; per layer: {each})")
+    return replace(config, exit_layer=chosen), choice, Labels(exits[chosen], finals, sequences)
+
+
 def train_exit_head(target, corpus_path: Path, out_dir: Path, config: TrainConfig, *, resume: bool = False,
                     progress_factory=None, log: Callable[[str], None] = print) -> dict:
     """Label, train and evaluate; writes the head (and checkpoints) into `out_dir`.
@@ -260,10 +376,6 @@ def train_exit_head(target, corpus_path: Path, out_dir: Path, config: TrainConfi
     torch.manual_seed(config.seed)
     rng = random.Random(config.seed)
     checkpoint = _load_checkpoint(checkpoint_path) if resume and checkpoint_path.exists() else None
-    if checkpoint is not None and checkpoint["config"] != asdict(config):
-        changed = {k for k, v in asdict(config).items() if checkpoint["config"].get(k) != v} - {"steps", "max_minutes", "checkpoint_every"}
-        if changed:
-            raise ConfigError(f"--resume with different settings ({', '.join(sorted(changed))}) than the checkpoint")
 
     documents = read_corpus(corpus_path)
     sequences = list(token_sequences(target.tokenizer, documents, config.sequence_length))
@@ -275,7 +387,17 @@ def train_exit_head(target, corpus_path: Path, out_dir: Path, config: TrainConfi
     held_out, train_ids = order[:held], order[held:]
 
     labels_path = out_dir / LABELS
-    if resume and labels_path.exists():
+    choice, labels = None, None
+    if config.exit_layer == AUTO:
+        config, choice, labels = _choose_exit_layer(target, sequences, train_ids, held_out, config, out_dir, resume,
+                                                    progress_factory, log)
+    if checkpoint is not None and checkpoint["config"] != asdict(config):
+        changed = {k for k, v in asdict(config).items() if checkpoint["config"].get(k) != v} - {"steps", "max_minutes", "checkpoint_every"}
+        if changed:
+            raise ConfigError(f"--resume with different settings ({', '.join(sorted(changed))}) than the checkpoint")
+    if labels is not None:  # the candidates' pass labelled the chosen layer
+        pass
+    elif resume and labels_path.exists():
         labels = _load_labels(labels_path, sequences)
         log(f"labels: reused {labels_path}")
     else:
@@ -284,16 +406,11 @@ def train_exit_head(target, corpus_path: Path, out_dir: Path, config: TrainConfi
         labels = label(target, sequences, config.exit_layer, bar.update if bar else None)
         if bar:
             bar.close()
+    if not (resume and labels_path.exists()):
         torch.save(labels.to_dict(), labels_path)
 
-    always = set(target.eos_token_ids)
-    vocab = checkpoint["vocab"] if checkpoint else draft_vocabulary(
-        [sequences[i] for i in train_ids], config.draft_vocab, always, target.vocab_size)
-    head = ExitHead(target, config.exit_layer, vocab, config.init_layer,
-                    shared=() if config.train_mlp else SHARED_MLP).float()
-    head.train()
-    parameters = [p for p in head.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(parameters, lr=config.learning_rate, weight_decay=0.0)
+    vocab = checkpoint["vocab"] if checkpoint else _vocabulary(target, sequences, train_ids, config)
+    head, optimizer = _new_head(target, config, vocab)
     step = 0
     if checkpoint:
         head.load_state_dict(checkpoint["head"], strict=False)
@@ -304,39 +421,23 @@ def train_exit_head(target, corpus_path: Path, out_dir: Path, config: TrainConfi
                                                               config.eval_tokens)
     log(f"held-out before training: {before}")
 
-    rows = head.output_rows().float()  # [V_d, d]
     bar = progress_factory(config.steps, "train", initial=step) if progress_factory else None
-    losses: list[float] = []
     deadline = time.perf_counter() + 60 * config.max_minutes  # the training loop's own time, labelling not counted
-    stopped = "steps"
 
     def save_checkpoint() -> None:
         torch.save({"head": head.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
                     "vocab": vocab, "config": asdict(config), "before": before}, checkpoint_path)
 
-    while step < config.steps:
-        if time.perf_counter() > deadline:
-            stopped = "time"
-            break
-        batch = [train_ids[rng.randrange(len(train_ids))] for _ in range(config.batch)]
-        length = min(labels.exit_states[i].shape[0] for i in batch)
-        exit_states = torch.stack([labels.exit_states[i][:length] for i in batch]).to(rows.device).float()  # [B, T, d]
-        final = torch.stack([labels.final_states[i][:length] for i in batch]).to(rows.device).float()  # [B, T, d]
-        scale = min(1.0, (step + 1) / config.warmup) * 0.5 * (1 + math.cos(math.pi * step / config.steps))
-        for group in optimizer.param_groups:
-            group["lr"] = config.learning_rate * scale
-        loss = _kl(head(exit_states), final @ rows.T)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(parameters, 1.0)
-        optimizer.step()
-        step += 1
-        losses.append(float(loss.detach()))
+    def after_step(done: int) -> None:
+        nonlocal step
+        step = done
         if bar:
             bar.update(1)
-            bar.set_postfix(kl=f"{sum(losses[-20:]) / len(losses[-20:]):.3f}")
         if step % config.checkpoint_every == 0:
             save_checkpoint()
+
+    step, stopped = _train_steps(head, optimizer, labels, train_ids, rng, config, step, config.steps, deadline,
+                                 after_step, bar)
     if bar:
         bar.close()
     save_checkpoint()
@@ -354,6 +455,7 @@ def train_exit_head(target, corpus_path: Path, out_dir: Path, config: TrainConfi
         "loss": "KL(p_target restricted to the draft vocabulary || q_head), forward KL",
         "held_out_before": before,
         "held_out_after": after,
+        **({"exit_layer_choice": choice} if choice is not None else {}),
         "train_minutes": round((time.perf_counter() - started) / 60, 2),
     }
     save_head(head, head.spec(target, target.name, summary), out_dir)
