@@ -55,7 +55,9 @@ def main() -> int:
         server.stop()
     summary = result.summary() | {"kv_memory": args.kv_memory, "kv_blocks": blocks, "concurrency": args.concurrency}
     Path(args.out).write_text(json.dumps(summary, indent=1))
-    print(json.dumps({k: v for k, v in summary.items() if k != "lost_examples"}, indent=1))
+    print(json.dumps({k: v for k, v in summary.items() if not k.endswith("_examples")}, indent=1))
+    for example in summary["unequal_examples"]:
+        print("not equal to solo:", json.dumps(example))
     bad = (summary["lost"] or summary["server_errors"] or summary["kv_blocks_in_use_at_end"]
            or summary["solo_equal"] != summary["solo_checked"])
     return 1 if bad else 0

@@ -54,6 +54,7 @@ class Planned:
     error: str = ""
     outcome: str = ""  # "served", "refused", "disconnected", "lost"
     solo_equal: bool | None = None
+    solo_texts: list[str] = field(default_factory=list)  # what the same request got alone
 
     @property
     def reproducible(self) -> bool:
@@ -192,9 +193,15 @@ class Soak:
             "methods": sorted({r.body["method"] for r in self.requests}),
             "seconds": round(self.seconds, 1), "rss_warm_mb": _mb(self.rss_warm), "rss_end_mb": _mb(self.rss_end),
             "rss_peak_mb": _mb(self.rss_peak), "kv_blocks_in_use_at_end": self.blocks_in_use,
-            "lost_examples": [asdict(r) | {"body": {k: v for k, v in r.body.items() if k != "prompt"}}
-                              for r in self.requests if r.outcome == "lost"][:5],
+            "lost_examples": [_example(r) for r in self.requests if r.outcome == "lost"][:5],
+            "unequal_examples": [_example(r) for r in checked if not r.solo_equal][:5],
         }
+
+
+def _example(item: Planned) -> dict:
+    """A request as the summary shows it: everything but its prompt's ids (their count instead)."""
+    body = {k: v for k, v in item.body.items() if k != "prompt"} | {"prompt_tokens": len(item.body["prompt"])}
+    return asdict(item) | {"body": body}
 
 
 def _mb(value: int | None) -> float | None:
@@ -268,6 +275,7 @@ def run(url: str, requests: list[Planned], concurrency: int, rss: Callable[[], i
                     again = Planned(item.index, {**item.body, "stream": False})
                     send(client, url, again)
                     item.solo_equal = again.outcome == "served" and again.texts == item.texts
+                    item.solo_texts = again.texts
     return Soak(requests, seconds, rss_warm, rss_end, max(samples, default=None), blocks)
 
 
