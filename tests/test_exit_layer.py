@@ -54,6 +54,15 @@ def test_the_choice_follows_the_measured_acceptance(deep_acceptance, expected):
     assert table[chosen]["speedup"] == max(row["speedup"] for row in table.values())
 
 
+def test_where_no_layer_pays_the_one_closest_to_paying_is_chosen():
+    """Short probes measure low acceptance: every layer's speedup is 1.0 (no draft), and the best
+    speed of drafting at all ranks them (not the depth)."""
+    low = {2: 0.10, 4: 0.22, 8: 0.12}
+    chosen, table = exit_layer.choose(low, Qwen15Shape, 32768)
+    assert all(row["speedup"] == 1.0 for row in table.values())
+    assert chosen == 4 and table[4]["drafting"] == max(row["drafting"] for row in table.values()) < 1.0
+
+
 def test_one_labelling_pass_gives_each_layers_labels_as_labelling_it_alone():
     target = helpers.make_target("qwen2", seed=2, init=0.3)
     sequences = [helpers.repetitive_prompt(target.vocab_size, seed, period=5, repeats=4)[:20] for seed in (0, 1)]

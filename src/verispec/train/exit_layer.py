@@ -19,8 +19,10 @@ The model of a step, on a CPU where a forward's cost is mostly reading weights:
   (1 - a^(k+1)) / (1 - a) tokens a step.
 
 The speedup at N is the best over k = 0..MAX_K of tokens / (verify + k * c(N)); the choice is the
-N with the highest (the smaller N on a tie). A deeper exit accepts more and costs more a token:
-which wins is what the measurement decides, per model.
+N with the highest. Where no candidate pays (every speedup 1.0: short probes measure low
+acceptance), the best over k >= 1 alone, below 1.0, ranks them: the layer closest to paying.
+A deeper exit accepts more and costs more a token: which wins is what the measurement decides,
+per model.
 """
 
 from __future__ import annotations
@@ -49,24 +51,28 @@ def draft_cost(config, exit_layer: int, draft_vocab: int) -> float:
     return (exit_layer * layer + layer + min(draft_vocab, config.vocab_size) * hidden) / step
 
 
-def expected_speedup(acceptance: float, cost: float, exit_layer: int, layers: int,
-                     row_cost: float = ROW_COST) -> tuple[float, int]:
-    """(tokens per unit of time against `ar`, the draft length that gives it) for drafts whose
-    tokens are each accepted with probability `acceptance`, at `cost` steps a draft token."""
+def draft_speedups(acceptance: float, cost: float, exit_layer: int, layers: int,
+                   row_cost: float = ROW_COST) -> list[float]:
+    """Speed against `ar` of drafts of k = 1..MAX_K tokens, each accepted with probability
+    `acceptance`, at `cost` steps a draft token (below 1.0 where drafting loses)."""
     a = min(max(acceptance, 0.0), 1.0)
     row = row_cost * (layers - exit_layer) / layers
-    best, best_k = 1.0, 0
-    for k in range(1, MAX_K + 1):
-        tokens = k + 1 if a == 1.0 else (1 - a ** (k + 1)) / (1 - a)
-        speedup = tokens / (1 + k * row + k * cost)
-        if speedup > best:
-            best, best_k = speedup, k
-    return best, best_k
+    return [(k + 1 if a == 1.0 else (1 - a ** (k + 1)) / (1 - a)) / (1 + k * row + k * cost)
+            for k in range(1, MAX_K + 1)]
+
+
+def expected_speedup(acceptance: float, cost: float, exit_layer: int, layers: int,
+                     row_cost: float = ROW_COST) -> tuple[float, int]:
+    """(tokens per unit of time against `ar`, the draft length that gives it; 0: not drafting)."""
+    speedups = draft_speedups(acceptance, cost, exit_layer, layers, row_cost)
+    best = max(range(len(speedups)), key=lambda i: speedups[i])
+    return (speedups[best], best + 1) if speedups[best] > 1.0 else (1.0, 0)
 
 
 def choose(acceptance: dict[int, float], config, draft_vocab: int, row_cost: float = ROW_COST) -> tuple[int, dict]:
     """The exit layer with the best expected speedup among the measured ones, and per layer
-    {"acceptance", "draft_cost", "speedup", "draft_length"} (for the training summary)."""
+    {"acceptance", "draft_cost", "speedup", "draft_length", "drafting": the best speed of drafting
+    at all} (for the training summary)."""
     if not acceptance:
         raise ValueError("no exit layer was measured")
     layers = config.num_hidden_layers
@@ -75,6 +81,7 @@ def choose(acceptance: dict[int, float], config, draft_vocab: int, row_cost: flo
         cost = draft_cost(config, exit_layer, draft_vocab)
         speedup, k = expected_speedup(accepted, cost, exit_layer, layers, row_cost)
         table[exit_layer] = {"acceptance": round(accepted, 4), "draft_cost": round(cost, 4),
-                             "speedup": round(speedup, 4), "draft_length": k}
-    best = max(sorted(table), key=lambda n: (table[n]["speedup"], -n))
+                             "speedup": round(speedup, 4), "draft_length": k,
+                             "drafting": round(max(draft_speedups(accepted, cost, exit_layer, layers, row_cost)), 4)}
+    best = max(sorted(table), key=lambda n: (table[n]["speedup"], table[n]["drafting"], -n))
     return best, table
