@@ -431,16 +431,17 @@ def test_the_fast_path_is_not_compiled_and_sliding_window_models_are(capfd, llam
 def test_exit_head_labels_through_the_pytorch_forward_match_the_fast_path(llama_target):
     """The GPU path of `train-exit` (a forward hook on layer N of the model's own decoder), run
     here on the CPU, labels as the fast path does."""
-    from verispec.train.exit_head import _label_on_device, label
+    from verispec.train.exit_head import label
 
     sequences = [prompt(128, 0), prompt(128, 1)[:13]]
     eager = Target(llama_target.model, None, fast=False)
-    fast, hooked = label(llama_target, sequences, 1), _label_on_device(eager, sequences, 1, None)
+    assert not eager.fast  # its labels come through the model's own forward, with a hook
+    fast, hooked = label(llama_target, sequences, 1), label(eager, sequences, 1)
     for a, b in zip(fast.exit_states + fast.final_states, hooked.exit_states + hooked.final_states):
         assert a.shape == b.shape and a.device.type == b.device.type == "cpu"
         torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2)  # both rounded to bfloat16
     with pytest.raises(ConfigError, match="exit layer must be in 1..2"):
-        _label_on_device(eager, sequences, 3, None)
+        label(eager, sequences, 3)
 
 
 def test_a_weight_off_the_cpu_is_not_packed_for_onednn():
