@@ -284,7 +284,12 @@ class DecoderBackend(Backend):
         x = decoder.embed(ids[0])  # [n, hidden]
         if state.capture_layer:
             first = range(state.capture_layer)
-            drafted = state.take_drafted(start, ids[0].tolist()) if self.reuses_drafted() else None
+            drafted = None
+            if state.drafted is not None:  # a draft's rows were offered (no list made otherwise)
+                if self.reuses_drafted():
+                    drafted = state.take_drafted(start, ids[0].tolist())
+                else:
+                    state.drafted = None
             if drafted is None:
                 rope: dict = {}  # rotary tables, computed once for both halves
                 x = decoder.run(x, start, cache, first, rope=rope)
