@@ -279,3 +279,43 @@ def test_the_assembled_text_is_the_decode_of_every_id_however_they_arrive():
             assembler.push(ids[pushed : pushed + size])
             pushed = min(len(ids), pushed + size)
             assert assembler.text == tokenizer.decode(ids[:pushed]), ids[:pushed]
+
+
+def _byte_fallback_tokenizer():
+    """A real transformers tokenizer with SentencePiece-style byte fallback (as Gemma's, Llama 2's
+    and Mistral's): letters, "▁", and the 256 byte tokens <0x00>..<0xFF>. Its decoder turns a run
+    of byte tokens into their UTF-8 characters only if the whole run is valid UTF-8, else into one
+    U+FFFD per byte, so a run's text changes as it grows (E0 A5 B4 is "ॴ"; one more E0 turns all
+    four into U+FFFD)."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "▁": 1, **{chr(97 + i): 2 + i for i in range(26)},
+             **{f"<0x{b:02X}>": 28 + b for b in range(256)}}
+    core = Tokenizer(models.BPE(vocab, [], unk_token="<unk>", byte_fallback=True))
+    core.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
+    return PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<unk>")
+
+
+def test_streamed_text_is_the_decode_of_every_id_for_byte_fallback_tokenizers():
+    """What the assembler hands out, step by step, must add up to the decode of every id however
+    the ids arrive, or a streamed answer differs from the same answer unstreamed (and from the
+    same request in another batch, whose steps commit other numbers of ids). Byte-token runs that
+    are valid UTF-8 for a while and then are not (the ids a 270M model wrote in a soak: E0 A5 B4
+    repeated, ending in E0) must not be handed out before the run ends."""
+    import random
+
+    tokenizer, rng = _byte_fallback_tokenizer(), random.Random(0)
+    e0, a5, b4, letter, space = 28 + 0xE0, 28 + 0xA5, 28 + 0xB4, 2, 1
+    written = [e0, a5, b4] * 8 + [e0]
+    cases = [written, written[:-1] + [letter], [letter, space] + written]
+    cases += [[rng.choice([e0, a5, b4, letter, space]) for _ in range(rng.randrange(1, 40))] for _ in range(1500)]
+    for ids in cases:
+        for _ in range(3):
+            assembler, pushed, out = TextAssembler(tokenizer), 0, ""
+            while pushed < len(ids):
+                size = rng.randint(1, 6)
+                out += assembler.push(ids[pushed : pushed + size])
+                pushed = min(len(ids), pushed + size)
+            out += assembler.finish()
+            assert out == tokenizer.decode(ids, skip_special_tokens=True), ids

@@ -1,8 +1,10 @@
 """Text in and out: prompt encoding, incremental detokenization, stop strings.
 
 The engine works on token ids only; this module turns a prompt into ids and committed ids back
-into text, emitting only text that can no longer change: an incomplete UTF-8 sequence, or a tail
-that could still become a stop string, is held back until the next tokens decide it. When a stop
+into text, emitting only text that can no longer change: an incomplete UTF-8 sequence, a run of
+byte-fallback tokens not yet ended (`byte_token_ids`), or a tail that could still become a stop
+string, is held back until the next tokens decide it. So the text handed out adds up to the
+decode of every id, however many ids each step commits. When a stop
 string appears, the text ends just before it, and the ids are cut after the token that completed
 it (anything accepted after it in the same step is dropped).
 
@@ -85,6 +87,18 @@ def encode_messages(tokenizer, messages: Sequence[dict], tools: Sequence[dict] |
     return [int(i) for i in tokenizer("\n\n".join(lines) + "\n\nAssistant:")["input_ids"]]
 
 
+def byte_token_ids(tokenizer) -> frozenset[int]:
+    """The ids of the byte tokens <0x00>..<0xFF> of a SentencePiece-style vocabulary with byte
+    fallback (Gemma, Llama 2, Mistral); none for others. transformers decodes a run of them to its
+    UTF-8 characters only if the whole run is valid UTF-8, else to one U+FFFD per byte: a run's
+    text can change as long as it grows (E0 A5 B4 is one character, E0 A5 B4 E0 four U+FFFD)."""
+    convert = getattr(tokenizer, "convert_tokens_to_ids", None)
+    if convert is None:
+        return frozenset()
+    unknown = getattr(tokenizer, "unk_token_id", None)
+    return frozenset(i for i in convert([f"<0x{b:02X}>" for b in range(256)]) if i is not None and i != unknown)
+
+
 CONTEXT = 8  # ids decoded before the anchor with the new ones (`TextAssembler._decoded`)
 HOLD = 4  # ids after the anchor: their text may still change as more ids come
 
@@ -98,6 +112,8 @@ class TextAssembler:
         for stop in stop_strings:
             checked_text(stop, "a stop string")
         self.tokenizer = tokenizer
+        self._bytes = byte_token_ids(tokenizer)
+        self._run = 0  # how many of the last ids are byte tokens (a run the next id may extend)
         self.stop_strings = tuple(stop_strings)
         self._hold = max((len(s) for s in self.stop_strings), default=1) - 1
         self.ids: list[int] = []
@@ -116,7 +132,8 @@ class TextAssembler:
         costs the same at the thousandth token as at the first, instead of a decode of every id.
         Where the context does not decode to the anchored text's end (a split inside a
         character, say), every id is decoded. The anchor then moves to all but the last HOLD ids,
-        unless their text ends in an incomplete character."""
+        unless their text ends in an incomplete character or the anchor would split a run of byte
+        tokens."""
         start = max(0, self._anchor - CONTEXT)
         head = self._decode(self.ids[start : self._anchor])
         window = self._decode(self.ids[start:])
@@ -126,7 +143,7 @@ class TextAssembler:
             return text
         text = self.text[: self._anchor_chars] + window[len(head):]
         anchor = len(self.ids) - HOLD
-        if anchor > self._anchor:
+        if anchor > self._anchor and not (self.ids[anchor - 1] in self._bytes and self.ids[anchor] in self._bytes):
             fixed = self._decode(self.ids[start:anchor])
             if fixed.startswith(head) and not fixed.endswith("\ufffd") and window.startswith(fixed):
                 self._anchor, self._anchor_chars = anchor, self._anchor_chars + len(fixed) - len(head)
@@ -149,6 +166,10 @@ class TextAssembler:
         final = len(self.text) - self._hold
         if self.text.endswith("\ufffd"):  # an incomplete multi-byte character: wait for the rest
             final = min(final, len(self.text.rstrip("\ufffd")))
+        for i in self.ids[start:]:
+            self._run = self._run + 1 if i in self._bytes else 0
+        if self._run:  # the last ids are a run of byte tokens: its text may still change
+            final = min(final, len(self.text) - len(self._decode(self.ids[-self._run :])))
         return self._emit(final)
 
     def finish(self) -> str:
