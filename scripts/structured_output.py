@@ -1,38 +1,39 @@
 """Structured output on a model: extraction prompts under JSON schemas, constrained `ar` against
-the lossless methods (outputs must be identical), the grammar's share of the decode time.
+the lossless methods (outputs must be identical), unconstrained `ar` and, optionally,
+llama-server's `json_schema` on the same file.
 
-    .venv/bin/python scripts/structured_output.py [--model PATH] [--methods pld,anpd,eesd] [-n 96]
+    .venv/bin/python scripts/structured_output.py [--model PATH] [--methods pld,anpd,eesd] [-n 128]
+        [--cases scripts/extraction_cases.jsonl] [--peer] [--llama-server PATH]
 
-Prints, per prompt, the output and (new tokens, target forwards, accepted forced tokens) for each
-method, then totals with tokens per second, and the seconds constrained `ar` spent in the
-grammar's code (masks, the matcher's advance: `core/constraint.py`) over its decode seconds.
+The cases (scripts/extraction_cases.jsonl, written for this project: people, orders, events,
+reviews, contacts, books, flights and bug reports, two of each) are asked greedily through the
+model's chat template. Prints one line per case, then per method: valid outputs (checked with
+`jsonschema`, not with the grammar that produced them), new tokens, target forwards, accepted
+forced tokens, tokens per second over prefill and decode, and the speed against constrained
+`ar`. Then the decode cost of a token with and without the constraint (unconstrained `ar` on the
+same prompts writes other text, so only the cost per token compares) and the share of
+constrained `ar`'s decode time spent in the grammar's code (masks, the matcher's advance:
+`core/constraint.py`). With `--peer`, llama-server (`make llama-native`, else `make
+llama-server`) serves the same GGUF file with the same threads, one slot, and gets each case as
+`response_format: {"type": "json_schema", ...}`; its own timings give its speed.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import tempfile
 import time
+from pathlib import Path
+
+import jsonschema
 
 import verispec
 import verispec.core.constraint as constraint
+from verispec.bench.servers import ManagedServer, ModelFiles, free_port, parse_server, server_command, wait_ready
 
-PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "city"],
-          "properties": {"name": {"type": "string"}, "age": {"type": "integer"}, "city": {"type": "string"}}}
-ORDER = {"type": "object", "additionalProperties": False, "required": ["customer", "items", "paid"],
-         "properties": {"customer": {"type": "string"}, "paid": {"type": "boolean"},
-                        "items": {"type": "array", "items": {
-                            "type": "object", "additionalProperties": False, "required": ["product", "quantity"],
-                            "properties": {"product": {"type": "string"}, "quantity": {"type": "integer"}}}}}}
-CASES = [
-    ("Extract the person as JSON with name, age and city.\nText: Maria Lopez is 34 and lives in Seville.\nJSON:",
-     PERSON),
-    ("Extract the person as JSON with name, age and city.\nText: Tom Becker, aged 51, moved to Hamburg last year.\n"
-     "JSON:", PERSON),
-    ("Extract the order as JSON.\nText: Anna Berg ordered 2 lamps and 3 chairs and has paid.\nJSON:", ORDER),
-    ("Extract the order as JSON.\nText: Li Wei wants 10 pencils, 1 notebook and 4 erasers; not paid yet.\nJSON:",
-     ORDER),
-]
+CASES = Path(__file__).with_name("extraction_cases.jsonl")
 
 
 class RuleClock:
@@ -52,47 +53,120 @@ class RuleClock:
         constraint.ConstrainedRule.__call__ = timed
 
 
+def is_valid(text: str, schema: dict) -> bool:
+    try:
+        jsonschema.validate(json.loads(text), schema)
+    except (ValueError, jsonschema.ValidationError):
+        return False
+    return True
+
+
+def response_format(schema: dict) -> dict:
+    return {"type": "json_schema", "json_schema": {"name": "extraction", "strict": True, "schema": schema}}
+
+
+class Totals:
+    """Per method: cases, valid outputs, new tokens, seconds (prefill + decode), forwards, forced."""
+
+    def __init__(self):
+        self.rows: dict[str, list] = {}
+
+    def add(self, name: str, valid: bool, tokens: int, seconds: float, forwards: int | None = None,
+            forced: int | None = None) -> None:
+        row = self.rows.setdefault(name, [0, 0, 0, 0.0, 0, 0])
+        for i, value in enumerate((1, int(valid), tokens, seconds, forwards or 0, forced or 0)):
+            row[i] += value
+
+    def print(self, base: str) -> None:
+        reference = self.rows[base][2] / self.rows[base][3]
+        for name, (cases, valid, tokens, seconds, forwards, forced) in self.rows.items():
+            speed = tokens / seconds
+            print(f"{name:14s} valid {valid:2d}/{cases:2d} tokens {tokens:5d} forwards {forwards:5d} forced {forced:4d} "
+                  f"tokens/s {speed:6.2f} ({speed / reference:.2f}x constrained ar)")
+
+
+def llama_server_runs(model_path: str, cases: list[dict], max_tokens: int, threads: int, binary: str | None):
+    """Each case through llama-server's json_schema: (text, predicted tokens, seconds of prompt and
+    decode by its own timings)."""
+    import httpx
+
+    spec = parse_server("llama-server:1", 1)
+    scratch = Path(tempfile.mkdtemp(prefix="structured-"))
+    port = free_port()
+    argv, env = server_command(spec, ModelFiles(model_path), threads, port, llama_server=binary, scratch=scratch)
+    server = ManagedServer(argv, env, scratch / "llama-server.log", port)
+    try:
+        wait_ready(server.base_url, 300, server.alive)
+        results = []
+        for warm_up in (True, False):
+            for case in cases[:1] if warm_up else cases:
+                body = {"messages": [{"role": "user", "content": case["prompt"]}], "max_tokens": max_tokens,
+                        "temperature": 0, "response_format": response_format(case["schema"])}
+                answer = httpx.post(f"{server.base_url}/v1/chat/completions", json=body, timeout=600).json()
+                if not warm_up:
+                    timings = answer["timings"]
+                    results.append((answer["choices"][0]["message"]["content"], timings["predicted_n"],
+                                    (timings["prompt_ms"] + timings["predicted_ms"]) / 1000))
+        return results
+    finally:
+        server.stop()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="a GGUF file or model directory (default: the embedded one)")
     parser.add_argument("--methods", default="pld,anpd,eesd")
-    parser.add_argument("-n", "--max-new-tokens", type=int, default=96)
+    parser.add_argument("-n", "--max-new-tokens", type=int, default=128)
+    parser.add_argument("--cases", type=Path, default=CASES)
+    parser.add_argument("--peer", action="store_true", help="also llama-server's json_schema on the same GGUF file")
+    parser.add_argument("--llama-server", default=None, help="the llama-server binary (default: the project's build)")
     args = parser.parse_args()
+    cases = [json.loads(line) for line in args.cases.read_text().splitlines() if line.strip()]
     target = verispec.load(args.model)
     clock = RuleClock()
 
     def run(prompt, method, schema):
-        response_format = {"type": "json_schema", "json_schema": {"schema": schema}}
         return verispec.generate(target, prompt, method, max_new_tokens=args.max_new_tokens,
-                                 response_format=response_format, prompt_format="chat")
+                                 response_format=None if schema is None else response_format(schema),
+                                 prompt_format="chat")
 
-    for prompt, schema in CASES:  # warm-up (the first format builds llguidance's tokenizer)
-        run(prompt, "ar", schema)
-    totals: dict[str, list] = {}
-    ar_rule = ar_decode = 0.0
-    for prompt, schema in CASES:
+    for case in cases[:4]:  # warm-up (the first format builds llguidance's tokenizer)
+        run(case["prompt"], "ar", case["schema"])
+    totals = Totals()
+    ar_rule = ar_decode = free_decode = 0.0
+    ar_decoded = free_decoded = 0
+    for case in cases:
+        prompt, schema = case["prompt"], case["schema"]
         clock.seconds = 0.0
         reference = run(prompt, "ar", schema)
         ar_rule += clock.seconds
         ar_decode += reference.stats.decode_s
-        valid = reference.stats.stop_reason == "eos" and bool(json.loads(reference.text))
+        ar_decoded += reference.stats.new_tokens
+        valid = is_valid(reference.text, schema)
         row = {"ar": reference.stats}
         for method in args.methods.split(","):
             result = run(prompt, method, schema)
             assert result.token_ids == reference.token_ids, (method, prompt)
             row[method] = result.stats
         for name, stats in row.items():
-            total = totals.setdefault(name, [0, 0.0, 0, 0])
-            total[0] += stats.new_tokens
-            total[1] += stats.prefill_s + stats.decode_s
-            total[2] += stats.target_forwards
-            total[3] += stats.forced
-        print(repr(reference.text), "valid" if valid else reference.stats.stop_reason,
+            totals.add(name, valid, stats.new_tokens, stats.prefill_s + stats.decode_s, stats.target_forwards,
+                       stats.forced)
+        free = run(prompt, "ar", None)
+        free_decode += free.stats.decode_s
+        free_decoded += free.stats.new_tokens
+        print(repr(reference.text), "valid" if valid else f"INVALID ({reference.stats.stop_reason})",
               {name: (s.new_tokens, s.target_forwards, s.forced) for name, s in row.items()}, flush=True)
-    base = totals["ar"][0] / totals["ar"][1]
-    for name, (tokens, seconds, forwards, forced) in totals.items():
-        print(f"{name:8s} tokens {tokens:4d} forwards {forwards:4d} forced {forced:4d} "
-              f"tokens/s {tokens / seconds:6.2f} ({tokens / seconds / base:.2f}x constrained ar)")
+    if args.peer:
+        threads = int(os.environ.get("OMP_NUM_THREADS") or os.cpu_count() or 1)
+        model = args.model or str(ModelFiles(None).gguf())
+        for case, (text, tokens, seconds) in zip(cases, llama_server_runs(model, cases, args.max_new_tokens, threads,
+                                                                          args.llama_server)):
+            valid = is_valid(text, case["schema"])
+            totals.add("llama-server", valid, tokens, seconds)
+            print("llama-server", repr(text), "valid" if valid else "INVALID", flush=True)
+    totals.print("ar")
+    print(f"decode per token: constrained ar {1000 * ar_decode / ar_decoded:.1f} ms, unconstrained ar "
+          f"{1000 * free_decode / free_decoded:.1f} ms ({ar_decode / ar_decoded / (free_decode / free_decoded):.3f}x)")
     print(f"constrained ar: {ar_rule:.2f} s of {ar_decode:.2f} s decoding in the grammar's code "
           f"({100 * ar_rule / ar_decode:.1f}%)")
 

@@ -25,3 +25,21 @@ def test_a_script_imports(script, monkeypatch):
     monkeypatch.setitem(sys.modules, name, module)  # dataclasses look their module up there
     spec.loader.exec_module(module)  # runs the imports and definitions; main() only under __main__
     assert callable(getattr(module, "main", None)), f"{script.name} has no main()"
+
+
+def test_the_extraction_cases_are_schemas_with_prompts():
+    """scripts/extraction_cases.jsonl (the structured-output benchmark's set): each line a prompt
+    and a valid JSON schema of an object, two cases of each kind."""
+    import json
+    from collections import Counter
+
+    import jsonschema
+
+    path = Path(__file__).resolve().parent.parent / "scripts" / "extraction_cases.jsonl"
+    cases = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    assert len(cases) >= 16
+    for case in cases:
+        assert case["prompt"].strip()
+        jsonschema.Draft202012Validator.check_schema(case["schema"])
+        assert case["schema"]["type"] == "object"
+    assert set(Counter(case["kind"] for case in cases).values()) == {2}

@@ -237,6 +237,39 @@ static inline void prefetch_range(const uint8_t *from, const uint8_t *to, int ne
     }
 }
 
+/* Prefetching of the next task's rows while a task runs: [next, end) one slice at a time. */
+typedef struct {
+    const uint8_t *next, *end;
+    int64_t slice;
+    int near;
+} Ahead;
+
+static inline void ahead_step(Ahead *a) {
+    if (a->next < a->end) {
+        const uint8_t *to = a->next + a->slice < a->end ? a->next + a->slice : a->end;
+        prefetch_range(a->next, to, a->near);
+        a->next = to;
+    }
+}
+
+/* While a task's rows (output groups g0 .. g0 + groups - 1) are read chunk by chunk, the rows of
+ * the next task's groups (the same number of bytes, contiguous in the file) are prefetched front
+ * to back, one slice per chunk. */
+static inline Ahead task_ahead(const uint8_t *w, int64_t row_bytes, int64_t N, int64_t K, int64_t g0, int64_t groups) {
+    const int64_t chunks = (K + CHUNK - 1) / CHUNK, region = groups * LANES * row_bytes;
+    const Ahead ahead = {w + (g0 + groups) * LANES * row_bytes, w + N * row_bytes, (region / chunks + 63) & ~(int64_t)63,
+                         region <= PREFETCH_NEAR};
+    return ahead;
+}
+
+/* The rows of output group `group` (LANES outputs); a short last group repeats its last row. */
+static inline void group_rows(const uint8_t *w, int64_t row_bytes, int64_t N, int64_t group, const uint8_t *p[LANES]) {
+    for (int l = 0; l < LANES; l++) {
+        const int64_t n = group * LANES + l;
+        p[l] = w + (n < N ? n : N - 1) * row_bytes;
+    }
+}
+
 
 #define FTILE_OUT 8 /* float weights: outputs per task */
 

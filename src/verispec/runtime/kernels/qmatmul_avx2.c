@@ -424,21 +424,6 @@ static inline __attribute__((always_inline)) void q6_sums(const int h, const int
     }
 }
 
-/* Prefetching of the next task's rows while a task runs: [next, end) one slice at a time. */
-typedef struct {
-    const uint8_t *next, *end;
-    int64_t slice;
-    int near;
-} Ahead;
-
-static inline void ahead_step(Ahead *a) {
-    if (a->next < a->end) {
-        const uint8_t *to = a->next + a->slice < a->end ? a->next + a->slice : a->end;
-        prefetch_range(a->next, to, a->near);
-        a->next = to;
-    }
-}
-
 /* The fused row-wise product of the group p[0..7] with rows r < R of the activations (super-block
  * form: xq, xs, xsum at input 0, row strides ldq, ldx, ldsum) over all K inputs: out[r] = y (acc - shift). Per super-block, the
  * header first (KScales), then the integer sums of the sub-blocks, each times sc_j (vpmulld) into
@@ -785,27 +770,19 @@ static void run_task(int type, const TypeInfo *t, const uint8_t *w, int64_t row_
     memset(shift, 0, sizeof(float) * (size_t)(groups * M * LANES));
     const Ops ops = ops_of(type);
     const int fused = M <= FUSED_ROWS;
-    /* While this task's rows are read chunk by chunk, the rows of the next task's groups (the same
-     * number of bytes, contiguous in the file) are prefetched front to back, one slice per chunk. */
-    const int64_t chunks = (K + CHUNK - 1) / CHUNK, region = groups * LANES * row_bytes;
-    const int64_t slice = (region / chunks + 63) & ~(int64_t)63;
-    const uint8_t *next = w + (g0 + groups) * LANES * row_bytes, *end = w + N * row_bytes;
-    const int near = region <= PREFETCH_NEAR;
+    Ahead ahead = task_ahead(w, row_bytes, N, K, g0, groups);
 #ifdef QMM_ROWWISE
     const RowsGroup rows = type == GGUF_Q4_K ? rows_q4_k : type == GGUF_Q5_K ? rows_q5_k : type == GGUF_Q6_K ? rows_q6_k : NULL;
     if (M <= ROWWISE_ROWS && rows) { /* the whole of K per call, accumulators in registers */
         /* prefetched in 8 parts per super-block, spread between the sums: a burst of a whole slice at
          * once was measured slower (fewer misses in flight where they are needed) */
-        Ahead ahead = {next, end, ((slice + 7) / 8 + 63) & ~(int64_t)63, near};
+        Ahead parts = {ahead.next, ahead.end, ((ahead.slice + 7) / 8 + 63) & ~(int64_t)63, ahead.near};
         for (int64_t g = 0; g < groups; g++) {
             const uint8_t *p[LANES];
-            for (int l = 0; l < LANES; l++) {
-                const int64_t n = (g0 + g) * LANES + l;
-                p[l] = w + (n < N ? n : N - 1) * row_bytes; /* a short last group repeats its last row */
-            }
+            group_rows(w, row_bytes, N, g0 + g, p);
             const int64_t n0 = (g0 + g) * LANES, count = N - n0 < LANES ? N - n0 : LANES;
             __m256 out[ROWWISE_ROWS];
-            rows(p, K, (int)M, xq, K, xs, nb, xsum, ldsum, &ahead, out);
+            rows(p, K, (int)M, xq, K, xs, nb, xsum, ldsum, &parts, out);
             for (int64_t r = 0; r < M; r++) {
                 float *yr = y + r * ldy + n0;
                 if (count == LANES) {
@@ -823,17 +800,10 @@ static void run_task(int type, const TypeInfo *t, const uint8_t *w, int64_t row_
     for (int64_t k0 = 0; k0 < K; k0 += CHUNK) {
         const int64_t count = K - k0 < CHUNK ? K - k0 : CHUNK;
         const int J = (int)(count / t->sub);
-        if (next < end) {
-            const uint8_t *to = next + slice < end ? next + slice : end;
-            prefetch_range(next, to, near);
-            next = to;
-        }
+        ahead_step(&ahead);
         for (int64_t g = 0; g < groups; g++) {
             const uint8_t *p[LANES];
-            for (int l = 0; l < LANES; l++) {
-                const int64_t n = (g0 + g) * LANES + l;
-                p[l] = w + (n < N ? n : N - 1) * row_bytes; /* a short last group repeats its last row */
-            }
+            group_rows(w, row_bytes, N, g0 + g, p);
             if (fused) { /* decode and multiply at once, 2 rows at a time */
                 for (int64_t m0 = 0; m0 < M; m0 += FUSED_TILE)
                     ops.fused(p, k0, count, (int)(M - m0 < FUSED_TILE ? M - m0 : FUSED_TILE), dec + g, xq + m0 * K + k0, K,

@@ -74,26 +74,14 @@ static void run_task(int type, const TypeInfo *t, const uint8_t *w, int64_t row_
     memset(acc, 0, sizeof(float) * (size_t)(groups * M * LANES));
     memset(shift, 0, sizeof(float) * (size_t)(groups * M * LANES));
     (void)xo;
-    /* While this task's rows are read chunk by chunk, the rows of the next task's groups (the same
-     * number of bytes, contiguous in the file) are prefetched front to back, one slice per chunk. */
-    const int64_t chunks = (K + CHUNK - 1) / CHUNK, region = groups * LANES * row_bytes;
-    const int64_t slice = (region / chunks + 63) & ~(int64_t)63;
-    const uint8_t *next = w + (g0 + groups) * LANES * row_bytes, *end = w + N * row_bytes;
-    const int near = region <= PREFETCH_NEAR;
+    Ahead ahead = task_ahead(w, row_bytes, N, K, g0, groups);
     for (int64_t k0 = 0; k0 < K; k0 += CHUNK) {
         const int64_t count = K - k0 < CHUNK ? K - k0 : CHUNK;
         const int J = (int)(count / t->sub);
-        if (next < end) {
-            const uint8_t *to = next + slice < end ? next + slice : end;
-            prefetch_range(next, to, near);
-            next = to;
-        }
+        ahead_step(&ahead);
         for (int64_t g = 0; g < groups; g++) {
             const uint8_t *p[LANES];
-            for (int l = 0; l < LANES; l++) {
-                const int64_t n = (g0 + g) * LANES + l;
-                p[l] = w + (n < N ? n : N - 1) * row_bytes; /* a short last group repeats its last row */
-            }
+            group_rows(w, row_bytes, N, g0 + g, p);
             decode8(type, p, k0, count, dec + g);
         }
         for (int64_t m0 = 0; m0 < M; m0 += ROW_TILE) {
