@@ -170,6 +170,14 @@ def test_outputs_follow_the_format_and_ar_is_the_masked_argmax(target, name):
         check_format(name, fast.text)
 
 
+def test_json_is_written_as_json_dumps_writes_it(target):
+    """One line, ", " and ": " between items and nothing else: the separators models learned
+    (without the spaces a real model writes stray commas into the next string)."""
+    for name in ("schema", "enum"):
+        text = verispec.generate(target, PROMPTS[0], "anpd", max_new_tokens=NEW, response_format=FORMATS[name]).text
+        assert text == json.dumps(json.loads(text)), text
+
+
 # -- greedy: every lossless method equals constrained ar ---------------------------------------------
 
 def test_every_lossless_method_equals_constrained_ar(target, draft_dir, head_dir):

@@ -76,8 +76,8 @@ def test_json_object_and_a_streamed_schema(client):
 
 
 def test_eight_clients_at_once_get_each_output_alone(client):
-    schema = {"type": "json_schema", "json_schema": {"name": "person", "schema": Person.model_json_schema(),
-                                                     "strict": True}}
+    strict = {**Person.model_json_schema(), "additionalProperties": False}  # as OpenAI's strict mode asks
+    schema = {"type": "json_schema", "json_schema": {"name": "person", "schema": strict, "strict": True}}
     requests = [dict(messages=ask(f"person {i}"), extra_body={"method": ("anpd", "pld", "ar")[i % 3]},
                      response_format=schema if i % 4 else {"type": "json_object"}, max_tokens=60)
                 for i in range(8)]

@@ -64,13 +64,16 @@ def _text(response_format: dict, key: str) -> str:
 
 
 def _from_schema(schema) -> str:
-    """A JSON schema's grammar: compact JSON (no free whitespace, so the text between values
-    is forced), as a strict schema asks."""
+    """A JSON schema's grammar: JSON on one line with no free whitespace, so the text between
+    values is forced, and with a space after each comma and colon (as `json.dumps` writes it):
+    models tokenize `", "` and `": "` as they learned them. Without the spaces (measured on
+    Qwen2.5-Coder-1.5B) the model, denied its usual `", "`, wrote stray commas inside the next
+    string (`["Open a project",",File > Export"]`), and drafts were accepted less."""
     import llguidance
 
     try:
         return llguidance.LLMatcher.grammar_from_json_schema(
-            json.dumps(schema), defaults={"whitespace_flexible": False})
+            json.dumps(schema), defaults={"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "})
     except (ValueError, TypeError) as error:
         raise ConfigError(f"invalid JSON schema: {error}") from None
 
