@@ -22,12 +22,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import jsonschema
+import torch
 
 import verispec
 import verispec.core.constraint as constraint
@@ -65,24 +66,35 @@ def response_format(schema: dict) -> dict:
     return {"type": "json_schema", "json_schema": {"name": "extraction", "strict": True, "schema": schema}}
 
 
-class Totals:
-    """Per method: cases, valid outputs, new tokens, seconds (prefill + decode), forwards, forced."""
+@dataclass
+class Total:
+    """One method's sums over the cases."""
 
-    def __init__(self):
-        self.rows: dict[str, list] = {}
+    cases: int = 0
+    valid: int = 0
+    tokens: int = 0
+    seconds: float = 0.0  # prefill + decode
+    forwards: int = 0
+    forced: int = 0
 
-    def add(self, name: str, valid: bool, tokens: int, seconds: float, forwards: int | None = None,
-            forced: int | None = None) -> None:
-        row = self.rows.setdefault(name, [0, 0, 0, 0.0, 0, 0])
-        for i, value in enumerate((1, int(valid), tokens, seconds, forwards or 0, forced or 0)):
-            row[i] += value
 
-    def print(self, base: str) -> None:
-        reference = self.rows[base][2] / self.rows[base][3]
-        for name, (cases, valid, tokens, seconds, forwards, forced) in self.rows.items():
-            speed = tokens / seconds
-            print(f"{name:14s} valid {valid:2d}/{cases:2d} tokens {tokens:5d} forwards {forwards:5d} forced {forced:4d} "
-                  f"tokens/s {speed:6.2f} ({speed / reference:.2f}x constrained ar)")
+def add(totals: dict[str, Total], name: str, valid: bool, tokens: int, seconds: float, forwards: int = 0,
+        forced: int = 0) -> None:
+    total = totals.setdefault(name, Total())
+    total.cases += 1
+    total.valid += valid
+    total.tokens += tokens
+    total.seconds += seconds
+    total.forwards += forwards
+    total.forced += forced
+
+
+def print_totals(totals: dict[str, Total], base: str) -> None:
+    reference = totals[base].tokens / totals[base].seconds
+    for name, t in totals.items():
+        speed = t.tokens / t.seconds
+        print(f"{name:14s} valid {t.valid:2d}/{t.cases:2d} tokens {t.tokens:5d} forwards {t.forwards:5d} "
+              f"forced {t.forced:4d} tokens/s {speed:6.2f} ({speed / reference:.2f}x constrained ar)")
 
 
 def llama_server_runs(model_path: str, cases: list[dict], max_tokens: int, threads: int, binary: str | None):
@@ -97,17 +109,16 @@ def llama_server_runs(model_path: str, cases: list[dict], max_tokens: int, threa
     server = ManagedServer(argv, env, scratch / "llama-server.log", port)
     try:
         wait_ready(server.base_url, 300, server.alive)
-        results = []
-        for warm_up in (True, False):
-            for case in cases[:1] if warm_up else cases:
-                body = {"messages": [{"role": "user", "content": case["prompt"]}], "max_tokens": max_tokens,
-                        "temperature": 0, "response_format": response_format(case["schema"])}
-                answer = httpx.post(f"{server.base_url}/v1/chat/completions", json=body, timeout=600).json()
-                if not warm_up:
-                    timings = answer["timings"]
-                    results.append((answer["choices"][0]["message"]["content"], timings["predicted_n"],
-                                    (timings["prompt_ms"] + timings["predicted_ms"]) / 1000))
-        return results
+
+        def ask(case: dict) -> dict:
+            body = {"messages": [{"role": "user", "content": case["prompt"]}], "max_tokens": max_tokens,
+                    "temperature": 0, "response_format": response_format(case["schema"])}
+            return httpx.post(f"{server.base_url}/v1/chat/completions", json=body, timeout=600).json()
+
+        ask(cases[0])  # warm-up
+        answers = [ask(case) for case in cases]
+        return [(a["choices"][0]["message"]["content"], a["timings"]["predicted_n"],
+                 (a["timings"]["prompt_ms"] + a["timings"]["predicted_ms"]) / 1000) for a in answers]
     finally:
         server.stop()
 
@@ -132,7 +143,7 @@ def main() -> None:
 
     for case in cases[:4]:  # warm-up (the first format builds llguidance's tokenizer)
         run(case["prompt"], "ar", case["schema"])
-    totals = Totals()
+    totals: dict[str, Total] = {}
     ar_rule = ar_decode = free_decode = 0.0
     ar_decoded = free_decoded = 0
     for case in cases:
@@ -149,22 +160,22 @@ def main() -> None:
             assert result.token_ids == reference.token_ids, (method, prompt)
             row[method] = result.stats
         for name, stats in row.items():
-            totals.add(name, valid, stats.new_tokens, stats.prefill_s + stats.decode_s, stats.target_forwards,
-                       stats.forced)
+            add(totals, name, valid, stats.new_tokens, stats.prefill_s + stats.decode_s, stats.target_forwards,
+                stats.forced)
         free = run(prompt, "ar", None)
         free_decode += free.stats.decode_s
         free_decoded += free.stats.new_tokens
         print(repr(reference.text), "valid" if valid else f"INVALID ({reference.stats.stop_reason})",
               {name: (s.new_tokens, s.target_forwards, s.forced) for name, s in row.items()}, flush=True)
     if args.peer:
-        threads = int(os.environ.get("OMP_NUM_THREADS") or os.cpu_count() or 1)
+        threads = torch.get_num_threads()  # the threads this process decoded with
         model = args.model or str(ModelFiles(None).gguf())
         for case, (text, tokens, seconds) in zip(cases, llama_server_runs(model, cases, args.max_new_tokens, threads,
                                                                           args.llama_server)):
             valid = is_valid(text, case["schema"])
-            totals.add("llama-server", valid, tokens, seconds)
+            add(totals, "llama-server", valid, tokens, seconds)
             print("llama-server", repr(text), "valid" if valid else "INVALID", flush=True)
-    totals.print("ar")
+    print_totals(totals, "ar")
     print(f"decode per token: constrained ar {1000 * ar_decode / ar_decoded:.1f} ms, unconstrained ar "
           f"{1000 * free_decode / free_decoded:.1f} ms ({ar_decode / ar_decoded / (free_decode / free_decoded):.3f}x)")
     print(f"constrained ar: {ar_rule:.2f} s of {ar_decode:.2f} s decoding in the grammar's code "

@@ -68,7 +68,7 @@ def _from_schema(schema) -> str:
     values is forced, and with a space after each comma and colon (as `json.dumps` writes it):
     models tokenize `", "` and `": "` as they learned them. Without the spaces (measured on
     Qwen2.5-Coder-1.5B) the model, denied its usual `", "`, wrote stray commas inside the next
-    string (`["Open a project",",File > Export"]`), and drafts were accepted less."""
+    string (`["Open a project",",File > Export"]`), and fewer tokens came a forward."""
     import llguidance
 
     try:

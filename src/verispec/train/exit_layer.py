@@ -61,12 +61,17 @@ def draft_speedups(acceptance: float, cost: float, exit_layer: int, layers: int,
             for k in range(1, MAX_K + 1)]
 
 
+def best_draft(speedups: list[float]) -> tuple[float, int]:
+    """(the best speed against `ar`, the draft length that gives it; 0: not drafting) of
+    `draft_speedups`' list."""
+    best = max(range(len(speedups)), key=lambda i: speedups[i])
+    return (speedups[best], best + 1) if speedups[best] > 1.0 else (1.0, 0)
+
+
 def expected_speedup(acceptance: float, cost: float, exit_layer: int, layers: int,
                      row_cost: float = ROW_COST) -> tuple[float, int]:
     """(tokens per unit of time against `ar`, the draft length that gives it; 0: not drafting)."""
-    speedups = draft_speedups(acceptance, cost, exit_layer, layers, row_cost)
-    best = max(range(len(speedups)), key=lambda i: speedups[i])
-    return (speedups[best], best + 1) if speedups[best] > 1.0 else (1.0, 0)
+    return best_draft(draft_speedups(acceptance, cost, exit_layer, layers, row_cost))
 
 
 def choose(acceptance: dict[int, float], config, draft_vocab: int, row_cost: float = ROW_COST) -> tuple[int, dict]:
@@ -79,9 +84,9 @@ def choose(acceptance: dict[int, float], config, draft_vocab: int, row_cost: flo
     table = {}
     for exit_layer, accepted in sorted(acceptance.items()):
         cost = draft_cost(config, exit_layer, draft_vocab)
-        speedup, k = expected_speedup(accepted, cost, exit_layer, layers, row_cost)
+        speedups = draft_speedups(accepted, cost, exit_layer, layers, row_cost)
+        speedup, k = best_draft(speedups)
         table[exit_layer] = {"acceptance": round(accepted, 4), "draft_cost": round(cost, 4),
-                             "speedup": round(speedup, 4), "draft_length": k,
-                             "drafting": round(max(draft_speedups(accepted, cost, exit_layer, layers, row_cost)), 4)}
+                             "speedup": round(speedup, 4), "draft_length": k, "drafting": round(max(speedups), 4)}
     best = max(sorted(table), key=lambda n: (table[n]["speedup"], table[n]["drafting"], -n))
     return best, table
