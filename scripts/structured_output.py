@@ -74,17 +74,19 @@ class Total:
     valid: int = 0
     tokens: int = 0
     seconds: float = 0.0  # prefill + decode
+    prefill_s: float = 0.0
     forwards: int = 0
     forced: int = 0
 
 
 def add(totals: dict[str, Total], name: str, valid: bool, tokens: int, seconds: float, forwards: int = 0,
-        forced: int = 0) -> None:
+        forced: int = 0, prefill_s: float = 0.0) -> None:
     total = totals.setdefault(name, Total())
     total.cases += 1
     total.valid += valid
     total.tokens += tokens
     total.seconds += seconds
+    total.prefill_s += prefill_s
     total.forwards += forwards
     total.forced += forced
 
@@ -94,12 +96,13 @@ def print_totals(totals: dict[str, Total], base: str) -> None:
     for name, t in totals.items():
         speed = t.tokens / t.seconds
         print(f"{name:14s} valid {t.valid:2d}/{t.cases:2d} tokens {t.tokens:5d} forwards {t.forwards:5d} "
-              f"forced {t.forced:4d} tokens/s {speed:6.2f} ({speed / reference:.2f}x constrained ar)")
+              f"forced {t.forced:4d} seconds {t.seconds:6.2f} (prefill {t.prefill_s:5.2f}) tokens/s {speed:6.2f} "
+              f"({speed / reference:.2f}x constrained ar)")
 
 
 def llama_server_runs(model_path: str, cases: list[dict], max_tokens: int, threads: int, binary: str | None):
-    """Each case through llama-server's json_schema: (text, predicted tokens, seconds of prompt and
-    decode by its own timings)."""
+    """Each case through llama-server's json_schema: (text, predicted tokens, (seconds of prompt,
+    seconds of decode) by its own timings)."""
     import httpx
 
     spec = parse_server("llama-server:1", 1)
@@ -112,13 +115,14 @@ def llama_server_runs(model_path: str, cases: list[dict], max_tokens: int, threa
 
         def ask(case: dict) -> dict:
             body = {"messages": [{"role": "user", "content": case["prompt"]}], "max_tokens": max_tokens,
-                    "temperature": 0, "response_format": response_format(case["schema"])}
+                    "temperature": 0, "response_format": response_format(case["schema"]),
+                    "cache_prompt": False}  # cold prefill, as verispec's runs here
             return httpx.post(f"{server.base_url}/v1/chat/completions", json=body, timeout=600).json()
 
         ask(cases[0])  # warm-up
         answers = [ask(case) for case in cases]
         return [(a["choices"][0]["message"]["content"], a["timings"]["predicted_n"],
-                 (a["timings"]["prompt_ms"] + a["timings"]["predicted_ms"]) / 1000) for a in answers]
+                 (a["timings"]["prompt_ms"] / 1000, a["timings"]["predicted_ms"] / 1000)) for a in answers]
     finally:
         server.stop()
 
@@ -134,6 +138,9 @@ def main() -> None:
     args = parser.parse_args()
     cases = [json.loads(line) for line in args.cases.read_text().splitlines() if line.strip()]
     target = verispec.load(args.model)
+    # Every run prefills its prompt cold, as a new document would: with the prefix cache on, the
+    # methods run after constrained `ar` on a case would find their whole prompt cached.
+    target.prefix_cache = False
     clock = RuleClock()
 
     def run(prompt, method, schema):
@@ -161,7 +168,7 @@ def main() -> None:
             row[method] = result.stats
         for name, stats in row.items():
             add(totals, name, valid, stats.new_tokens, stats.prefill_s + stats.decode_s, stats.target_forwards,
-                stats.forced)
+                stats.forced, stats.prefill_s)
         free = run(prompt, "ar", None)
         free_decode += free.stats.decode_s
         free_decoded += free.stats.new_tokens
@@ -173,7 +180,7 @@ def main() -> None:
         for case, (text, tokens, seconds) in zip(cases, llama_server_runs(model, cases, args.max_new_tokens, threads,
                                                                           args.llama_server)):
             valid = is_valid(text, case["schema"])
-            add(totals, "llama-server", valid, tokens, seconds)
+            add(totals, "llama-server", valid, tokens, sum(seconds), prefill_s=seconds[0])
             print("llama-server", repr(text), "valid" if valid else "INVALID", flush=True)
     print_totals(totals, "ar")
     print(f"decode per token: constrained ar {1000 * ar_decode / ar_decoded:.1f} ms, unconstrained ar "

@@ -35,7 +35,7 @@ from verispec.core.constraint import constrain, mask_logits
 from verispec.core.control import ConstantLength
 from verispec.core.drafters.base import Draft
 from verispec.core.drafters.early_exit import ExitHead, save_head
-from verispec.core.engine import Recipe
+from verispec.core.engine import Recipe, next_draft
 from verispec.core.methods import MethodOptions, build
 from verispec.core.sampling import SamplingConfig, probabilities
 from verispec.errors import ConfigError
@@ -271,6 +271,81 @@ def test_forced_tokens_are_drafted_and_accepted(target):
         assert stats.target_forwards <= len(result.token_ids) - stats.forced  # a forward saved per forced token
     ar = verispec.generate(target, PROMPTS[0], "ar", max_new_tokens=NEW, response_format=FORMATS["enum"])
     assert ar.stats.forced == 0 and ar.stats.target_forwards == len(ar.token_ids)
+
+
+class OracleDrafter:
+    """Proposes the tokens a reference output has next (it knows the answer)."""
+
+    def __init__(self, reference, prompt_length):
+        self.reference, self.prompt_length = reference, prompt_length
+
+    def begin(self, prompt):
+        pass
+
+    def propose(self, context, k, keep=None):
+        done = len(context) - self.prompt_length
+        return Draft.of(self.reference[done : done + k])
+
+    def commit(self, committed, n_proposed):
+        pass
+
+
+class OracleAheadDrafter(OracleDrafter):
+    """The same, also after uncommitted tokens: it continues a grammar's forced text."""
+
+    def propose_ahead(self, context, ahead, k, keep=None):
+        return self.propose([*context, *ahead], k)
+
+
+def test_a_forced_step_also_verifies_the_drafters_continuation(target):
+    """Where the drafter can draft after uncommitted tokens, a step with forced text verifies its
+    draft after them in the same forward: same output, fewer forwards, and steps whose drafts go
+    past the forced text; a drafter that cannot, drafts nothing in such steps."""
+    encode = lambda text: target.tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+    prompt = encode(PROMPTS[2])
+    fmt = FORMATS["enum"]
+    reference, _, _ = helpers.run(target, constrain(Recipe(OracleDrafter([], 0), ConstantLength(0), verify_lossless),
+                                                    compile_format(target, fmt).matcher()), prompt, NEW)
+    forwards, past_forced = {}, {}
+    for drafter in (OracleDrafter(reference, len(prompt)), OracleAheadDrafter(reference, len(prompt))):
+        rule = SpyRule()
+        constraint = compile_format(target, fmt)
+        ids, stats, steps = helpers.run(target, constrain(Recipe(drafter, ConstantLength(8), rule),
+                                                          constraint.matcher()), prompt, NEW)
+        assert ids == reference
+        name = type(drafter).__name__
+        forwards[name] = stats.target_forwards
+        matcher = constraint.matcher()  # replays the steps: what was forced before each
+        matcher.consume(steps[0])
+        past_forced[name] = 0
+        for draft, step in zip(rule.drafts[1:], steps[1:]):
+            forced = matcher.forced()
+            if forced and draft[: len(forced)] == forced and len(draft) > len(forced):
+                past_forced[name] += 1
+            matcher.consume(step)
+    assert past_forced == {"OracleDrafter": 0, "OracleAheadDrafter": past_forced["OracleAheadDrafter"]}
+    assert past_forced["OracleAheadDrafter"] > 0
+    assert forwards["OracleAheadDrafter"] < forwards["OracleDrafter"], forwards
+
+
+def test_the_text_forced_after_a_whole_draft_joins_it(target):
+    """A drafter's draft that the grammar accepts whole is followed, in the same draft, by the
+    text the grammar forces after it (here the enum's value, then the next key)."""
+    encode = lambda text: target.tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+    constraint = compile_format(target, FORMATS["enum"])
+    matcher = constraint.matcher()
+    start = encode('{"colour": "')
+    assert matcher.consume(start) == len(start) and not matcher.forced()  # the value is the model's choice
+    value = encode("red")
+    drafter = OracleAheadDrafter(start + value, 0)
+    recipe = constrain(Recipe(drafter, ConstantLength(len(value)), verify_lossless), matcher)
+    draft = next_draft(recipe.drafter, recipe.controller, start, 40, False).tokens.tolist()
+    replay = constraint.matcher()
+    replay.consume(start + value)
+    forced = replay.forced()
+    assert len(forced) > 2 and target.tokenizer.decode(forced).startswith('", "size": "')
+    assert draft == value + forced
+    assert matcher.consume([]) == 0 and matcher.forced() == []  # the request's matcher is where it was
 
 
 # -- many requests --------------------------------------------------------------------------------

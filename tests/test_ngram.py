@@ -259,6 +259,42 @@ def test_anpd_drafter_learns_from_prompt_and_commits():
     assert drafter.tables.lookup([9]) is None
 
 
+@pytest.mark.parametrize("span_min", [0, 4])
+def test_anpd_drafts_ahead_of_uncommitted_tokens_as_if_they_were_committed(span_min):
+    """`propose_ahead`: the draft that would follow once `ahead` is committed, the tables and the
+    stream left as they were."""
+    prompt = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 1, 2]
+    drafter, twin = AnpdDrafter(NgramConfig(max_n=3, span_min=span_min)), AnpdDrafter(NgramConfig(max_n=3, span_min=span_min))
+    drafter.begin(prompt)
+    twin.begin(prompt)
+    ahead = [3, 4, 5]
+    twin.commit(ahead, n_proposed=0)
+    keys = len(drafter.tables)
+    draft = drafter.propose_ahead(prompt, ahead, 4)
+    assert draft.tokens.tolist() == twin.propose(prompt + ahead, 4).tokens.tolist() == [6, 7, 8, 9]
+    assert drafter.tables.tail == [1, 2] and len(drafter.tables) == keys  # nothing of `ahead` indexed
+    assert drafter.propose(prompt, 2).tokens.tolist() == [3, 4]
+
+
+def test_anpd_learns_from_its_own_tokens_after_the_ahead_only():
+    """After `propose_ahead`, commit gets the step's committed tokens and the whole draft's
+    length: the drafter's outcomes count its own tokens (two accepted, one rejected here), and
+    nothing where the uncommitted tokens before them were not all accepted."""
+    prompt = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 1, 2]
+    config = NgramConfig(max_n=3, span_min=0)
+    drafter = AnpdDrafter(config)
+    drafter.begin(prompt)
+    drafter.propose_ahead(prompt, [3, 4], 3)  # drafts 5, 6, 7
+    drafter.commit([3, 4, 5, 6, 99], n_proposed=5)
+    assert sum(a for a, _ in drafter._outcomes.values()) == 2 and sum(r for _, r in drafter._outcomes.values()) == 1
+    fresh = AnpdDrafter(config)
+    fresh.begin(prompt)
+    fresh.propose_ahead(prompt, [3, 4], 3)
+    fresh.commit([3, 77], n_proposed=5)  # the second uncommitted token was rejected: the draft was never judged
+    assert fresh._outcomes == {}
+    assert fresh.tables.tail == [3, 77]
+
+
 def test_anpd_confidence_rises_while_drafts_are_accepted():
     """Confidence is the drafter's estimate of P(accepted); a run of accepted drafts of the same
     kind must raise it."""

@@ -54,6 +54,32 @@ def test_longest_equals_a_brute_force_search(seed):
             assert found.stream is index._streams[source]
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_a_look_up_ahead_matches_as_if_the_tokens_followed_and_indexes_nothing(seed):
+    """`longest(stream, ahead)`: the longest match of the stream followed by `ahead` (searched by
+    brute force), without indexing `ahead`."""
+    rng = random.Random(seed)
+    index = SpanIndex(key=2, per_key=1000, max_back=12)
+    stream = index.new_stream()
+    tokens = [rng.randrange(4) for _ in range(60)]
+    index.extend(stream, tokens)
+    for _ in range(30):
+        ahead = [rng.randrange(4) for _ in range(rng.randrange(1, 6))]
+        tail = tokens + ahead
+        expected = None  # (length, end), ties to the most recent
+        for end in range(2, len(tokens)):
+            if tokens[end - 2 : end] != tail[-2:]:
+                continue
+            length = 2
+            while length < min(12, end) and tokens[end - length - 1] == tail[-length - 1]:
+                length += 1
+            if expected is None or length >= expected[0]:
+                expected = (length, end)
+        found = index.longest(stream, ahead)
+        assert (None if found is None else (found.length, found.start)) == expected
+    assert index.tokens_held == len(tokens) and list(index._streams[stream]) == tokens
+
+
 def test_ties_go_to_the_most_recent_occurrence():
     index = SpanIndex(key=2)
     stream = index.new_stream()

@@ -21,9 +21,13 @@ The reference is constrained `ar`: the target's logits with the tokens the gramm
 - where the grammar allows a single continuation (forced text), the draft is its tokens, at no
   drafting cost, verified as any draft: the masked target nearly always takes them (the mask
   still allows other tokenizations of the same text, and the last token may merge with what
-  follows). Such a step drafts nothing else (the inner drafter is neither asked nor told of a
-  proposal: its protocol follows committed tokens only); its drafts come in the steps between.
-  `ar` drafts nothing (its controller's length is 0), so constrained `ar` stays the reference.
+  follows). A drafter that can draft after uncommitted tokens (`propose_ahead`: the n-gram
+  and suffix drafters) continues the forced text in the same draft, cut at the grammar as any
+  draft, and the text the grammar forces after the whole of its draft joins it too (a value
+  copied up to its closing quote, then the next key); the controller then prices the whole
+  width. Other drafters draft nothing else in a forced step (their protocol follows committed
+  tokens only), their drafts come in the steps between. `ar` drafts nothing (its controller's
+  length is 0), so constrained `ar` stays the reference.
 """
 
 from __future__ import annotations
@@ -105,6 +109,12 @@ class ConstraintState:
         self.matcher, self.stats, self.force = matcher, stats, force
         self.cut_drawn: tuple[int, int, torch.Tensor] | None = None
         self.forced_now = 0  # tokens of this step's draft that the grammar forced (set as each step drafts)
+        self.forced_tail = (0, 0)  # (first row, count) of forced tokens after the drafter's own, if any
+
+    def forced_accepted(self, n_accepted: int) -> int:
+        """How many of the first n_accepted draft tokens of this step were forced text."""
+        start, count = self.forced_tail
+        return min(self.forced_now, n_accepted) + max(0, min(n_accepted, start + count) - start)
 
     def forced(self, limit: int) -> list[int]:
         if not self.force or limit <= 0 or self.matcher.stopped:
@@ -122,6 +132,9 @@ class ConstrainedDrafter:
         self._asked = False  # whether the inner drafter proposed this step
         if hasattr(inner, "proposing"):
             self.proposing = self._proposing
+        if hasattr(inner, "propose_ahead"):
+            self.continue_forced = self._continue_forced
+            self.forced_after = self._forced_after
 
     def __getattr__(self, name: str):
         return getattr(self.inner, name)
@@ -133,15 +146,39 @@ class ConstrainedDrafter:
         """This step's forced tokens (at most `room`) as a draft, None where the grammar forces
         nothing (`engine.drafting` asks before the controller's length: they cost nothing)."""
         forced = self.state.forced(room)
-        self.state.forced_now = len(forced)
+        self.state.forced_now, self.state.forced_tail = len(forced), (0, 0)
         if not forced:
             return None
         return Draft(torch.tensor(forced, dtype=torch.long, device=HOST), confidence=(1.0,) * len(forced))
 
+    def _continue_forced(self, context: Sequence[int], forced: Draft, k: int, keep: Keep = keep_all) -> Draft:
+        """The inner drafter's draft after this step's forced tokens (`forced_draft`), cut at the
+        grammar from the state those tokens lead to (the matcher is left as it was)."""
+        self._asked = True
+        ahead = forced.tokens.tolist()
+        draft = self.inner.propose_ahead(context, ahead, k, keep)
+        consumed = self.state.matcher.consume(ahead)
+        try:
+            return draft.prefix(valid_prefix(self.state.matcher, draft.tokens.tolist()))
+        finally:
+            self.state.matcher.rollback(consumed)
+
+    def _forced_after(self, draft: Draft, room: int) -> Draft:
+        """The text the grammar forces after all of `draft` (a linear draft it accepts), at most
+        `room` tokens; recorded as this step's forced tail (the matcher is left as it was)."""
+        tokens = draft.tokens.tolist()
+        consumed = self.state.matcher.consume(tokens)
+        try:
+            forced = self.state.forced(room) if consumed == len(tokens) else []
+        finally:
+            self.state.matcher.rollback(consumed)
+        self.state.forced_tail = (len(tokens), len(forced))
+        return Draft(torch.tensor(forced, dtype=torch.long, device=HOST), confidence=(1.0,) * len(forced))
+
     @property
     def forced_step(self) -> bool:
-        """This step's draft is forced text (its controller learns nothing from it)."""
-        return self.state.forced_now > 0
+        """This step's draft holds forced text (its controller learns nothing from it)."""
+        return self.state.forced_now > 0 or self.state.forced_tail[1] > 0
 
     def propose(self, context: Sequence[int], k: int, keep: Keep = keep_all) -> Draft:
         self._asked = True
@@ -209,8 +246,8 @@ class ConstrainedRule:
             p = probabilities(masked[len(draft)].unsqueeze(0), sampling)[0]  # [vocab]
             verdict = Verdict(verdict.n_accepted, sample(residual_distribution(p, cut[2]), generator), verdict.path)
         state.cut_drawn = None
-        if state.stats is not None and state.forced_now:  # those accepted (a batch may have cut the draft)
-            state.stats.forced += min(state.forced_now, verdict.n_accepted)
+        if state.stats is not None:  # those accepted (a batch may have cut the draft)
+            state.stats.forced += state.forced_accepted(verdict.n_accepted)
         self._advance(draft, verdict)
         return verdict
 

@@ -231,23 +231,35 @@ def drafting(drafter: Drafter, controller: Controller, context: Sequence[int], r
              verifies_trees: bool, cut: bool = True) -> Steps[Draft]:
     """`next_draft` as steps: a drafter that feeds a draft model paging its KV (`proposing`)
     yields that model's rows (`shared_forward.Part`), which the batch runs for many requests at
-    once; any other drafter proposes without yielding. A drafter under a grammar whose next
-    tokens are forced (`constraint.ConstrainedDrafter.forced_draft`) drafts those, up to `room`."""
+    once; any other drafter proposes without yielding. Under a grammar (`constraint`): where the
+    next tokens are forced (`ConstrainedDrafter.forced_draft`) the draft starts with those, up to
+    `room`, always kept, then the drafter's own draft after them where it can draft past
+    uncommitted tokens (`continue_forced`), else nothing; and the text forced after the whole of
+    a linear deterministic draft joins it (`forced_after`), before the controller's cut."""
     forced_draft = getattr(drafter, "forced_draft", None)  # a constrained drafter (`constraint`)
-    forced = forced_draft(room) if forced_draft is not None else None
-    if forced is not None:  # the grammar's only continuation: drafted at no cost, nearly always accepted
-        return forced
-    k = min(controller.next_length(), room)
-    proposing = getattr(drafter, "proposing", None)
-    if k <= 0:
-        draft = EMPTY_DRAFT
-    elif proposing is not None:
-        draft = yield from proposing(context, k, controller.keep)
+    lead = forced_draft(room) if forced_draft is not None else None  # drafted at no cost, nearly always accepted
+    if lead is not None:
+        more = getattr(drafter, "continue_forced", None)
+        k = min(controller.next_length(), room - len(lead)) if more is not None else 0
+        if k <= 0:
+            return lead
+        draft = lead.followed_by(more(context, lead, k, controller.keep))
     else:
-        draft = drafter.propose(context, k, controller.keep)
-    assert len(draft) <= max(k, 0), f"drafter proposed {len(draft)} tokens for k={k}"
+        k = min(controller.next_length(), room)
+        proposing = getattr(drafter, "proposing", None)
+        if k <= 0:
+            draft = EMPTY_DRAFT
+        elif proposing is not None:
+            draft = yield from proposing(context, k, controller.keep)
+        else:
+            draft = drafter.propose(context, k, controller.keep)
+        assert len(draft) <= max(k, 0), f"drafter proposed {len(draft)} tokens for k={k}"
+    kept = 0 if lead is None else len(lead)
+    after = getattr(drafter, "forced_after", None)
+    if after is not None and len(draft) > kept and draft.parents is None and not draft.drawn:
+        draft = draft.followed_by(after(draft, room - len(draft)))
     if cut and not draft.drawn:
-        draft = draft.prefix(controller.cut(draft.confidence, len(draft)))
+        draft = draft.prefix(max(kept, controller.cut(draft.confidence, len(draft))))
     if draft.parents is not None and not verifies_trees:
         draft = draft.primary()
     return draft

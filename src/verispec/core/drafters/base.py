@@ -128,6 +128,13 @@ class Draft:
         confidence = tuple(survival[i] / (survival[path[j - 1]] if j else 1.0) for j, i in enumerate(path))
         return Draft(self.tokens[path], confidence=confidence)
 
+    def followed_by(self, other: "Draft") -> "Draft":
+        """This draft's tokens, then `other`'s (both linear and deterministic)."""
+        assert self.parents is None is other.parents and not (self.drawn or other.drawn), "linear, deterministic drafts only"
+        if not len(other):
+            return self
+        return Draft(torch.cat([self.tokens, other.tokens]), confidence=self.confidence + other.confidence)
+
     @staticmethod
     def of(tokens: Sequence[int]) -> "Draft":
         """A deterministic draft (q = None) from a list of ids."""
@@ -181,6 +188,9 @@ class Drafter(Protocol):
 
     # Optional: `close()`, called once when the request ends, for a drafter that holds something
     # beyond itself (a draft model's KV sequence; `engine.close_drafter`).
+    # Optional: `propose_ahead(context, ahead, k, keep)`, a linear deterministic draft to follow
+    # `context` and then `ahead`, tokens drafted before it that are not committed (a grammar's
+    # forced text, `constraint`); `commit` then gets the whole draft's length, `ahead` included.
 
 
 class NullDrafter:

@@ -190,11 +190,13 @@ class NgramTables:
         """Up to k tokens by repeated look-up, starting from the indexed context's end."""
         return [m.token for m in self.draft_matches(k)]
 
-    def draft_matches(self, k: int, fallback: "NgramTables | None" = None) -> list["Match"]:
+    def draft_matches(self, k: int, fallback: "NgramTables | None" = None,
+                      ahead: Sequence[int] = ()) -> list["Match"]:
         """Like `draft`, with the match behind each token. `fallback` (same orders, e.g. the
         memory across requests) is asked too; its match is taken where it matched a longer
-        n-gram than these tables (or these miss), and says `remembered`."""
-        tail = list(self._tail)
+        n-gram than these tables (or these miss), and says `remembered`. `ahead`: tokens taken
+        as following the indexed ones (not indexed): the draft continues them."""
+        tail = [*self._tail, *ahead][-(self.max_n - 1) :]
         drafted: list[Match] = []
         while len(drafted) < k:
             match = self.match(tail)
@@ -371,6 +373,7 @@ class AnpdDrafter:
         self._outcomes: dict[tuple, list[int]] = {}  # kind -> [accepted, rejected]
         self._pooled = outcomes  # where the request's own kinds are learned, if not per request
         self._last_kinds: list[tuple] = []  # confidence kinds of the last linear draft's tokens
+        self._ahead = 0  # tokens the last draft continued that were not committed (`propose_ahead`)
         self._last_tree: tuple[list[int], list[int], list[tuple]] | None = None  # tokens, parents, kinds
 
     @classmethod
@@ -394,7 +397,7 @@ class AnpdDrafter:
             self._stream = self._spans.new_stream()
             self._spans.extend(self._stream, prompt)
         self._outcomes = {} if self._pooled is None else self._pooled
-        self._last_kinds, self._last_tree = [], None
+        self._last_kinds, self._last_tree, self._ahead = [], None, 0
 
     def propose(self, context: Sequence[int], k: int, keep: Keep = keep_all) -> Draft:
         span = self._long_match()
@@ -405,6 +408,15 @@ class AnpdDrafter:
         tokens, confidence = self._propose_path(span, k, keep)
         return Draft(torch.tensor(tokens, dtype=torch.long, device=HOST), confidence=confidence)
 
+    def propose_ahead(self, context: Sequence[int], ahead: Sequence[int], k: int, keep: Keep = keep_all) -> Draft:
+        """Up to k tokens on one path after `context` and then `ahead`, tokens not committed yet
+        (a grammar's forced text, drafted before these); `commit` follows with the step's
+        committed tokens and the whole draft's length, `ahead` included, and learns from the
+        tokens after `ahead` only."""
+        tokens, confidence = self._propose_path(self._long_match(ahead), k, keep, ahead)
+        self._ahead = len(ahead)
+        return Draft(torch.tensor(tokens, dtype=torch.long, device=HOST), confidence=confidence)
+
     def propose_ids(self, k: int, keep: Keep = keep_all) -> tuple[list[int], tuple[float, ...]]:
         """The linear draft `propose` makes, as plain ids and confidences (no tensor), for
         callers that batch drafts themselves (`verispec.integrations.vllm`); `commit` follows
@@ -413,14 +425,16 @@ class AnpdDrafter:
             raise ConfigError("propose_ids makes linear drafts: this drafter drafts trees (tree > 0)")
         return self._propose_path(self._long_match(), k, keep)
 
-    def _propose_path(self, span: Span | None, k: int, keep: Keep) -> tuple[list[int], tuple[float, ...]]:
-        """Up to k tokens on one path: the copy after a long match, else chained look-ups."""
+    def _propose_path(self, span: Span | None, k: int, keep: Keep,
+                      ahead: Sequence[int] = ()) -> tuple[list[int], tuple[float, ...]]:
+        """Up to k tokens on one path: the copy after a long match, else chained look-ups (after
+        `ahead`, uncommitted tokens that come first)."""
         if span is not None:  # a long match is copied as a single path, trees or not
             tokens = span.tokens(k)
             kinds = [span_kind(span.length + j, span.other) for j in range(len(tokens))]
         else:
             fallback = None if self.memory is None else self.memory.tables
-            matches = self.tables.draft_matches(k, fallback)
+            matches = self.tables.draft_matches(k, fallback, ahead)
             tokens = [m.token for m in matches]
             kinds = [(m.n, min(m.count, 3), m.remembered) for m in matches]
         confidence = tuple(self._confidence(kind) for kind in kinds)
@@ -428,11 +442,12 @@ class AnpdDrafter:
         self._last_kinds = kinds[:n]
         return tokens[:n], confidence[:n]
 
-    def _long_match(self) -> Span | None:
-        """The longest earlier occurrence of the stream's end, if at least span_min tokens long."""
+    def _long_match(self, ahead: Sequence[int] = ()) -> Span | None:
+        """The longest earlier occurrence of the stream's end (then `ahead`), if at least span_min
+        tokens long."""
         if self._spans is None:
             return None
-        span = self._spans.longest(self._stream)
+        span = self._spans.longest(self._stream, ahead)
         return span if span is not None and span.length >= self.config.span_min else None
 
     def _propose_tree(self, budget: int, keep: Keep) -> Draft:
@@ -504,10 +519,12 @@ class AnpdDrafter:
     def commit(self, committed: Sequence[int], n_proposed: int) -> None:
         if self._last_tree is not None:
             self._learn_tree(committed)
-        n_accepted = len(committed) - 1
-        for i, kind in enumerate(self._last_kinds[:n_proposed][: n_accepted + 1]):
-            self._learn(kind, i < n_accepted)
-        self._last_kinds, self._last_tree = [], None
+        ahead = self._ahead  # the draft began after these: its own tokens were verified only if they all were
+        n_accepted = len(committed) - 1 - ahead
+        if n_accepted >= 0:
+            for i, kind in enumerate(self._last_kinds[: max(0, n_proposed - ahead)][: n_accepted + 1]):
+                self._learn(kind, i < n_accepted)
+        self._last_kinds, self._last_tree, self._ahead = [], None, 0
         self.tables.extend(committed)
         if self.memory is not None:
             self.memory.index(self._memory_tail, committed)
@@ -546,6 +563,10 @@ class PromptLookupDrafter:
     def propose(self, context: Sequence[int], k: int, keep: Keep = keep_all) -> Draft:
         tokens = prompt_lookup(context, self.max_ngram, k)
         return Draft.of(tokens[: kept_prefix([None] * len(tokens), keep)])
+
+    def propose_ahead(self, context: Sequence[int], ahead: Sequence[int], k: int, keep: Keep = keep_all) -> Draft:
+        """`propose` after `context` and then `ahead` (uncommitted tokens drafted before these)."""
+        return self.propose([*context, *ahead], k, keep)
 
     def commit(self, committed: Sequence[int], n_proposed: int) -> None:
         pass

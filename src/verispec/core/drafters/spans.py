@@ -98,11 +98,14 @@ class SpanIndex:
                 oldest = next(s for s in self._streams if s != stream)
             self._total -= len(self._streams.pop(oldest))
 
-    def longest(self, stream: int) -> Span | None:
+    def longest(self, stream: int, ahead: Sequence[int] = ()) -> Span | None:
         """The indexed position whose preceding tokens match the end of `stream` longest (at least
         `key` tokens, at most `max_back`), with tokens after it; ties go to the most recent. None
-        when the stream's last `key` tokens were never seen followed by anything."""
+        when the stream's last `key` tokens were never seen followed by anything. `ahead`: tokens
+        taken as following the stream for this look-up only (not indexed)."""
         tail = self._streams.get(stream)
+        if tail is not None and ahead:
+            tail = tail[-self.max_back :] + array("i", ahead)
         if tail is None or len(tail) < self.key:
             return None
         ends = self._ends.get(tail[-self.key :].tobytes())

@@ -231,6 +231,7 @@ class SuffixDrafter:
         self.request: int | None = None
         self._finalizer: weakref.finalize | None = None
         self._kinds: list[tuple[int, int]] = []
+        self._ahead = 0  # tokens the last draft continued that were not committed (`propose_ahead`)
 
     @classmethod
     def for_target(cls, attachments: dict, config: SuffixConfig = SuffixConfig()) -> "SuffixDrafter":
@@ -246,7 +247,7 @@ class SuffixDrafter:
         self._kinds = []
 
     def propose(self, context: Sequence[int], k: int, keep: Keep = keep_all) -> Draft:
-        self._kinds = []
+        self._kinds, self._ahead = [], 0
         if k <= 0 or not self.store.active(self.request):
             return EMPTY_DRAFT
         config = self.store.config
@@ -265,8 +266,17 @@ class SuffixDrafter:
         return Draft(torch.tensor([tree.token_ids[i] for i in path[:n]], dtype=torch.long, device=HOST),
                      confidence=confidence[:n])
 
+    def propose_ahead(self, context: Sequence[int], ahead: Sequence[int], k: int, keep: Keep = keep_all) -> Draft:
+        """`propose` after `context` and then `ahead`, tokens not committed yet (a grammar's forced
+        text, drafted before these); `commit` learns from the tokens after `ahead` only."""
+        draft = self.propose([*context, *ahead], k, keep)
+        self._ahead = len(ahead)
+        return draft
+
     def commit(self, committed: Sequence[int], n_proposed: int) -> None:
-        self.store.learn(self._kinds[:n_proposed], len(committed) - 1)
-        self._kinds = []
+        ahead = self._ahead  # the draft began after these: its own tokens were verified only if they all were
+        if len(committed) - 1 >= ahead:
+            self.store.learn(self._kinds[: max(0, n_proposed - ahead)], len(committed) - 1 - ahead)
+        self._kinds, self._ahead = [], 0
         if self.store.active(self.request):
             self.store.cache.add_active_response(self.request, list(committed))
