@@ -92,7 +92,10 @@
  * path at M = 1 on Zen 2. At M = 3 (a verify of 3 tokens) one row-wise pass over the weights took
  * 90.5 ms on Qwen2.5-1.5B against the buffered path's 97.3 ms (`verispec profile --widths 3`, two
  * runs each, 2 threads, Zen 2, per-32 numerics); at M = 4 it was 2% slower, so from M = 4 on the
- * buffer is used.
+ * buffer is used. VNNI builds take the row-wise path at M = 1 only (without vpdpbusd: it is AVX2's
+ * code): on a Zen 4 (AVX-512 VNNI, 2 threads, `scripts/kernel_ab.py product --rows 1,2,3`, the two
+ * alternated) it took 0.90x the transposed path's time on Q4_K and Q5_K, 0.91x on Q6_K and 0.71x on
+ * the 151k x 1536 Q6_K head at M = 1, but 0.99-1.03x at M = 2 and 0.97-1.10x at M = 3.
  * The portable build decodes the same chunks with scalar code and computes each (m, n) lane by lane.
  *
  * Threads (OpenMP) split the outputs: tasks of 1 group (4 from M = 32 on), taken in runs of
@@ -162,7 +165,18 @@
 #define FUSED_ROWS 2      /* up to this M, chunks are decoded and multiplied at once (no buffer) */
 #define FUSED_TILE 2      /* rows per fused call (3 or 4 were measured no faster than the buffer) */
 #define ROWWISE_ROWS 3    /* up to this M, the K-quants take the row-wise path (AVX2 without VNNI), one call */
-#define PREFETCH_NEAR 16384 /* a task's rows up to this many bytes are prefetched into L1, more into L2 */
+#define ROWWISE_ROWS_VNNI 1 /* the same on VNNI builds, where vpdpbusd makes the transposed path's products cheap */
+/* A task's rows up to this many bytes are prefetched into L1, more into L2. VNNI builds prefetch
+ * into L2 always: on a Zen 4 (AVX-512 VNNI, 2 threads, Qwen2.5-Coder-1.5B Q4_K_M, `verispec profile`
+ * alternated with the L1 form) the one-token step took 38 against 46 ms, verifies of 2 and 4 tokens
+ * 50-53 and 65-67 against 58-61 and 76-79 ms, 8 sequences 103-108 against 111-128 ms, and prefill
+ * 142 against 132-135 tokens/s; 8 and 16 tokens the same. AVX2 builds keep the L1 form they were
+ * tuned with. */
+#ifdef VS_VNNI
+#define PREFETCH_NEAR 0
+#else
+#define PREFETCH_NEAR 16384
+#endif
 
 
 /* Bytes per row of a [*, K] weight of `type`, or -1 (unknown type, K < 1, K not allowed: a multiple
