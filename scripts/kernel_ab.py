@@ -24,10 +24,12 @@ Qwen2.5-1.5B's and two of the embedded Gemma 3 270M's ("gemma-*"); "q4l3" (4096 
 
 `forward`: whole forwards of the default model (its transformers form on the int8 block forms,
 the fast path), loaded once; before every forward its decoder layers and block linears are
-switched to one of the builds. Prints, per verify width, the median forward time of each build
-and its ratio to the first build's.
+switched to one of the builds. With `--model FILE.gguf`, forwards of that file on its own blocks
+(every layer in C, `numerics gguf`): its layers' C function and its head's kernel are switched.
+Prints, per verify width, the median forward time of each build and its ratio to the first
+build's.
 
-    python scripts/kernel_ab.py forward /tmp/a /tmp/b --widths 1 8 --seconds 120
+    python scripts/kernel_ab.py forward /tmp/a /tmp/b --widths 1 8 --seconds 120 [--model M.gguf]
 """
 
 from __future__ import annotations
@@ -125,18 +127,27 @@ def forward_kernel(folder: Path) -> blockmm.Kernel:
 
 def forward(args) -> None:
     from verispec.bench.profile import timing_context
+    from verispec.runtime.gguf_decoder import GgufDecoder
     from verispec.runtime.linear import BlockLinear
     from verispec.runtime.native_layer import NativeLayer, bind
     from verispec.target.loading import load
 
     kernels = {str(folder): forward_kernel(folder) for folder in args.builds}
-    target = load(numerics="fp32")  # the default file's transformers model, on the block forms
-    target.numerics = "int8"
-    built = list(target.decoder._on_kernel)  # every BlockLinear and NativeLayer of the fast path
-    layers = [o for o in built if isinstance(o, NativeLayer)]
-    linears = [o for o in built if isinstance(o, BlockLinear)]
-    assert layers and linears, "the default model should run on the block kernel"
     functions = {name: bind(kernel.library) for name, kernel in kernels.items()}  # decoder_layers
+    if args.model:  # a GGUF file on its own blocks: switch its layers' function and its head's kernel
+        target = load(args.model)
+        decoder = target.decoder
+        assert isinstance(decoder, GgufDecoder), f"{args.model} does not run on its own blocks here"
+        layers, linears = decoder.layers, [decoder.head]
+        qkernels = {name: qmatmul.wrap(kernel) for name, kernel in kernels.items()}
+    else:
+        target = load(numerics="fp32")  # the default file's transformers model, on the block forms
+        target.numerics = "int8"
+        built = list(target.decoder._on_kernel)  # every BlockLinear and NativeLayer of the fast path
+        layers = [o for o in built if isinstance(o, NativeLayer)]
+        linears = [o for o in built if isinstance(o, BlockLinear)]
+        assert layers and linears, "the default model should run on the block kernel"
+        qkernels = kernels
     context = timing_context(args.context, target.vocab_size)
     target.reset()
     target.forward(context, last_only=True)
@@ -149,7 +160,7 @@ def forward(args) -> None:
             for layer in layers:
                 layer.run_many = functions[name]
             for linear in linears:
-                linear.kernel = kernels[name]
+                linear.kernel = qkernels[name]
             for width in args.widths:
                 started = time.perf_counter()
                 target.forward(context[:width])
@@ -179,6 +190,7 @@ def main() -> None:
     whole.add_argument("--widths", nargs="+", type=int, default=[1, 8])
     whole.add_argument("--context", type=int, default=256)
     whole.add_argument("--seconds", type=float, default=120.0)
+    whole.add_argument("--model", default=None, help="a GGUF file to run on its own blocks (default: the embedded model)")
     args = parser.parse_args()
     (product if args.command == "product" else forward)(args)
 

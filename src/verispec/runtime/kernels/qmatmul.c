@@ -79,7 +79,7 @@
  * path for M = 1 is what keeps a one-token step near memory bandwidth; with more rows the products
  * (one vpmaddubsw per 32 of them, as in blockmm_int8.c) dominate. While a task's rows are read,
  * the next task's rows (contiguous in the file) are prefetched front to back, one slice per chunk.
- * Row-wise (M <= 3 on the K-quants, AVX2 builds without VNNI; `rows_group`): the transposition and
+ * Row-wise (M <= 3 on the K-quants, every SIMD build; `rows_group`): the transposition and
  * the broadcasts cost more instructions than the products at M = 1, so there the 8 rows' bytes are
  * used as they lie: a 32-byte vector holds 16 consecutive code bytes of two outputs (Q4_K, Q5_K:
  * rows q and q + 4, one per 128-bit half) or 32 of one (Q6_K: one row, two sub-blocks of 16),
@@ -92,10 +92,11 @@
  * path at M = 1 on Zen 2. At M = 3 (a verify of 3 tokens) one row-wise pass over the weights took
  * 90.5 ms on Qwen2.5-1.5B against the buffered path's 97.3 ms (`verispec profile --widths 3`, two
  * runs each, 2 threads, Zen 2, per-32 numerics); at M = 4 it was 2% slower, so from M = 4 on the
- * buffer is used. VNNI builds take the row-wise path at M = 1 only (without vpdpbusd: it is AVX2's
- * code): on a Zen 4 (AVX-512 VNNI, 2 threads, `scripts/kernel_ab.py product --rows 1,2,3`, the two
- * alternated) it took 0.90x the transposed path's time on Q4_K and Q5_K, 0.91x on Q6_K and 0.71x on
- * the 151k x 1536 Q6_K head at M = 1, but 0.99-1.03x at M = 2 and 0.97-1.10x at M = 3.
+ * buffer is used. VNNI builds take it too (its sums are vpmaddubsw's: vpdpbusd instead changed
+ * nothing measurable): on a Zen 4 (AVX-512 VNNI, 2 threads) whole forwards of Qwen2.5-Coder-1.5B
+ * Q4_K_M (`scripts/kernel_ab.py forward --model`, builds alternated) took 0.90x the transposed
+ * path's time at 2 rows and 0.95x at 3, and the products alone at 1 row 0.90x on Q4_K and Q5_K,
+ * 0.91x on Q6_K, 0.71x on the 151k x 1536 Q6_K head (`kernel_ab.py product`).
  * The portable build decodes the same chunks with scalar code and computes each (m, n) lane by lane.
  *
  * Threads (OpenMP) split the outputs: tasks of 1 group (4 from M = 32 on), taken in runs of
@@ -164,8 +165,7 @@
 #define MANY_ROWS 32      /* from this M on, a task holds MAX_TASK_GROUPS groups, else 1 */
 #define FUSED_ROWS 2      /* up to this M, chunks are decoded and multiplied at once (no buffer) */
 #define FUSED_TILE 2      /* rows per fused call (3 or 4 were measured no faster than the buffer) */
-#define ROWWISE_ROWS 3    /* up to this M, the K-quants take the row-wise path (AVX2 without VNNI), one call */
-#define ROWWISE_ROWS_VNNI 1 /* the same on VNNI builds, where vpdpbusd makes the transposed path's products cheap */
+#define ROWWISE_ROWS 3    /* up to this M, the K-quants take the row-wise path, one call */
 /* A task's rows up to this many bytes are prefetched into L1, more into L2. VNNI builds prefetch
  * into L2 always: on a Zen 4 (AVX-512 VNNI, 2 threads, Qwen2.5-Coder-1.5B Q4_K_M, `verispec profile`
  * alternated with the L1 form) the one-token step took 38 against 46 ms, verifies of 2 and 4 tokens

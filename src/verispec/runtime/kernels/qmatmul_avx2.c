@@ -329,13 +329,7 @@ static inline __attribute__((always_inline)) void decode_chunk(const int TYPE, c
     }
 }
 
-#define QMM_ROWWISE 1
-#ifdef VS_VNNI
-#define ROWWISE_MAX ROWWISE_ROWS_VNNI
-#else
-#define ROWWISE_MAX ROWWISE_ROWS
-#endif
-/* Row-wise fused path (M <= 3 on AVX2 without VNNI, M = 1 on VNNI builds; K-quants): instead of transposing the 8 rows'
+/* Row-wise fused path (M <= 3, K-quants): instead of transposing the 8 rows'
  * bytes into 4-input steps, each 32-byte vector holds 16 consecutive code bytes of two outputs
  * (Q4_K, Q5_K: rows q and q + 4, one per 128-bit half, as they lie in the file) or 32 of one output
  * (Q6_K: one row, two sub-blocks of 16), so the activations are 16 or 32 consecutive bytes (broadcast
@@ -346,8 +340,8 @@ static inline __attribute__((always_inline)) void decode_chunk(const int TYPE, c
  * sequence that follows is the header's, per sub-block in order. int16 bounds (codes u <= U,
  * |xq| <= 127, one vpmaddubsw lane <= 2 * U * 127): Q4_K (U = 15) 8 lanes <= 30480 before vpmaddwd;
  * Q5_K (U = 31) 4 lanes <= 31496, then int32; Q6_K (U = 63) 2 lanes <= 32004, then int32.
- * One call runs a group of 8 outputs over all of K (see rows_group). VNNI builds use it at M = 1
- * only (qmatmul.c's header says what was measured). */
+ * One call runs a group of 8 outputs over all of K (see rows_group). VNNI builds use it too
+ * (qmatmul.c's header says what was measured). */
 static inline __m256i bcast16(const int8_t *x) { return _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)x)); }
 
 /* Q4_K / Q5_K, super-block at p[l] + off: the exact sums of sub-blocks 2c (e[r]) and 2c + 1 (o[r]) for
@@ -773,9 +767,8 @@ static void run_task(int type, const TypeInfo *t, const uint8_t *w, int64_t row_
     const Ops ops = ops_of(type);
     const int fused = M <= FUSED_ROWS;
     Ahead ahead = task_ahead(w, row_bytes, N, K, g0, groups);
-#ifdef QMM_ROWWISE
     const RowsGroup rows = type == GGUF_Q4_K ? rows_q4_k : type == GGUF_Q5_K ? rows_q5_k : type == GGUF_Q6_K ? rows_q6_k : NULL;
-    if (M <= ROWWISE_MAX && rows) { /* the whole of K per call, accumulators in registers */
+    if (M <= ROWWISE_ROWS && rows) { /* the whole of K per call, accumulators in registers */
         /* prefetched in 8 parts per super-block, spread between the sums: a burst of a whole slice at
          * once was measured slower (fewer misses in flight where they are needed) */
         Ahead parts = {ahead.next, ahead.end, ((ahead.slice + 7) / 8 + 63) & ~(int64_t)63, ahead.near};
@@ -798,7 +791,6 @@ static void run_task(int type, const TypeInfo *t, const uint8_t *w, int64_t row_
         }
         return;
     }
-#endif
     for (int64_t k0 = 0; k0 < K; k0 += CHUNK) {
         const int64_t count = K - k0 < CHUNK ? K - k0 : CHUNK;
         const int J = (int)(count / t->sub);
