@@ -26,8 +26,9 @@ Qwen2.5-1.5B's and two of the embedded Gemma 3 270M's ("gemma-*"); "q4l3" (4096 
 the fast path), loaded once; before every forward its decoder layers and block linears are
 switched to one of the builds. With `--model FILE.gguf`, forwards of that file on its own blocks
 (every layer in C, `numerics gguf`): its layers' C function and its head's kernel are switched.
-Prints, per verify width, the median forward time of each build and its ratio to the first
-build's.
+Prints, per verify width, the median forward time of each build, its ratio to the first build's,
+and whether every build's logits have the first build's bits ("same"; an edit meant to keep the
+numerics must print it).
 
     python scripts/kernel_ab.py forward /tmp/a /tmp/b --widths 1 8 --seconds 120 [--model M.gguf]
 """
@@ -42,6 +43,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from verispec.runtime import blockmm, qmatmul
 from verispec.runtime.build import BUILDS, compile_sources
@@ -152,6 +154,7 @@ def forward(args) -> None:
     target.reset()
     target.forward(context, last_only=True)
     times: dict[tuple[str, int], list[float]] = {(name, width): [] for name in kernels for width in args.widths}
+    logits: dict[tuple[str, int], torch.Tensor] = {}  # each build's first output per width
     order, shuffle = list(kernels), random.Random(0).shuffle
     ends = time.perf_counter() + args.seconds
     while time.perf_counter() < ends:
@@ -163,15 +166,17 @@ def forward(args) -> None:
                 linear.kernel = qkernels[name]
             for width in args.widths:
                 started = time.perf_counter()
-                target.forward(context[:width])
+                out = target.forward(context[:width])
                 times[(name, width)].append(time.perf_counter() - started)
+                logits.setdefault((name, width), out.clone())
                 target.crop(len(context))
     baseline = str(args.builds[0])
     for width in args.widths:
         medians = {name: statistics.median(times[(name, width)]) for name in kernels}
+        same = all(torch.equal(logits[(name, width)], logits[(baseline, width)]) for name in kernels)
         print(f"width {width}: " + "  ".join(
             f"{name} {seconds * 1e3:.2f} ms ({seconds / medians[baseline]:.3f}x, {len(times[(name, width)])} forwards)"
-            for name, seconds in medians.items()))
+            for name, seconds in medians.items()) + ("  same" if same else "  DIFFERENT"))
 
 
 def main() -> None:

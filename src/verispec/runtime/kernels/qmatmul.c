@@ -160,7 +160,15 @@
 #define CHUNK 256         /* inputs decoded at a time */
 #define MAX_STEPS (CHUNK / 4)
 #define MAX_SUBS (CHUNK / 16)
-#define ROW_TILE 4        /* rows sharing each load of decoded codes */
+/* Rows sharing each load of decoded codes. VNNI builds (vpdpbusd, 32 vector registers with
+ * AVX-512) take 8: whole forwards of Qwen2.5-Coder-1.5B Q4_K_M on a Zen 4 (`scripts/kernel_ab.py
+ * forward --model`) took 0.93-0.94x the time of 4 at 5, 8 and 16 tokens (1.01x at 4); the AVX2 build
+ * on the same CPU gained nothing (0.96-1.01x), so it keeps 4. */
+#ifdef VS_VNNI
+#define ROW_TILE 8
+#else
+#define ROW_TILE 4
+#endif
 #define MAX_TASK_GROUPS 4 /* groups decoded per chunk (and per OpenMP task) when M is large */
 #define MANY_ROWS 32      /* from this M on, a task holds MAX_TASK_GROUPS groups, else 1 */
 #define FUSED_ROWS 2      /* up to this M, chunks are decoded and multiplied at once (no buffer) */

@@ -668,6 +668,17 @@ typedef void (*FusedRows)(const uint8_t *const[LANES], int64_t, int64_t, int, De
 #define CONSUME(R_, S_, SIGNED_, STEPS16_, KQ_, OFFS_, BIAS_LOG_)                                              \
     (KQ_ ? consume_k(dec, R_, S_, STEPS16_, OFFS_, BIAS_LOG_, xq, ldq, xs, ldx, xsum, ldsum, acc, shift)                  \
          : consume(dec, J, R_, S_, SIGNED_, STEPS16_, BIAS_LOG_, xq, ldq, xs, ldx, xsum, ldsum, acc))
+#if ROW_TILE == 8 /* the tiles of 4 to 7 rows (ROW_TILE rows: the default case) */
+#define CONSUME_WIDE(S_, SIGNED_, STEPS16_, KQ_, OFFS_, BIAS_LOG_)                                              \
+    case 4: CONSUME(4, S_, SIGNED_, STEPS16_, KQ_, OFFS_, BIAS_LOG_); break;                                     \
+    case 5: CONSUME(5, S_, SIGNED_, STEPS16_, KQ_, OFFS_, BIAS_LOG_); break;                                     \
+    case 6: CONSUME(6, S_, SIGNED_, STEPS16_, KQ_, OFFS_, BIAS_LOG_); break;                                     \
+    case 7: CONSUME(7, S_, SIGNED_, STEPS16_, KQ_, OFFS_, BIAS_LOG_); break;
+#elif ROW_TILE == 4
+#define CONSUME_WIDE(S_, SIGNED_, STEPS16_, KQ_, OFFS_, BIAS_LOG_)
+#else
+#error "consume_* has cases for ROW_TILE 4 or 8"
+#endif
 #define TYPE_KERNELS(NAME, TYPE, S_, SIGNED_, STEPS16_, KQ_, OFFS_, BIAS_LOG_)                                   \
     static __attribute__((noinline)) void decode_##NAME(const uint8_t *const p[LANES], int64_t k0, int64_t count, \
                                                         Decoded *dec) {                                           \
@@ -681,7 +692,8 @@ typedef void (*FusedRows)(const uint8_t *const[LANES], int64_t, int64_t, int, De
             case 1: CONSUME(1, S_, SIGNED_, STEPS16_, KQ_, OFFS_, BIAS_LOG_); break; \
             case 2: CONSUME(2, S_, SIGNED_, STEPS16_, KQ_, OFFS_, BIAS_LOG_); break; \
             case 3: CONSUME(3, S_, SIGNED_, STEPS16_, KQ_, OFFS_, BIAS_LOG_); break; \
-            default: CONSUME(4, S_, SIGNED_, STEPS16_, KQ_, OFFS_, BIAS_LOG_); break; \
+            CONSUME_WIDE(S_, SIGNED_, STEPS16_, KQ_, OFFS_, BIAS_LOG_)                                          \
+            default: CONSUME(ROW_TILE, S_, SIGNED_, STEPS16_, KQ_, OFFS_, BIAS_LOG_); break; \
         }                                                                                                        \
     }                                                                                                            \
     static __attribute__((noinline)) void fused_##NAME(const uint8_t *const p[LANES], int64_t k0, int64_t count, int R, \
@@ -721,6 +733,7 @@ TYPE_KERNELS(q5_k, GGUF_Q5_K, 32, 0, 4, 1, 1, -1)
 TYPE_KERNELS(q6_k, GGUF_Q6_K, 16, 0, 2, 1, 0, 5)
 #pragma GCC diagnostic pop
 #undef TYPE_KERNELS
+#undef CONSUME_WIDE
 #undef CONSUME
 
 typedef struct {
