@@ -35,7 +35,8 @@ from verispec.core.constraint import constrain, mask_logits
 from verispec.core.control import ConstantLength
 from verispec.core.drafters.base import Draft
 from verispec.core.drafters.early_exit import ExitHead, save_head
-from verispec.core.engine import Recipe, next_draft
+from verispec.core.engine import DecodeConfig, Logprobs, Recipe, decode, next_draft
+from verispec.core.stats import GenerationStats
 from verispec.core.methods import MethodOptions, build
 from verispec.core.sampling import SamplingConfig, probabilities
 from verispec.errors import ConfigError
@@ -270,7 +271,33 @@ def test_forced_tokens_are_drafted_and_accepted(target):
         assert stats.accepted >= stats.forced and stats.drafted >= stats.forced
         assert stats.target_forwards <= len(result.token_ids) - stats.forced  # a forward saved per forced token
     ar = verispec.generate(target, PROMPTS[0], "ar", max_new_tokens=NEW, response_format=FORMATS["enum"])
-    assert ar.stats.forced == 0 and ar.stats.target_forwards == len(ar.token_ids)
+    assert ar.stats.stop_reason == "eos"  # the grammar ended it: its end of sequence came without a forward
+    assert ar.stats.forced == 0 and ar.stats.target_forwards == len(ar.token_ids) - 1
+
+
+@pytest.mark.parametrize("name", ["schema", "enum", "regex"])
+def test_the_end_a_complete_grammar_leaves_no_choice_in_costs_no_forward(target, name):
+    """Where the grammar is complete and allows only the end of sequence, that token is committed
+    without a forward: the same tokens as a loop that runs it (asking for log-probabilities keeps
+    the forward, its row is needed), one forward fewer."""
+    encode = lambda text: target.tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+    prompt = encode(PROMPTS[0])
+    config = DecodeConfig(NEW, SamplingConfig(), frozenset(target.eos_token_ids))
+    runs = {}
+    for logprobs in (None, Logprobs(0)):
+        recipe = constrain(Recipe(OracleDrafter([], 0), ConstantLength(0), verify_lossless),
+                           compile_format(target, FORMATS[name]).matcher(), force=False)  # as `ar`
+        stats = GenerationStats()
+        ids = [t for step in decode(target, recipe, prompt, config, stats, logprobs) for t in step]
+        runs[logprobs is None] = (ids, stats.target_forwards, stats.stop_reason)
+    (ids, forwards, reason), (full_ids, full_forwards, full_reason) = runs[True], runs[False]
+    assert ids == full_ids and reason == full_reason and full_forwards == len(ids)
+    ended = compile_format(target, FORMATS[name]).matcher()
+    assert ended.consume(ids[:-1]) == len(ids) - 1
+    no_choice = ended.stopped and int(ended.allowed().sum()) == 1  # what the grammar left at the end
+    assert forwards == full_forwards - (1 if no_choice else 0)
+    if name == "enum":  # not vacuous: this one ends where its grammar leaves no choice
+        assert no_choice and reason == "eos"
 
 
 class OracleDrafter:

@@ -17,7 +17,10 @@ The reference is constrained `ar`: the target's logits with the tokens the gramm
   its masked target probability is 0): from norm(max(p_j - q_j, 0)), so the output still follows
   the masked distribution exactly;
 - the rule sees each verified row masked by the grammar's state after the draft tokens before it;
-- after the verdict the matcher consumes the committed tokens;
+- after the verdict the matcher consumes the committed tokens; where it is then complete and
+  allows a single token (the end of sequence), the loop commits that token without a forward
+  (`ConstrainedRule.certain_end`: the masked distribution is all on it), unless log-probabilities
+  are asked for;
 - where the grammar allows a single continuation (forced text), the draft is its tokens, at no
   drafting cost, verified as any draft: the masked target nearly always takes them (the mask
   still allows other tokenizations of the same text, and the last token may merge with what
@@ -250,6 +253,16 @@ class ConstrainedRule:
             state.stats.forced += state.forced_accepted(verdict.n_accepted)
         self._advance(draft, verdict)
         return verdict
+
+    def certain_end(self) -> int | None:
+        """The token that comes next whatever the logits, where the grammar is complete and allows
+        a single token (its end of sequence): the masked distribution is all on it, so greedy and
+        sampled constrained `ar` both take it; None otherwise."""
+        matcher = self.state.matcher
+        if not matcher.stopped:
+            return None
+        allowed = matcher.allowed().nonzero().flatten()
+        return int(allowed[0]) if len(allowed) == 1 else None
 
     def _advance(self, draft: Draft, verdict: Verdict) -> None:
         """The matcher consumes the accepted drafts and the target's token (past the end of the

@@ -155,8 +155,15 @@ class Decoding:
         return self._commit(committed, rows)
 
     def _commit(self, committed: list[int], rows) -> tuple[list[int], str]:
-        """The step's tokens cut at a stop token or the budget (`apply_stops`), their
+        """The step's tokens, then the stop token that a rule knows comes next whatever the logits
+        (`certain_end`: a grammar that allows nothing else; not when log-probabilities are asked
+        for, they need its row), cut at a stop token or the budget (`apply_stops`), their
         log-probabilities recorded (rows [n, vocab]: row i chose token i), added to the context."""
+        certain_end = getattr(self.recipe.rule, "certain_end", None)
+        if certain_end is not None and self.logprobs is None and committed[-1] not in self.config.stop_token_ids:
+            end = certain_end()
+            if end is not None and end in self.config.stop_token_ids:  # the forward that would pick it is saved
+                committed = [*committed, end]
         committed, reason = apply_stops(committed, self.stats.new_tokens, self.config)
         if self.logprobs is not None:
             self.logprobs.record(rows[: len(committed)], committed)
