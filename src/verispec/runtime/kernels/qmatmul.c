@@ -174,17 +174,6 @@
 #define FUSED_ROWS 2      /* up to this M, chunks are decoded and multiplied at once (no buffer) */
 #define FUSED_TILE 2      /* rows per fused call (3 or 4 were measured no faster than the buffer) */
 #define ROWWISE_ROWS 3    /* up to this M, the K-quants take the row-wise path, one call */
-/* A task's rows up to this many bytes are prefetched into L1, more into L2. VNNI builds prefetch
- * into L2 always: on a Zen 4 (AVX-512 VNNI, 2 threads, Qwen2.5-Coder-1.5B Q4_K_M, `verispec profile`
- * alternated with the L1 form) the one-token step took 38 against 46 ms, verifies of 2 and 4 tokens
- * 50-53 and 65-67 against 58-61 and 76-79 ms, 8 sequences 103-108 against 111-128 ms, and prefill
- * 142 against 132-135 tokens/s; 8 and 16 tokens the same. AVX2 builds keep the L1 form they were
- * tuned with. */
-#ifdef VS_VNNI
-#define PREFETCH_NEAR 0
-#else
-#define PREFETCH_NEAR 16384
-#endif
 
 
 /* Bytes per row of a [*, K] weight of `type`, or -1 (unknown type, K < 1, K not allowed: a multiple
@@ -251,25 +240,28 @@ int qmm_quantize_super(const float *x, int64_t M, int64_t K, int8_t *xq, float *
 /* ---------------------------------------------------------------------------------------------
  * Quantized weights: decoding and the integer / float loops */
 
-/* Prefetch bytes [from, to) of the weights (whole cache lines; `near`: into L1, else into L2). */
-static inline void prefetch_range(const uint8_t *from, const uint8_t *to, int near) {
-    for (const uint8_t *a = (const uint8_t *)((uintptr_t)from & ~(uintptr_t)63); a < to; a += 64) {
-        if (near) __builtin_prefetch(a, 0, 3);
-        else __builtin_prefetch(a, 0, 2);
-    }
+/* Prefetch bytes [from, to) of the weights into L2 (whole cache lines). Into L2 rather than L1: on a
+ * Zen 4 (AVX-512 VNNI, 2 threads, Qwen2.5-Coder-1.5B Q4_K_M, `verispec profile` alternated) with the
+ * L1 hint for tasks of up to 16 KiB, as before, the one-token step took 46 against 38 ms, verifies of
+ * 2 and 4 tokens 58-61 and 76-79 against 50-53 and 65-67 ms, 8 sequences 111-128 against 103-108 ms,
+ * prefill 132-135 against 142 tokens/s; the AVX2 build on the same CPU (`scripts/kernel_ab.py
+ * forward --model`) 0.90x, 0.93x and 0.97x the time at 1, 2 and 8 tokens with L2. Zen 2 and the
+ * Xeons were not measured. The non-temporal hint, or two tasks ahead, was slower. */
+static inline void prefetch_range(const uint8_t *from, const uint8_t *to) {
+    for (const uint8_t *a = (const uint8_t *)((uintptr_t)from & ~(uintptr_t)63); a < to; a += 64)
+        __builtin_prefetch(a, 0, 2);
 }
 
 /* Prefetching of the next task's rows while a task runs: [next, end) one slice at a time. */
 typedef struct {
     const uint8_t *next, *end;
     int64_t slice;
-    int near;
 } Ahead;
 
 static inline void ahead_step(Ahead *a) {
     if (a->next < a->end) {
         const uint8_t *to = a->next + a->slice < a->end ? a->next + a->slice : a->end;
-        prefetch_range(a->next, to, a->near);
+        prefetch_range(a->next, to);
         a->next = to;
     }
 }
@@ -279,8 +271,7 @@ static inline void ahead_step(Ahead *a) {
  * to back, one slice per chunk. */
 static inline Ahead task_ahead(const uint8_t *w, int64_t row_bytes, int64_t N, int64_t K, int64_t g0, int64_t groups) {
     const int64_t chunks = (K + CHUNK - 1) / CHUNK, region = groups * LANES * row_bytes;
-    const Ahead ahead = {w + (g0 + groups) * LANES * row_bytes, w + N * row_bytes, (region / chunks + 63) & ~(int64_t)63,
-                         region <= PREFETCH_NEAR};
+    const Ahead ahead = {w + (g0 + groups) * LANES * row_bytes, w + N * row_bytes, (region / chunks + 63) & ~(int64_t)63};
     return ahead;
 }
 

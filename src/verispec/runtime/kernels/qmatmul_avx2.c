@@ -784,7 +784,7 @@ static void run_task(int type, const TypeInfo *t, const uint8_t *w, int64_t row_
     if (M <= ROWWISE_ROWS && rows) { /* the whole of K per call, accumulators in registers */
         /* prefetched in 8 parts per super-block, spread between the sums: a burst of a whole slice at
          * once was measured slower (fewer misses in flight where they are needed) */
-        Ahead parts = {ahead.next, ahead.end, ((ahead.slice + 7) / 8 + 63) & ~(int64_t)63, ahead.near};
+        Ahead parts = {ahead.next, ahead.end, ((ahead.slice + 7) / 8 + 63) & ~(int64_t)63};
         for (int64_t g = 0; g < groups; g++) {
             const uint8_t *p[LANES];
             group_rows(w, row_bytes, N, g0 + g, p);
