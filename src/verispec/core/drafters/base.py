@@ -152,6 +152,15 @@ class Draft:
 
 EMPTY_DRAFT = Draft(torch.empty(0, dtype=torch.long, device=HOST))
 
+
+def own_outcome(committed: Sequence[int], n_proposed: int, ahead: int) -> tuple[int, int] | None:
+    """(proposed, accepted) of a drafter's own tokens in a step whose draft began with `ahead`
+    uncommitted tokens before them (`propose_ahead`; 0 for a plain `propose`): `committed` and
+    n_proposed count from the step's start. None where those `ahead` tokens were not all accepted
+    (the drafter's own were then never judged)."""
+    accepted = len(committed) - 1 - ahead
+    return None if accepted < 0 else (max(0, n_proposed - ahead), accepted)
+
 # keep(j, confidence): j tokens drafted so far, the last with this confidence (None when j = 0):
 # draft another one?
 Keep = Callable[[int, "float | None"], bool]

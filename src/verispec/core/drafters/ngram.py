@@ -70,7 +70,7 @@ import numpy as np
 import torch
 
 from ...errors import ConfigError
-from .base import HOST, Draft, Keep, keep_all, kept_prefix, memory_switched_off, recently_used
+from .base import HOST, Draft, Keep, keep_all, kept_prefix, memory_switched_off, own_outcome, recently_used
 from .spans import Span, SpanIndex
 
 SPAN_KEY = 4  # tokens of the n-grams a long match is looked up by (`SpanIndex.key`)
@@ -519,11 +519,11 @@ class AnpdDrafter:
     def commit(self, committed: Sequence[int], n_proposed: int) -> None:
         if self._last_tree is not None:
             self._learn_tree(committed)
-        ahead = self._ahead  # the draft began after these: its own tokens were verified only if they all were
-        n_accepted = len(committed) - 1 - ahead
-        if n_accepted >= 0:
-            for i, kind in enumerate(self._last_kinds[: max(0, n_proposed - ahead)][: n_accepted + 1]):
-                self._learn(kind, i < n_accepted)
+        outcome = own_outcome(committed, n_proposed, self._ahead)
+        if outcome is not None:
+            proposed, accepted = outcome
+            for i, kind in enumerate(self._last_kinds[:proposed][: accepted + 1]):
+                self._learn(kind, i < accepted)
         self._last_kinds, self._last_tree, self._ahead = [], None, 0
         self.tables.extend(committed)
         if self.memory is not None:

@@ -78,7 +78,7 @@ import torch
 
 from ...errors import ConfigError
 from ..sampling import is_integer, is_number
-from .base import EMPTY_DRAFT, HOST, Draft, Keep, keep_all, kept_prefix, memory_switched_off, recently_used
+from .base import EMPTY_DRAFT, HOST, Draft, Keep, keep_all, kept_prefix, memory_switched_off, own_outcome, recently_used
 
 MISSING = "the suffix method needs arctic-inference: run `make suffix`"
 ATTACHMENT = "suffix-cache"  # Target.attachments key: {SuffixConfig: SuffixStore}
@@ -274,9 +274,10 @@ class SuffixDrafter:
         return draft
 
     def commit(self, committed: Sequence[int], n_proposed: int) -> None:
-        ahead = self._ahead  # the draft began after these: its own tokens were verified only if they all were
-        if len(committed) - 1 >= ahead:
-            self.store.learn(self._kinds[: max(0, n_proposed - ahead)], len(committed) - 1 - ahead)
+        outcome = own_outcome(committed, n_proposed, self._ahead)
+        if outcome is not None:
+            proposed, accepted = outcome
+            self.store.learn(self._kinds[:proposed], accepted)
         self._kinds, self._ahead = [], 0
         if self.store.active(self.request):
             self.store.cache.add_active_response(self.request, list(committed))

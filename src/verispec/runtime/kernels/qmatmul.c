@@ -70,8 +70,9 @@
  *   fused (M <= 2, the one-token step and the smallest drafts): each code vector goes from the
  *     transpose straight into the products of the 1 or 2 rows (no buffer); the float steps follow
  *     from the kept int32 sums;
- *   buffered (M > 2): the chunk's codes are written once into a 2 KB buffer (L1) and `consume` runs
- *     tiles of up to 4 rows over it (one load of codes per 4 inputs for all rows of the tile), so
+ *   buffered (M > 2, K-quants M > 3): the chunk's codes are written once into a 2 KB buffer (L1) and
+ *     `consume` runs tiles of up to ROW_TILE rows over it (8 on VNNI builds, else 4; one load of
+ *     codes per 4 inputs for all rows of the tile), so
  *     the weights are read from memory and decoded once per call whatever M is; the float
  *     accumulators of every row live in a per-thread buffer between chunks; from M = 32 on, 4 groups
  *     share each chunk so that x is read from cache once per 32 outputs.
