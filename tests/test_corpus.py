@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 import helpers
 from verispec.errors import ConfigError
@@ -135,3 +136,71 @@ def test_resume_refuses_a_corpus_it_did_not_write_rather_than_overwrite_it(tmp_p
     with pytest.raises(ConfigError, match="not written by this version"):
         generate_corpus(target, [PromptRecord(prompt="abc")], 8, out, resume=True)
     assert out.read_text() == text
+
+
+def _int8_target():
+    """A target whose every layer runs in C on int8 forms: paged and batch-invariant."""
+    tokenizer = helpers.char_tokenizer(eos=True)
+    model = helpers.make_model(helpers.make_config("llama", vocab_size=len(tokenizer)), 4)
+    target = Target(model, tokenizer, name="tiny-int8", fast=True, blocks=helpers.blockify(model), numerics="int8")
+    assert target.pages_kv
+    return target
+
+
+def test_the_forwards_that_write_the_corpus_label_it_with_the_bits_a_labelling_pass_computes(tmp_path):
+    """With a recorder attached, every generated document's labels come from the forwards that
+    wrote it (none is run through the target again), and they are the labelling pass's bits for
+    every exit layer asked for; the prefix cache is off meanwhile and restored after."""
+    from verispec.target.recorder import StateRecorder, recording
+    from verispec.train.exit_head import corpus_documents, document_labels
+
+    target = _int8_target()
+    records = [PromptRecord(prompt="abc"), PromptRecord(article="cab", question="ba?"), PromptRecord(prompt="b a")]
+    recorder = StateRecorder([2, 1])
+    with recording(target, recorder):
+        assert not target.prefix_cache
+        out = generate_corpus(target, records, 12, tmp_path / "corpus.jsonl", samples=2, seed=5)
+    assert target.prefix_cache and target.recorder is None
+    documents = corpus_documents(target.tokenizer, out)
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    for ids, line in zip(documents, lines):  # the ids the target read and wrote, stored with the text
+        assert ids == line["ids"] and target.tokenizer.decode(ids[len(target.tokenizer(line["prompt"])["input_ids"]):],
+                                                               skip_special_tokens=True) in line["text"]
+    exits, finals, taken = document_labels(target, documents, [1, 2], 20, recorder)
+    assert taken == len(documents) == 10
+    passed, passed_finals, none = document_labels(target, documents, [1, 2], 20)
+    assert none == 0 and len(finals) == len(passed_finals) > len(documents)
+    for got, expected in zip(finals, passed_finals):
+        assert torch.equal(got, expected)
+    for n in (1, 2):
+        for got, expected in zip(exits[n], passed[n]):
+            assert torch.equal(got, expected), n
+
+
+def test_recorded_states_survive_rejected_drafts_and_a_gap_sends_a_document_to_the_pass(tmp_path):
+    """Speculative requests roll rejected draft rows back: what the recorder keeps is still the
+    pass's bits. A sequence that started from the prefix cache has a gap and is not taken."""
+    from verispec.api import generate_many, make_request
+    from verispec.target.recorder import StateRecorder, recording
+    from verispec.train.exit_head import document_labels
+
+    target = _int8_target()
+    prompts = [helpers.repetitive_prompt(target.vocab_size, seed, period=5, repeats=4) for seed in (0, 1)]
+    recorder = StateRecorder([1])
+    with recording(target, recorder):
+        results = generate_many(target, [make_request(target, p, "anpd", max_new_tokens=24) for p in prompts])
+    assert sum(r.stats.drafted - r.stats.accepted for r in results) > 0, "no draft was rejected"
+    documents = [r.prompt_ids + r.token_ids for r in results]
+    exits, finals, taken = document_labels(target, documents, [1], 64, recorder)
+    assert taken == 2
+    passed, passed_finals, _ = document_labels(target, documents, [1], 64)
+    for got, expected in zip(exits[1] + finals, passed[1] + passed_finals):
+        assert torch.equal(got, expected)
+    # with the prefix cache on, the second request of the same prompt starts from cached blocks
+    recorder = StateRecorder([1])
+    target.recorder = recorder
+    long_prompt = helpers.repetitive_prompt(target.vocab_size, 3, period=7, repeats=6)
+    for seed in (1, 2):
+        generate_many(target, [make_request(target, long_prompt, "ar", max_new_tokens=4, temperature=1.0, seed=seed)])
+    target.recorder = None
+    assert [s.gap for s in recorder._streams] == [False, True]

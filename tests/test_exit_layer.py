@@ -113,3 +113,23 @@ def test_exit_layer_words_other_than_auto_are_refused():
         TrainConfig(exit_layer="deep")
     with pytest.raises(ConfigError, match="exit-layer"):
         TrainConfig(exit_layer=0)
+
+
+def test_a_training_run_its_deadline_stops_still_ends_with_the_learning_rate_annealed(monkeypatch):
+    """The cosine follows the share of the time budget spent when that is ahead of the share of
+    the steps: stopped by time at 24 of 1,000 steps, the last rate is near 0, not near the peak."""
+    import random
+    import time
+
+    target = helpers.make_target("gemma3", seed=2, init=0.3, tokenizer=helpers.char_tokenizer())
+    sequences = [helpers.repetitive_prompt(target.vocab_size, seed, period=5, repeats=4)[:20] for seed in (0, 1)]
+    labels = label(target, sequences, 1)
+    config = TrainConfig(exit_layer=1, draft_vocab=24, sequence_length=20, batch=2, steps=1000, warmup=1)
+    head, optimizer = exit_head._new_head(target, config, list(range(24)))
+    clock = iter(range(10**6))  # one tick per reading
+    monkeypatch.setattr(time, "perf_counter", lambda: float(next(clock)))
+    rates = []
+    step, stopped = exit_head._train_steps(head, optimizer, labels, [0, 1], random.Random(0), config, 0, 1000, 25.0,
+                                           lambda done: rates.append(optimizer.param_groups[0]["lr"]))
+    assert stopped == "time" and 10 < step < 30
+    assert rates == sorted(rates, reverse=True) and rates[-1] < 0.05 * config.learning_rate

@@ -39,7 +39,8 @@ def train_exit(
     from tqdm import tqdm
 
     from ..train.corpus import CORPUS_PATH, PROMPTS_PATH, generate_corpus as make_corpus, read_prompts
-    from ..train.exit_head import TrainConfig, check_fits, check_resumable, train_exit_head
+    from ..target.recorder import StateRecorder, recording
+    from ..train.exit_head import TrainConfig, check_fits, check_resumable, labelled_layers, train_exit_head
 
     if generate_corpus is None:  # the embedded model wrote the shipped corpus; any other model writes its own
         generate_corpus = corpus is None and target.model is not None
@@ -54,18 +55,23 @@ def train_exit(
         check_fits(model, config)
         directory = Path(out_dir) if out_dir is not None else _default_head_dir(model)
         check_resumable(directory, resume)
+        recorder = None
         if generate_corpus:  # on --resume, the samples a stopped run wrote are kept
             prompts = read_prompts(PROMPTS_PATH)
             corpus_path = directory / "corpus.jsonl"
-            with tqdm(total=len(prompts) * corpus_samples, desc="corpus", unit="sample") as bar:
+            # the forwards that write the corpus keep its labels (no labelling pass for what they write)
+            recorder = StateRecorder(labelled_layers(model, config))
+            with tqdm(total=len(prompts) * corpus_samples, desc="corpus", unit="sample") as bar, \
+                    recording(model, recorder):
                 make_corpus(model, prompts, corpus_tokens, corpus_path, samples=corpus_samples, seed=seed,
                             resume=resume, progress=bar.update)
 
         def progress(total, desc, initial=0):
-            return tqdm(total=total, desc=desc, initial=initial, unit="step" if desc == "train" else "seq")
+            return tqdm(total=total, desc=desc, initial=initial, unit="step" if desc == "train" else "doc")
 
         summary = train_exit_head(model, corpus_path, directory, config, resume=resume,
-                                  progress_factory=progress, log=lambda m: err.print(m, highlight=False))
+                                  progress_factory=progress, log=lambda m: err.print(m, highlight=False),
+                                  recorder=recorder)
     except VerispecError as error:
         fail(str(error))
         return

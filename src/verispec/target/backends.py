@@ -58,6 +58,7 @@ class SequenceState:
     capture_layer: int = 0  # keep the residual stream after this many layers (0: none)
     captures: list = field(default_factory=list)  # [(first position, states [n, hidden])], by position
     tree: tuple[int, list[int], list[int]] | None = None  # the last forward_tree's (start, slots, ids)
+    recording: object = None  # what a `recorder.StateRecorder` kept of this sequence's rows
     # An early-exit draft's rows of layers 0..capture_layer-1, already in the cache: (their first
     # position, their tokens, the residual stream after those layers [m, hidden]); see `offer_drafted`
     drafted: tuple[int, list[int], torch.Tensor] | None = None
@@ -261,11 +262,14 @@ class DecoderBackend(Backend):
 
     def reuses_drafted(self) -> bool:
         """Whether a forward may take a draft's rows of the first layers as they are
-        (`SequenceState.take_drafted`): every layer runs in C in numerics where a row's result
-        does not depend on the rows sharing its call, at any width (batch invariance: int8
-        activations, or a GGUF file's blocks), so the drafter's rows and the keys they wrote are
-        the bits this forward would compute. (The fp32 block path is not: its C layers' sums
-        depend on the width, by about 1e-5.)"""
+        (`SequenceState.take_drafted`): where the layers are batch-invariant, the drafter's rows
+        and the keys they wrote are the bits this forward would compute."""
+        return self.batch_invariant()
+
+    def batch_invariant(self) -> bool:
+        """Whether every layer runs in C in numerics where a row's result does not depend on the
+        rows sharing its call, at any width (int8 activations, or a GGUF file's blocks). (The
+        fp32 block path is not: its C layers' sums depend on the width, by about 1e-5.)"""
         decoder = self.decoder
         return (decoder.use_native and decoder.native_layers == len(decoder.layers)
                 and decoder.numerics in BATCH_INVARIANT_NUMERICS)
@@ -432,27 +436,40 @@ class PagedBackend(DecoderBackend):
 
     @torch.inference_mode()
     def forward_parts(self, parts: list[Part]) -> list:
-        """One forward over several paged sequences' rows (see `shared_forward`)."""
+        """One forward over several paged sequences' rows (see `shared_forward`); with a
+        `recorder.StateRecorder` attached to the target (and batch-invariant layers), the
+        contiguous parts' rows are kept in it."""
         decoder = self.decoder
         assert parts and all(part.sequence.backend is self for part in parts)
         assert len({id(part.sequence) for part in parts}) == len(parts), "one part per sequence"
+        recorder = self.target.recorder if self.batch_invariant() else None
         placed = [self.prepare(part) for part in parts]
         ids = torch.tensor([token for part in parts for token in part.tokens], dtype=torch.long)  # [N]
-        x = decoder.run_rows(decoder.embed(ids), Rows.concat([rows for _, rows in placed]), self.pool)  # [N, hidden]
+        rows = Rows.concat([rows for _, rows in placed])
+        x, done, exits = decoder.embed(ids), 0, {}  # x [N, hidden]
+        for layer in recorder.layers if recorder is not None else ():
+            x = decoder.run_rows(x, rows, self.pool, range(done, layer))
+            exits[layer], done = x.clone(), layer  # [N, hidden] (the next layers write x in place)
+        x = decoder.run_rows(x, rows, self.pool, range(done, len(decoder.layers)))  # [N, hidden]
         wanted = wanted_rows(parts)
         flat = [row for rows_of_part in wanted for row in rows_of_part]
         logits = self.target.head(decoder.norm(x[flat])) if flat else None  # [len(flat), vocab]
-        results, offset = [], 0
+        results, offset, row = [], 0, 0
         for part, (tree, _), rows_of_part in zip(parts, placed, wanted):
-            state = part.sequence.state
+            state, n = part.sequence.state, len(part.tokens)
             if part.parents is None:
+                if recorder is not None:
+                    recorder.write(state, state.cache.length, part.tokens,
+                                   {layer: kept[row : row + n] for layer, kept in exits.items()},
+                                   decoder.norm(x[row : row + n]))
                 if part.prefix_cache:
                     self._wrote(state, state.cache.length, list(part.tokens))
-                state.cache.length += len(part.tokens)
+                state.cache.length += n
             else:
                 state.tree = (state.cache.length, tree.slots.tolist(), list(part.tokens))
             results.append(logits[offset : offset + len(rows_of_part)] if rows_of_part else None)
             offset += len(rows_of_part)
+            row += n
         return results
 
     def prepare(self, part: Part):

@@ -90,6 +90,7 @@ class Target:
         self.attachments: dict = {}  # things built once per target (e.g. prepared exit heads)
         self._kv_memory: int | None = None  # bytes of the block pool (None: `kv_pool.default_budget_bytes()`)
         self._prefix_cache = True
+        self.recorder = None  # a `recorder.StateRecorder` keeping the batched forwards' states, while attached
         self._compiled: CompiledBackend | None = None  # `compile_decode_step`
         self._backends: dict[type, object] = {}  # each backend made at first use, then kept
 

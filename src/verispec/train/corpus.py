@@ -6,7 +6,11 @@ summarisation, question answering, extraction, translation and chat, kept apart 
 benchmark prompt so that training never sees evaluation text), the generation of the corpus (the
 target samples continuations of the prompts, formatted like the benchmark formats them, with
 `ar`, many sequences a forward where the target batches exactly), and reading/writing the corpus file (JSONL, one document a line:
-{"prompt": ..., "text": prompt + continuation}).
+{"prompt": ..., "text": prompt + continuation, "ids": the token ids of both as the target read and
+wrote them}). Training labels a document's ids where the line has them (`read_corpus_ids`), not a
+re-tokenization of its text (which may differ where the target sampled a piece its tokenizer would
+not produce); a target with a `recorder.StateRecorder` attached while it writes the corpus has
+labelled them already (`train.exit_head`).
 
 A prompt record is either {"prompt": instruction} or {"article": topic, "question": question}:
 for the second the target first writes a news article on the topic, and that article then
@@ -23,7 +27,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable
 
 from ..errors import ConfigError
 from ..request.text import PLAIN_TEMPLATE
@@ -78,6 +82,22 @@ def read_corpus(path: Path = CORPUS_PATH) -> list[str]:
                     raise ConfigError(f"{path}:{number}: not a corpus record ({error})") from error
         return documents
     return [block.strip() for block in raw.split("\n\n") if block.strip()]
+
+
+def read_corpus_ids(path: Path) -> list[list[int] | None]:
+    """Each document's token ids as the corpus file gives them (a generated corpus's "ids"), in
+    `read_corpus`'s order; None for a document without them (plain text, or a JSONL line
+    without "ids")."""
+    if path.suffix != ".jsonl":
+        return [None] * len(read_corpus(path))
+    found = []
+    for number, line in enumerate(path.read_text().splitlines(), start=1):
+        if line.strip():
+            ids = json.loads(line).get("ids")
+            if ids is not None and not (isinstance(ids, list) and ids and all(isinstance(t, int) for t in ids)):
+                raise ConfigError(f"{path}:{number}: 'ids' must be a non-empty list of token ids")
+            found.append(ids)
+    return found
 
 
 def check_generation(new_tokens: int, samples: int) -> None:
@@ -198,15 +218,5 @@ def _continue_all(target, prompts: list[tuple[str, int]], seeds: list[int], temp
         if isinstance(event, RequestDone):
             if event.error is not None:
                 raise event.error
-            finished(event.index, {"prompt": texts[event.index], "text": texts[event.index] + event.result.text})
-
-
-def token_sequences(tokenizer, documents: list[str], length: int) -> Iterator[list[int]]:
-    """Each document's ids (with BOS), split into pieces of at most `length` tokens (pieces
-    shorter than 16 tokens are dropped)."""
-    for document in documents:
-        ids = tokenizer(document)["input_ids"]
-        for begin in range(0, len(ids), length):
-            piece = ids[begin : begin + length]
-            if len(piece) >= 16:
-                yield piece
+            finished(event.index, {"prompt": texts[event.index], "text": texts[event.index] + event.result.text,
+                                   "ids": [*event.result.prompt_ids, *event.result.token_ids]})

@@ -11,6 +11,14 @@ forward KL bounds through Pinsker's inequality, and greedy acceptance follows fr
 mode. Held-out estimates are computed against the target's full-vocabulary distribution:
 greedy acceptance P(argmax q == argmax p) and sampled acceptance E[sum min(p, q)].
 
+What is labelled: each corpus document's token ids (as the corpus file stores them where the
+target wrote it, else its text tokenized), all but the last (the state after a document's last
+token predicts nothing in the corpus), over the whole document at once, then cut into training
+sequences of at most `sequence_length` tokens (`corpus_sequences`). A document the target wrote
+with a `target.recorder.StateRecorder` attached (train-exit's own corpus) is labelled already:
+its writing forwards kept those states, the bits a pass computes (batch-invariant layers), so
+only the other documents are run through the target (`document_labels`).
+
 Runs on the target's device: labelling on the fast path where the target has one (the CPU), else
 through the model's own PyTorch forward (any device; a forward hook on layer N reads the head's
 input, `torch_path`), and training wherever the labels' model lives, with a progress bar, checkpoints (`checkpoint.pt`: head, optimiser, step, draft
@@ -40,7 +48,8 @@ import torch.nn.functional as F
 from ..target import torch_path
 from ..core.drafters.early_exit import ExitHead, save_head
 from ..errors import ConfigError
-from .corpus import read_corpus, token_sequences
+from ..target.recorder import StateRecorder
+from .corpus import read_corpus, read_corpus_ids
 from .exit_layer import candidates, choose
 
 CHECKPOINT = "checkpoint.pt"
@@ -173,6 +182,62 @@ def label_layers(target, sequences: list[list[int]], exit_layers, progress: Call
     return exits, finals
 
 
+MIN_SEQUENCE = 16  # training sequences shorter than this are left out
+
+
+def corpus_documents(tokenizer, path: Path) -> list[list[int]]:
+    """Each document's token ids: stored in the corpus file where the target wrote it, else its
+    text tokenized (with the tokenizer's BOS where it adds one)."""
+    stored = read_corpus_ids(path)
+    return [ids if ids is not None else tokenizer(text)["input_ids"] for text, ids in zip(read_corpus(path), stored)]
+
+
+def corpus_sequences(documents: list[list[int]], length: int) -> list[tuple[int, int, int]]:
+    """The training sequences: (document, begin, end) for each piece of at most `length` of a
+    document's labelled positions (all but its last token), pieces shorter than MIN_SEQUENCE
+    left out."""
+    pieces = []
+    for index, ids in enumerate(documents):
+        labelled = len(ids) - 1
+        for begin in range(0, labelled, length):
+            end = min(begin + length, labelled)
+            if end - begin >= MIN_SEQUENCE:
+                pieces.append((index, begin, end))
+    return pieces
+
+
+def labelled_layers(target, config: TrainConfig) -> list[int]:
+    """The exit layers whose states training needs: the configured one, or AUTO's candidates."""
+    return candidates(target.config.num_hidden_layers) if config.exit_layer == AUTO else [config.exit_layer]
+
+
+@torch.inference_mode()
+def document_labels(target, documents: list[list[int]], exit_layers, length: int,
+                    recorder: StateRecorder | None = None, progress: Callable[[int], None] | None = None
+                    ) -> tuple[dict[int, list[torch.Tensor]], list[torch.Tensor], int]:
+    """The labels of `corpus_sequences(documents, length)`: ({N: per sequence [T, hidden] the
+    residual stream after N layers}, per sequence [T, hidden] the final-normed states, bfloat16;
+    how many documents came from `recorder`). A document `recorder` kept every state of is taken
+    from it (and the recorder forgets it); the others are labelled whole (`label_layers`).
+    `progress(1)` per document."""
+    exit_layers = sorted(set(exit_layers))
+    states = []  # per document: ({N: [T, hidden]}, [T, hidden]) over its labelled positions
+    taken = 0
+    for ids in documents:
+        found = recorder.take(ids) if recorder is not None and set(exit_layers) <= set(recorder.layers) else None
+        taken += found is not None
+        if found is None:
+            exits, finals = label_layers(target, [ids[:-1]], exit_layers)
+            states.append(({n: exits[n][0] for n in exit_layers}, finals[0]))
+        else:
+            states.append(({n: found.exits[n][: len(ids) - 1] for n in exit_layers}, found.final[: len(ids) - 1]))
+        if progress is not None:
+            progress(1)
+    pieces = corpus_sequences(documents, length)
+    return ({n: [states[d][0][n][b:e] for d, b, e in pieces] for n in exit_layers},
+            [states[d][1][b:e] for d, b, e in pieces], taken)
+
+
 def _label_on_device(target, sequences: list[list[int]], exit_layers: list[int], progress
                      ) -> tuple[dict[int, list[torch.Tensor]], list[torch.Tensor]]:
     """`label_layers` through the model's own decoder (the PyTorch path, any device): the exit
@@ -297,19 +362,26 @@ def _new_head(target, config: TrainConfig, vocab: list[int]) -> tuple[ExitHead, 
 def _train_steps(head: ExitHead, optimizer, labels: Labels, train_ids: list[int], rng: random.Random,
                  config: TrainConfig, step: int, steps: int, deadline: float, after_step: Callable[[int], None],
                  bar=None) -> tuple[int, str]:
-    """Optimiser steps from `step` to `steps` (warm-up, then cosine over `steps`), or until
-    `deadline`; `after_step(step)` after each. Returns (the step reached, "steps" or "time")."""
+    """Optimiser steps from `step` to `steps`, or until `deadline`; `after_step(step)` after each.
+    Returns (the step reached, "steps" or "time"). The learning rate warms up, then follows a
+    cosine down to 0 over the run's progress: the larger of the share of `steps` done and the
+    share of the time to `deadline` spent, so that a run the deadline stops also ends annealed
+    (a cosine over `steps` alone left it at 85% of the peak when 10 minutes gave 382 of 1,500
+    steps)."""
     rows = head.output_rows().float()  # [V_d, d]
     parameters = [p for p in head.parameters() if p.requires_grad]
     losses: list[float] = []
+    began = time.perf_counter()
     while step < steps:
-        if time.perf_counter() > deadline:
+        now = time.perf_counter()
+        if now > deadline:
             return step, "time"
+        progress = max(step / steps, (now - began) / (deadline - began) if math.isfinite(deadline) else 0.0)
         batch = [train_ids[rng.randrange(len(train_ids))] for _ in range(config.batch)]
         length = min(labels.exit_states[i].shape[0] for i in batch)
         exit_states = torch.stack([labels.exit_states[i][:length] for i in batch]).to(rows.device).float()  # [B, T, d]
         final = torch.stack([labels.final_states[i][:length] for i in batch]).to(rows.device).float()  # [B, T, d]
-        scale = min(1.0, (step + 1) / config.warmup) * 0.5 * (1 + math.cos(math.pi * step / steps))
+        scale = min(1.0, (step + 1) / config.warmup) * 0.5 * (1 + math.cos(math.pi * progress))
         for group in optimizer.param_groups:
             group["lr"] = config.learning_rate * scale
         loss = _kl(head(exit_states), final @ rows.T)
@@ -326,9 +398,10 @@ def _train_steps(head: ExitHead, optimizer, labels: Labels, train_ids: list[int]
 
 
 def _choose_exit_layer(target, sequences, train_ids, held_out, config: TrainConfig, out_dir: Path, resume: bool,
-                       progress_factory, log) -> tuple[TrainConfig, dict, Labels | None]:
+                       labelled, log) -> tuple[TrainConfig, dict, Labels | None]:
     """config with exit_layer AUTO resolved: each of `exit_layer.candidates` gets a probe head
-    trained for config.probe_steps on labels from one pass over the corpus, its held-out greedy
+    trained for config.probe_steps on labels from one pass over the corpus (`labelled(layers)`:
+    ({N: exit states}, final states) per sequence), its held-out greedy
     acceptance is measured, and `exit_layer.choose` picks the layer of best expected speedup.
     Returns (the resolved config, the choice's record, the chosen layer's labels); on a resume
     the recorded choice is reused (labels None: read from the labels file)."""
@@ -340,10 +413,7 @@ def _choose_exit_layer(target, sequences, train_ids, held_out, config: TrainConf
     layers = candidates(target.config.num_hidden_layers)
     log(f"choosing the exit layer among {layers}: labelling {len(sequences)} sequences once, then a "
         f"{config.probe_steps}-step probe head for each")
-    bar = progress_factory(len(sequences), "label") if progress_factory else None
-    exits, finals = label_layers(target, sequences, layers, bar.update if bar else None)
-    if bar:
-        bar.close()
+    exits, finals = labelled(layers)
     vocab = _vocabulary(target, sequences, train_ids, config)
     acceptance = {}
     for n in layers:
@@ -365,9 +435,11 @@ def _choose_exit_layer(target, sequences, train_ids, held_out, config: TrainConf
 
 
 def train_exit_head(target, corpus_path: Path, out_dir: Path, config: TrainConfig, *, resume: bool = False,
-                    progress_factory=None, log: Callable[[str], None] = print) -> dict:
+                    progress_factory=None, log: Callable[[str], None] = print,
+                    recorder: StateRecorder | None = None) -> dict:
     """Label, train and evaluate; writes the head (and checkpoints) into `out_dir`.
-    Returns the training summary that is also stored in the head's JSON."""
+    `recorder`: what the target kept while it wrote the corpus (its documents need no labelling
+    pass). Returns the training summary that is also stored in the head's JSON."""
     started = time.perf_counter()
     check_fits(target, config)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -377,8 +449,8 @@ def train_exit_head(target, corpus_path: Path, out_dir: Path, config: TrainConfi
     rng = random.Random(config.seed)
     checkpoint = _load_checkpoint(checkpoint_path) if resume and checkpoint_path.exists() else None
 
-    documents = read_corpus(corpus_path)
-    sequences = list(token_sequences(target.tokenizer, documents, config.sequence_length))
+    documents = corpus_documents(target.tokenizer, corpus_path)
+    sequences = [documents[d][b:e] for d, b, e in corpus_sequences(documents, config.sequence_length)]
     if len(sequences) < 2:
         raise ConfigError(f"the corpus {corpus_path} is too small ({len(sequences)} sequences)")
     order = list(range(len(sequences)))
@@ -386,11 +458,22 @@ def train_exit_head(target, corpus_path: Path, out_dir: Path, config: TrainConfi
     held = max(1, int(len(order) * config.held_out))
     held_out, train_ids = order[:held], order[held:]
 
+    def labelled(layers) -> tuple[dict[int, list[torch.Tensor]], list[torch.Tensor]]:
+        log(f"labelling {len(documents)} documents ({len(sequences)} sequences, {sum(map(len, sequences))} tokens)")
+        bar = progress_factory(len(documents), "label") if progress_factory else None
+        exits, finals, taken = document_labels(target, documents, layers, config.sequence_length, recorder,
+                                               bar.update if bar else None)
+        if bar:
+            bar.close()
+        if recorder is not None:
+            log(f"{taken} of {len(documents)} documents were labelled by the forwards that wrote them")
+        return exits, finals
+
     labels_path = out_dir / LABELS
     choice, labels = None, None
     if config.exit_layer == AUTO:
         config, choice, labels = _choose_exit_layer(target, sequences, train_ids, held_out, config, out_dir, resume,
-                                                    progress_factory, log)
+                                                    labelled, log)
     if checkpoint is not None and checkpoint["config"] != asdict(config):
         changed = {k for k, v in asdict(config).items() if checkpoint["config"].get(k) != v} - {"steps", "max_minutes", "checkpoint_every"}
         if changed:
@@ -401,11 +484,8 @@ def train_exit_head(target, corpus_path: Path, out_dir: Path, config: TrainConfi
         labels = _load_labels(labels_path, sequences)
         log(f"labels: reused {labels_path}")
     else:
-        log(f"labelling {len(sequences)} sequences ({sum(map(len, sequences))} tokens) with the target")
-        bar = progress_factory(len(sequences), "label") if progress_factory else None
-        labels = label(target, sequences, config.exit_layer, bar.update if bar else None)
-        if bar:
-            bar.close()
+        exits, finals = labelled([config.exit_layer])
+        labels = Labels(exits[config.exit_layer], finals, sequences)
     if not (resume and labels_path.exists()):
         torch.save(labels.to_dict(), labels_path)
 
