@@ -68,6 +68,32 @@ def test_generate_corpus_writes_each_prompt_and_each_article_with_its_summary_an
     assert other.read_text() != out.read_text()
 
 
+def test_a_stopped_corpus_keeps_what_it_finished_a_mix_of_kinds_and_a_resume_completes_it(tmp_path):
+    """`stop` (a time budget in the CLI) ends the generation: the samples finished stand as the
+    whole run writes them, an article stands without the summary and answer it had not got, the
+    order was shuffled (not the prompt list's, which groups kinds), and a resume writes the rest."""
+    target = helpers.make_target("gemma3", seed=3, tokenizer=helpers.char_tokenizer())
+    records = [PromptRecord(prompt=p) for p in ("abc", "bca", "cab", "acb", "bac", "cba")]
+    records.append(PromptRecord(article="cab", question="ba?"))
+    whole = tmp_path / "whole.jsonl"
+    generate_corpus(target, records, 8, whole, seed=5)
+    whole_documents = [json.loads(line) for line in whole.read_text().splitlines()]
+
+    stopped = tmp_path / "stopped.jsonl"
+    finished = []
+    generate_corpus(target, records, 8, stopped, seed=5, progress=finished.append,
+                    stop=lambda: len(finished) >= 3)
+    documents = [json.loads(line) for line in stopped.read_text().splitlines()]
+    assert 3 <= len(finished) < len(records)
+    assert all(document in whole_documents for document in documents)
+    assert [d["record"] for d in documents] != list(range(len(documents))), "decoded in the list's order"
+    article_parts = [d["part"] for d in documents if d["record"] == len(records) - 1]
+    assert article_parts in ([], [0], [0, 1, 2])
+
+    generate_corpus(target, records, 8, stopped, seed=5, resume=True)
+    assert stopped.read_text() == whole.read_text()
+
+
 def test_generate_corpus_refuses_a_budget_it_cannot_split(tmp_path):
     target = helpers.make_target("gemma3", seed=3, tokenizer=helpers.char_tokenizer())
     with pytest.raises(ConfigError, match=r"corpus-tokens must be >= 2 .*\(got 1, 1\)"):

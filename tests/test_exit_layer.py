@@ -133,3 +133,47 @@ def test_a_training_run_its_deadline_stops_still_ends_with_the_learning_rate_ann
                                            lambda done: rates.append(optimizer.param_groups[0]["lr"]))
     assert stopped == "time" and 10 < step < 30
     assert rates == sorted(rates, reverse=True) and rates[-1] < 0.05 * config.learning_rate
+
+
+def test_the_time_budget_counts_from_when_the_run_began_and_leaves_the_last_evaluation_its_time(
+        tmp_path, monkeypatch):
+    """--max-minutes is the whole run's: what came before training (the corpus the model wrote)
+    shortens the training, which stops early enough for the last evaluation to end within the
+    budget, yet gets at least MIN_TRAINING_SHARE of it however late it starts. A clock that ticks
+    one second a reading (and a minute an evaluation) makes this exact."""
+    import time
+
+    target = helpers.make_target("gemma3", seed=2, tokenizer=helpers.char_tokenizer())
+    corpus = tmp_path / "corpus.jsonl"
+    write_word_corpus(corpus, documents=6)
+    seconds = [0.0]
+
+    def clock() -> float:
+        seconds[0] += 1
+        return seconds[0]
+
+    evaluate = exit_head.evaluate
+
+    def evaluate_for_a_minute(*args, **kwargs):
+        seconds[0] += 60
+        return evaluate(*args, **kwargs)
+
+    monkeypatch.setattr(time, "perf_counter", clock)
+    monkeypatch.setattr(exit_head, "evaluate", evaluate_for_a_minute)
+    config = TrainConfig(exit_layer=1, draft_vocab=24, sequence_length=48, batch=2, steps=10**6, warmup=1,
+                         max_minutes=10, eval_tokens=16, checkpoint_every=10**6)
+
+    def run(name: str, before: float) -> tuple[dict, float]:
+        began = clock() - before
+        summary = train_exit_head(target, corpus, tmp_path / name, config, log=lambda *_: None, began=began)
+        return summary, seconds[0] - began
+
+    on_time, used = run("on-time", 0)
+    assert on_time["stopped_by"] == "time"
+    assert 600 - 60 <= used <= 600 + 2, "the last evaluation ended outside the budget"
+    late, used_late = run("late", 300)
+    assert late["stopped_by"] == "time" and late["steps"] < on_time["steps"] - 50
+    assert used_late <= 600 + 2
+    too_late, _ = run("too-late", 700)
+    floor = exit_head.MIN_TRAINING_SHARE * 600
+    assert floor - 2 <= too_late["steps"] <= floor + 2  # one step a clock reading

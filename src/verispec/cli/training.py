@@ -17,7 +17,7 @@ from .target_options import TargetOptions, target_options
 def train_exit(
     exit_layer: str = typer.Option("4", "--exit-layer", help="N: the head reads the residual stream after the target's first N layers; 'auto': the layer whose short probe head gives the best expected speed, among about 1/14, 1/7 and 2/7 of the depth."),
     probe_steps: int = typer.Option(60, "--probe-steps", help="With --exit-layer auto: training steps of each candidate layer's probe."),
-    draft_vocab: int = typer.Option(32768, "--draft-vocab", help="V_d: the head predicts over the V_d most frequent corpus tokens."),
+    draft_vocab: int = typer.Option(4096, "--draft-vocab", help="V_d: the head predicts over the V_d most frequent corpus tokens."),
     init_layer: Optional[int] = typer.Option(None, "--init-layer", help="Target layer the head's layer starts from (default: layer N, the first one the draft skips)."),
     train_mlp: bool = typer.Option(False, "--train-mlp", help="Train the head's MLP too (a whole layer: 94 MB for Qwen2.5-1.5B in bf16); by default it stays the target's own and the head file holds its attention and norms (11 MB there)."),
     corpus: Optional[str] = typer.Option(None, help="Training text: JSONL with a 'text' field, or plain text (default: text the target writes itself, see --generate-corpus)."),
@@ -27,8 +27,8 @@ def train_exit(
     steps: int = typer.Option(1500, help="Optimiser steps."),
     batch: int = typer.Option(4, help="Sequences per step."),
     sequence_length: int = typer.Option(256, "--sequence-length", help="Tokens per training sequence."),
-    learning_rate: float = typer.Option(3e-4, "--learning-rate", help="Peak learning rate (AdamW, warm-up then cosine)."),
-    max_minutes: float = typer.Option(40.0, "--max-minutes", help="Stop training (and save) after this many minutes of training (the corpus and its labels not counted)."),
+    learning_rate: float = typer.Option(1e-3, "--learning-rate", help="Peak learning rate (AdamW, warm-up then cosine)."),
+    max_minutes: float = typer.Option(30.0, "--max-minutes", help="The whole run's time: the corpus the model writes takes at most half of it (the samples finished by then are kept), then labelling, training and the last evaluation; the head is saved when it is used up."),
     checkpoint_every: int = typer.Option(50, "--checkpoint-every", help="Steps between checkpoints."),
     out_dir: Optional[str] = typer.Option(None, "--out", help="Directory for the head, checkpoints and labels (default: the cache, where eesd finds it for this model with no --exit-head)."),
     resume: bool = typer.Option(False, "--resume", help="Continue from the checkpoint in --out."),
@@ -36,12 +36,15 @@ def train_exit(
     target: TargetOptions = None,
 ) -> None:
     """Train an EESD exit head by self-distillation (the target stays frozen)."""
+    import time
+
     from tqdm import tqdm
 
-    from ..train.corpus import CORPUS_PATH, PROMPTS_PATH, generate_corpus as make_corpus, read_prompts
+    from ..train.corpus import BUDGET_SHARE, CORPUS_PATH, PROMPTS_PATH, generate_corpus as make_corpus, read_prompts
     from ..target.recorder import StateRecorder, recording
     from ..train.exit_head import TrainConfig, check_fits, check_resumable, labelled_layers, train_exit_head
 
+    began = time.perf_counter()  # --max-minutes counts from here
     if generate_corpus is None:  # the embedded model wrote the shipped corpus; any other model writes its own
         generate_corpus = corpus is None and target.model is not None
     try:
@@ -61,17 +64,21 @@ def train_exit(
             corpus_path = directory / "corpus.jsonl"
             # the forwards that write the corpus keep its labels (no labelling pass for what they write)
             recorder = StateRecorder(labelled_layers(model, config))
+            corpus_end = began + BUDGET_SHARE * 60 * max_minutes
             with tqdm(total=len(prompts) * corpus_samples, desc="corpus", unit="sample") as bar, \
                     recording(model, recorder):
                 make_corpus(model, prompts, corpus_tokens, corpus_path, samples=corpus_samples, seed=seed,
-                            resume=resume, progress=bar.update)
+                            resume=resume, progress=bar.update, stop=lambda: time.perf_counter() > corpus_end)
+            if bar.n < bar.total:
+                err.print(f"corpus: {bar.n} of {bar.total} samples written in the {BUDGET_SHARE:.0%} of "
+                          f"--max-minutes it may take (--resume, or more minutes, writes the rest)", highlight=False)
 
         def progress(total, desc, initial=0):
             return tqdm(total=total, desc=desc, initial=initial, unit="step" if desc == "train" else "doc")
 
         summary = train_exit_head(model, corpus_path, directory, config, resume=resume,
                                   progress_factory=progress, log=lambda m: err.print(m, highlight=False),
-                                  recorder=recorder)
+                                  recorder=recorder, began=began)
     except VerispecError as error:
         fail(str(error))
         return

@@ -25,6 +25,7 @@ with `verispec train-exit --generate-corpus`.
 from __future__ import annotations
 
 import json
+import random
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -35,6 +36,10 @@ from ..request.text import PLAIN_TEMPLATE
 DATA = Path(__file__).parent / "data"
 PROMPTS_PATH = DATA / "prompts.jsonl"
 CORPUS_PATH = DATA / "corpus.jsonl"
+# of a training run's time budget (train-exit's --max-minutes): the most that writing its corpus
+# takes, the rest left to training (on a 2-core CPU a model writes about 100 tokens a second over
+# all its sequences, and a head learns more from more steps than from more text at this size)
+BUDGET_SHARE = 0.5
 
 
 @dataclass(frozen=True)
@@ -108,7 +113,7 @@ def check_generation(new_tokens: int, samples: int) -> None:
 
 def generate_corpus(target, prompts: list[PromptRecord], new_tokens: int, out: Path, *, samples: int = 1,
                     temperature: float = 0.8, top_p: float = 0.95, seed: int = 0, resume: bool = False,
-                    progress: Callable[[int], None] | None = None) -> Path:
+                    progress: Callable[[int], None] | None = None, stop: Callable[[], bool] | None = None) -> Path:
     """Continue every prompt `samples` times with the target (sampling, `ar`) and write the
     corpus JSONL. Sample s of record i is seeded with seed + i * samples + s, so the corpus is
     reproducible and each record's samples differ. An article is written with 2 * new_tokens
@@ -120,10 +125,17 @@ def generate_corpus(target, prompts: list[PromptRecord], new_tokens: int, out: P
     documents are appended to `out` as soon as they are all written (its lines carry "record",
     "sample" and "part"), so that `resume` keeps the samples a stopped run finished and writes
     only the others; at the end the lines are put in record order. `progress` is called with the
-    number of samples finished (kept ones first)."""
+    number of samples finished (kept ones first).
+
+    `stop`, asked between steps (e.g. whether a time budget is used up), ends the generation
+    early: the samples finished stand, an article stands without the summary or answer it has
+    not got, and the rest is not written (a resume writes those samples whole). The samples
+    are decoded in an order shuffled by `seed`, so that a stopped corpus still has every kind
+    of prompt."""
     check_generation(new_tokens, samples)
     jobs = [(index, sample, record, seed + index * samples + sample)
             for index, record in enumerate(prompts) for sample in range(samples)]
+    random.Random(seed).shuffle(jobs)
     parts = {(index, sample): 1 if record.prompt is not None else 3 for index, sample, record, _ in jobs}
     kept = _finished_samples(out, parts) if resume else {}
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -139,7 +151,7 @@ def generate_corpus(target, prompts: list[PromptRecord], new_tokens: int, out: P
             if progress is not None:
                 progress(1)
 
-        _write_samples(target, todo, new_tokens, temperature, top_p, finish)
+        _write_samples(target, todo, new_tokens, temperature, top_p, finish, stop)
     lines = out.read_text().splitlines()
     lines.sort(key=lambda line: tuple(json.loads(line)[field] for field in ("record", "sample", "part")))
     out.write_text("".join(line + "\n" for line in lines))
@@ -173,9 +185,10 @@ def _finished_samples(out: Path, parts: dict[tuple[int, int], int]) -> dict[tupl
 
 
 def _write_samples(target, jobs: list, new_tokens: int, temperature: float, top_p: float,
-                   finish: Callable[[tuple[int, int], list[dict]], None]) -> None:
+                   finish: Callable[[tuple[int, int], list[dict]], None], stop: Callable[[], bool] | None) -> None:
     """Continue `jobs` ((record index, sample, record, seed)) in two rounds, calling `finish(key,
-    documents)` as each sample's documents are all written."""
+    documents)` as each sample's documents are all written (where `stop` ended the rounds, each
+    article with the documents it has)."""
     firsts = [(record.prompt, new_tokens) if record.prompt is not None
               else (f"Write a news article about {record.article}.", 2 * new_tokens) for _, _, record, _ in jobs]
     articles: dict[int, list[dict | None]] = {}  # job position: [article, summary, answer] as they come
@@ -187,7 +200,9 @@ def _write_samples(target, jobs: list, new_tokens: int, temperature: float, top_
         else:
             articles[k] = [{**document, "part": 0}, None, None]
 
-    _continue_all(target, firsts, [job[3] for job in jobs], temperature, top_p, first_done)
+    if not _continue_all(target, firsts, [job[3] for job in jobs], temperature, top_p, first_done, stop):
+        _finish_partly(jobs, articles, finish)
+        return
     followers = []  # (job position, part, prompt, tokens): each article's summary (1) and answer (2)
     for k, (article_document, _, _) in articles.items():
         article = article_document["text"][len(article_document["prompt"]):].strip()
@@ -200,23 +215,40 @@ def _write_samples(target, jobs: list, new_tokens: int, temperature: float, top_
         if all(articles[k]):
             finish(jobs[k][:2], articles.pop(k))
 
-    _continue_all(target, [(prompt, tokens) for _, _, prompt, tokens in followers],
-                  [jobs[k][3] for k, _, _, _ in followers], temperature, top_p, follower_done)
+    if not _continue_all(target, [(prompt, tokens) for _, _, prompt, tokens in followers],
+                         [jobs[k][3] for k, _, _, _ in followers], temperature, top_p, follower_done, stop):
+        _finish_partly(jobs, articles, finish)
+
+
+def _finish_partly(jobs: list, articles: dict[int, list[dict | None]],
+                   finish: Callable[[tuple[int, int], list[dict]], None]) -> None:
+    """The articles a stopped generation left without their summary or answer, each with the
+    documents it has."""
+    for k, documents in articles.items():
+        finish(jobs[k][:2], [document for document in documents if document is not None])
 
 
 def _continue_all(target, prompts: list[tuple[str, int]], seeds: list[int], temperature: float, top_p: float,
-                  finished: Callable[[int, dict], None]) -> None:
+                  finished: Callable[[int, dict], None], stop: Callable[[], bool] | None = None) -> bool:
     """Continue each (instruction, tokens) in the plain template with the target, sampled with
     its seed, decoded together; `finished(i, {"prompt", "text"})` as each one ends. The first
-    request that fails raises its error."""
+    request that fails raises its error. Returns False where `stop()` ended it (the requests
+    still running are cancelled), else True."""
     from ..api import RequestDone, make_request, stream_many
 
     texts = [PLAIN_TEMPLATE.format(prompt=prompt) for prompt, _ in prompts]
     requests = [make_request(target, text, "ar", max_new_tokens=tokens, temperature=temperature, top_k=0,
                              top_p=top_p, seed=seed) for text, (_, tokens), seed in zip(texts, prompts, seeds)]
-    for event in stream_many(target, requests):
-        if isinstance(event, RequestDone):
-            if event.error is not None:
-                raise event.error
-            finished(event.index, {"prompt": texts[event.index], "text": texts[event.index] + event.result.text,
-                                   "ids": [*event.result.prompt_ids, *event.result.token_ids]})
+    events = iter(stream_many(target, requests))
+    try:
+        for event in events:
+            if isinstance(event, RequestDone):
+                if event.error is not None:
+                    raise event.error
+                finished(event.index, {"prompt": texts[event.index], "text": texts[event.index] + event.result.text,
+                                       "ids": [*event.result.prompt_ids, *event.result.token_ids]})
+            if stop is not None and stop():
+                return False
+    finally:
+        events.close()  # cancels what still runs
+    return True

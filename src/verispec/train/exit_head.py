@@ -61,6 +61,7 @@ SHARED_MLP = ("layer.mlp.",)  # a head that trains its attention and norms, its 
 AUTO = "auto"  # TrainConfig.exit_layer: chosen among `exit_layer.candidates` by short probe heads
 CHOICE = "exit_layer.json"  # the probes' measurements and the chosen layer, next to the checkpoint
 PROBE_EVAL_TOKENS = 1024  # held-out positions a probe head is scored on
+MIN_TRAINING_SHARE = 0.2  # of --max-minutes: the training loop's least time, whatever came before it
 
 
 @dataclass(frozen=True)
@@ -68,15 +69,17 @@ class TrainConfig:
     exit_layer: int | str = 4  # N, or AUTO
     init_layer: int | None = None  # target layer the head starts from (None: layer N)
     train_mlp: bool = False  # False: the head's MLP stays the target's own (not trained, not saved)
-    draft_vocab: int = 32768
+    draft_vocab: int = 4096
     sequence_length: int = 256
     batch: int = 4  # sequences per step
     steps: int = 1500
-    learning_rate: float = 3e-4
+    learning_rate: float = 1e-3
     warmup: int = 30
     held_out: float = 0.1  # fraction of sequences kept for evaluation
     checkpoint_every: int = 50
-    max_minutes: float = 40.0  # training stops (and saves) when this wall time is used up
+    # the run's wall-time budget, counted from train_exit_head's `began` (the CLI's: before the
+    # corpus is written): training stops (and saves) in time for the last evaluation
+    max_minutes: float = 30.0
     eval_tokens: int = 4096  # held-out positions scored against the full vocabulary
     seed: int = 0
     probe_steps: int = 60  # with exit_layer AUTO: training steps of each candidate layer's probe head
@@ -436,11 +439,16 @@ def _choose_exit_layer(target, sequences, train_ids, held_out, config: TrainConf
 
 def train_exit_head(target, corpus_path: Path, out_dir: Path, config: TrainConfig, *, resume: bool = False,
                     progress_factory=None, log: Callable[[str], None] = print,
-                    recorder: StateRecorder | None = None) -> dict:
+                    recorder: StateRecorder | None = None, began: float | None = None) -> dict:
     """Label, train and evaluate; writes the head (and checkpoints) into `out_dir`.
     `recorder`: what the target kept while it wrote the corpus (its documents need no labelling
-    pass). Returns the training summary that is also stored in the head's JSON."""
+    pass). `began`: when the run began (`time.perf_counter()`; default: now), from which
+    config.max_minutes counts. Training stops in time for the last evaluation (as long as the
+    first took), but gets at least MIN_TRAINING_SHARE of the budget whatever came before it.
+    Returns the training summary that is also stored in the head's JSON."""
     started = time.perf_counter()
+    began = started if began is None else began
+    budget_end = began + 60 * config.max_minutes
     check_fits(target, config)
     out_dir.mkdir(parents=True, exist_ok=True)
     checkpoint_path = out_dir / CHECKPOINT
@@ -497,12 +505,18 @@ def train_exit_head(target, corpus_path: Path, out_dir: Path, config: TrainConfi
         optimizer.load_state_dict(checkpoint["optimizer"])
         step = checkpoint["step"]
         log(f"resumed at step {step}")
+    evaluating = time.perf_counter()
     before = checkpoint["before"] if checkpoint else evaluate(head, labels, held_out, target.full_logits,
                                                               config.eval_tokens)
     log(f"held-out before training: {before}")
+    now = time.perf_counter()
+    # the last evaluation takes as long as the first (a resume's estimate: a twentieth of the budget)
+    reserve = 1.25 * (now - evaluating) if checkpoint is None else 3 * config.max_minutes
+    deadline = max(budget_end - reserve, now + MIN_TRAINING_SHARE * 60 * config.max_minutes)
+    log(f"training for {(deadline - now) / 60:.1f} min (--max-minutes {config.max_minutes:g}: "
+        f"{(now - began) / 60:.1f} min used before training)")
 
     bar = progress_factory(config.steps, "train", initial=step) if progress_factory else None
-    deadline = time.perf_counter() + 60 * config.max_minutes  # the training loop's own time, labelling not counted
 
     def save_checkpoint() -> None:
         torch.save({"head": head.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
@@ -537,6 +551,7 @@ def train_exit_head(target, corpus_path: Path, out_dir: Path, config: TrainConfi
         "held_out_after": after,
         **({"exit_layer_choice": choice} if choice is not None else {}),
         "train_minutes": round((time.perf_counter() - started) / 60, 2),
+        "run_minutes": round((time.perf_counter() - began) / 60, 2),
     }
     save_head(head, head.spec(target, target.name, summary), out_dir)
     (out_dir / "training.json").write_text(json.dumps(summary, indent=1) + "\n")
