@@ -68,30 +68,55 @@ def test_generate_corpus_writes_each_prompt_and_each_article_with_its_summary_an
     assert other.read_text() != out.read_text()
 
 
-def test_a_stopped_corpus_keeps_what_it_finished_a_mix_of_kinds_and_a_resume_completes_it(tmp_path):
-    """`stop` (a time budget in the CLI) ends the generation: the samples finished stand as the
-    whole run writes them, an article stands without the summary and answer it had not got, the
-    order was shuffled (not the prompt list's, which groups kinds), and a resume writes the rest."""
-    target = helpers.make_target("gemma3", seed=3, tokenizer=helpers.char_tokenizer())
-    records = [PromptRecord(prompt=p) for p in ("abc", "bca", "cab", "acb", "bac", "cba")]
+def test_a_stopped_corpus_keeps_the_work_in_flight_a_mix_of_kinds_labelled_and_a_resume_writes_the_rest(tmp_path):
+    """`stop` (a time budget in the CLI) ends the generation before another forward: each sample
+    stands as far as it was written (a prefix of what the whole run writes, labelled by the
+    forwards that wrote it), a sample not begun is not written, the order was shuffled (not the
+    prompt list's, which groups kinds), and a resume writes the samples not begun (an article's
+    whole)."""
+    from verispec.target.recorder import StateRecorder, recording
+    from verispec.train.exit_head import corpus_documents, document_labels
+
+    target = _int8_target()
+    # prompts of 60 tokens: a forward's 256 rows begin four of them, so a stop after two forwards
+    # leaves some not begun
+    records = [PromptRecord(prompt=p * 20) for p in ("abc", "bca", "cab", "acb", "bac", "cba", "a b", "b a")]
     records.append(PromptRecord(article="cab", question="ba?"))
     whole = tmp_path / "whole.jsonl"
-    generate_corpus(target, records, 8, whole, seed=5)
-    whole_documents = [json.loads(line) for line in whole.read_text().splitlines()]
+    generate_corpus(target, records, 12, whole, seed=5)
+    whole_lines = {(d["record"], d["sample"], d["part"]): d for d in map(json.loads, whole.read_text().splitlines())}
 
+    class Steps:  # stops the generation after a few of its forwards
+        def __init__(self, target):
+            self.count, self.forward = 0, target.forward_parts
+
+        def __call__(self, *args, **kwargs):
+            self.count += 1
+            return self.forward(*args, **kwargs)
+
+    steps = Steps(target)
+    target.forward_parts = steps
+    recorder = StateRecorder([1])
     stopped = tmp_path / "stopped.jsonl"
-    finished = []
-    generate_corpus(target, records, 8, stopped, seed=5, progress=finished.append,
-                    stop=lambda: len(finished) >= 3)
-    documents = [json.loads(line) for line in stopped.read_text().splitlines()]
-    assert 3 <= len(finished) < len(records)
-    assert all(document in whole_documents for document in documents)
-    assert [d["record"] for d in documents] != list(range(len(documents))), "decoded in the list's order"
-    article_parts = [d["part"] for d in documents if d["record"] == len(records) - 1]
-    assert article_parts in ([], [0], [0, 1, 2])
+    with recording(target, recorder):
+        generate_corpus(target, records, 12, stopped, seed=5, stop=lambda: steps.count >= 2)
+    assert steps.count == 2, "a forward ran after the stop"
+    lines = [json.loads(line) for line in stopped.read_text().splitlines()]
+    cut = [d for d in lines if d != whole_lines[d["record"], d["sample"], d["part"]]]
+    assert cut and len({d["record"] for d in lines}) < len(records)
+    for line in lines:
+        full = whole_lines[line["record"], line["sample"], line["part"]]["ids"]
+        assert len(line["ids"]) > len(target.tokenizer(line["prompt"])["input_ids"])  # begun
+        assert line["ids"] == full[:len(line["ids"])]
+    assert sorted(d["record"] for d in lines) != list(range(len(lines))), "decoded in the list's order"
+    _, _, taken = document_labels(target, corpus_documents(target.tokenizer, stopped), [1], 20, recorder)
+    assert taken == len(lines)
 
-    generate_corpus(target, records, 8, stopped, seed=5, resume=True)
-    assert stopped.read_text() == whole.read_text()
+    del target.forward_parts
+    generate_corpus(target, records, 12, stopped, seed=5, resume=True)
+    resumed = [json.loads(line) for line in stopped.read_text().splitlines()]
+    assert {(d["record"], d["sample"], d["part"]) for d in resumed} == set(whole_lines)
+    assert [d for d in resumed if d not in whole_lines.values()] == [d for d in cut if d["record"] < len(records) - 1]
 
 
 def test_generate_corpus_refuses_a_budget_it_cannot_split(tmp_path):

@@ -28,7 +28,7 @@ def train_exit(
     batch: int = typer.Option(4, help="Sequences per step."),
     sequence_length: int = typer.Option(256, "--sequence-length", help="Tokens per training sequence."),
     learning_rate: float = typer.Option(1e-3, "--learning-rate", help="Peak learning rate (AdamW, warm-up then cosine)."),
-    max_minutes: float = typer.Option(30.0, "--max-minutes", help="The whole run's time: the corpus the model writes takes at most half of it (the samples finished by then are kept), then labelling, training and the last evaluation; the head is saved when it is used up."),
+    max_minutes: float = typer.Option(30.0, "--max-minutes", help="The whole run's time: the corpus the model writes takes at most 65% of it (the samples finished by then are kept), then labelling, training and the last evaluation; the head is saved when it is used up."),
     checkpoint_every: int = typer.Option(50, "--checkpoint-every", help="Steps between checkpoints."),
     out_dir: Optional[str] = typer.Option(None, "--out", help="Directory for the head, checkpoints and labels (default: the cache, where eesd finds it for this model with no --exit-head)."),
     resume: bool = typer.Option(False, "--resume", help="Continue from the checkpoint in --out."),

@@ -39,7 +39,7 @@ CORPUS_PATH = DATA / "corpus.jsonl"
 # of a training run's time budget (train-exit's --max-minutes): the most that writing its corpus
 # takes, the rest left to training (on a 2-core CPU a model writes about 100 tokens a second over
 # all its sequences, and a head learns more from more steps than from more text at this size)
-BUDGET_SHARE = 0.5
+BUDGET_SHARE = 0.65
 
 
 @dataclass(frozen=True)
@@ -128,10 +128,11 @@ def generate_corpus(target, prompts: list[PromptRecord], new_tokens: int, out: P
     number of samples finished (kept ones first).
 
     `stop`, asked between steps (e.g. whether a time budget is used up), ends the generation
-    early: the samples finished stand, an article stands without the summary or answer it has
-    not got, and the rest is not written (a resume writes those samples whole). The samples
-    are decoded in an order shuffled by `seed`, so that a stopped corpus still has every kind
-    of prompt."""
+    early, before another forward: each sample stands as far as it was written (a continuation
+    cut short is still the target's own text; an article without the summary or answer it has
+    not got), and the samples not begun are not written (a resume writes them, and an
+    article's sample whole again). The samples are decoded in an order shuffled by `seed`, so that a
+    stopped corpus still has every kind of prompt."""
     check_generation(new_tokens, samples)
     jobs = [(index, sample, record, seed + index * samples + sample)
             for index, record in enumerate(prompts) for sample in range(samples)]
@@ -231,24 +232,32 @@ def _finish_partly(jobs: list, articles: dict[int, list[dict | None]],
 def _continue_all(target, prompts: list[tuple[str, int]], seeds: list[int], temperature: float, top_p: float,
                   finished: Callable[[int, dict], None], stop: Callable[[], bool] | None = None) -> bool:
     """Continue each (instruction, tokens) in the plain template with the target, sampled with
-    its seed, decoded together; `finished(i, {"prompt", "text"})` as each one ends. The first
-    request that fails raises its error. Returns False where `stop()` ended it (the requests
-    still running are cancelled), else True."""
+    its seed, decoded together; `finished(i, {"prompt", "text", "ids"})` as each one ends. The
+    first request that fails raises its error. Where `stop()` ends it (returns False), every
+    request still running is cancelled before another forward, and each that had written a token
+    ends as a document of what it wrote (the work in flight is kept; one not yet begun is not);
+    else returns True."""
     from ..api import RequestDone, make_request, stream_many
 
     texts = [PLAIN_TEMPLATE.format(prompt=prompt) for prompt, _ in prompts]
     requests = [make_request(target, text, "ar", max_new_tokens=tokens, temperature=temperature, top_k=0,
                              top_p=top_p, seed=seed) for text, (_, tokens), seed in zip(texts, prompts, seeds)]
-    events = iter(stream_many(target, requests))
+    stream = stream_many(target, requests)
+    events = iter(stream)
+    stopped = False
     try:
         for event in events:
             if isinstance(event, RequestDone):
                 if event.error is not None:
                     raise event.error
-                finished(event.index, {"prompt": texts[event.index], "text": texts[event.index] + event.result.text,
-                                       "ids": [*event.result.prompt_ids, *event.result.token_ids]})
-            if stop is not None and stop():
-                return False
+                if not stopped or event.result.token_ids:
+                    finished(event.index, {"prompt": texts[event.index],
+                                           "text": texts[event.index] + event.result.text,
+                                           "ids": [*event.result.prompt_ids, *event.result.token_ids]})
+            if not stopped and stop is not None and stop():
+                stopped = True
+                for index in range(len(requests)):
+                    stream.cancel(index)
     finally:
-        events.close()  # cancels what still runs
-    return True
+        events.close()
+    return not stopped
