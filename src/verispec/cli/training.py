@@ -40,9 +40,8 @@ def train_exit(
 
     from tqdm import tqdm
 
-    from ..train.corpus import BUDGET_SHARE, CORPUS_PATH, PROMPTS_PATH, generate_corpus as make_corpus, read_prompts
-    from ..target.recorder import StateRecorder, recording
-    from ..train.exit_head import TrainConfig, check_fits, check_resumable, labelled_layers, train_exit_head
+    from ..train.corpus import BUDGET_SHARE, CORPUS_PATH
+    from ..train.exit_head import TrainConfig, check_fits, check_resumable, train_exit_head
 
     began = time.perf_counter()  # --max-minutes counts from here
     if generate_corpus is None:  # the embedded model wrote the shipped corpus; any other model writes its own
@@ -60,18 +59,8 @@ def train_exit(
         check_resumable(directory, resume)
         recorder = None
         if generate_corpus:  # on --resume, the samples a stopped run wrote are kept
-            prompts = read_prompts(PROMPTS_PATH)
-            corpus_path = directory / "corpus.jsonl"
-            # the forwards that write the corpus keep its labels (no labelling pass for what they write)
-            recorder = StateRecorder(labelled_layers(model, config))
-            corpus_end = began + BUDGET_SHARE * 60 * max_minutes
-            with tqdm(total=len(prompts) * corpus_samples, desc="corpus", unit="sample") as bar, \
-                    recording(model, recorder):
-                make_corpus(model, prompts, corpus_tokens, corpus_path, samples=corpus_samples, seed=seed,
-                            resume=resume, progress=bar.update, stop=lambda: time.perf_counter() > corpus_end)
-            if bar.n < bar.total:
-                err.print(f"corpus: {bar.n} of {bar.total} samples written in the {BUDGET_SHARE:.0%} of "
-                          f"--max-minutes it may take (--resume, or more minutes, writes the rest)", highlight=False)
+            corpus_path, recorder = _write_corpus(model, directory, config, corpus_tokens, corpus_samples, resume,
+                                                  corpus_end=began + BUDGET_SHARE * 60 * max_minutes)
 
         def progress(total, desc, initial=0):
             return tqdm(total=total, desc=desc, initial=initial, unit="step" if desc == "train" else "doc")
@@ -83,7 +72,7 @@ def train_exit(
         fail(str(error))
         return
     after = summary["held_out_after"]
-    out.print(f"exit head written to {directory} ({summary['steps']} steps, {summary['train_minutes']} min); "
+    out.print(f"exit head written to {directory} ({summary['steps']} steps; {summary['run_minutes']} min in all); "
               f"held-out greedy acceptance {after['greedy_acceptance']:.1%}, sampled acceptance "
               f"{after['sampled_acceptance']:.1%}, KL {after['kl_draft_vocab']:.3f} "
               f"(before training: {summary['held_out_before']['greedy_acceptance']:.1%})")
@@ -91,6 +80,35 @@ def train_exit(
         out.print("eesd uses it for this model from now on (no --exit-head needed)")
     else:
         out.print(f"use it with: verispec generate ... --method eesd --exit-head {directory}")
+
+
+def _write_corpus(model, directory: Path, config, tokens: int, samples: int, resume: bool, corpus_end: float):
+    """The model continues the shipped prompts into `directory`/corpus.jsonl until `corpus_end`
+    (`time.perf_counter()`), while its forwards keep the labels: (the corpus path, the recorder)."""
+    import time
+
+    from tqdm import tqdm
+
+    from ..target.recorder import StateRecorder, recording
+    from ..train.corpus import BUDGET_SHARE, PROMPTS_PATH, generate_corpus, read_prompts
+    from ..train.exit_head import labelled_layers
+
+    prompts = read_prompts(PROMPTS_PATH)
+    corpus_path = directory / "corpus.jsonl"
+    recorder = StateRecorder(labelled_layers(model, config))  # no labelling pass for what it writes
+    stopped = []
+
+    def corpus_stop() -> bool:
+        stopped.append(time.perf_counter() > corpus_end)
+        return stopped[-1]
+
+    with tqdm(total=len(prompts) * samples, desc="corpus", unit="sample") as bar, recording(model, recorder):
+        generate_corpus(model, prompts, tokens, corpus_path, samples=samples, seed=config.seed, resume=resume,
+                        progress=bar.update, stop=corpus_stop)
+    if any(stopped):
+        err.print(f"the corpus used its {BUDGET_SHARE:.0%} of --max-minutes: the samples in flight stand as far "
+                  f"as they were written (more minutes write more text)", highlight=False)
+    return corpus_path, recorder
 
 
 def _checked_corpus(corpus: Optional[str], generate: bool, tokens: int, samples: int) -> Optional[Path]:
