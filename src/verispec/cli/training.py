@@ -28,7 +28,7 @@ def train_exit(
     batch: int = typer.Option(4, help="Sequences per step."),
     sequence_length: int = typer.Option(256, "--sequence-length", help="Tokens per training sequence."),
     learning_rate: float = typer.Option(1e-3, "--learning-rate", help="Peak learning rate (AdamW, warm-up then cosine)."),
-    max_minutes: float = typer.Option(30.0, "--max-minutes", help="The whole run's time: the corpus the model writes takes at most 65% of it (the samples finished by then are kept), then labelling, training and the last evaluation; the head is saved when it is used up."),
+    max_minutes: float = typer.Option(30.0, "--max-minutes", help="The whole run's time: the corpus the model writes takes at most 65% of it (each sample kept as far as it was written by then), then labelling, training and the last evaluation; the head is saved when it is used up."),
     checkpoint_every: int = typer.Option(50, "--checkpoint-every", help="Steps between checkpoints."),
     out_dir: Optional[str] = typer.Option(None, "--out", help="Directory for the head, checkpoints and labels (default: the cache, where eesd finds it for this model with no --exit-head)."),
     resume: bool = typer.Option(False, "--resume", help="Continue from the checkpoint in --out."),
@@ -96,16 +96,17 @@ def _write_corpus(model, directory: Path, config, tokens: int, samples: int, res
     prompts = read_prompts(PROMPTS_PATH)
     corpus_path = directory / "corpus.jsonl"
     recorder = StateRecorder(labelled_layers(model, config))  # no labelling pass for what it writes
-    stopped = []
+    stopped = False
 
     def corpus_stop() -> bool:
-        stopped.append(time.perf_counter() > corpus_end)
-        return stopped[-1]
+        nonlocal stopped
+        stopped = time.perf_counter() > corpus_end
+        return stopped
 
     with tqdm(total=len(prompts) * samples, desc="corpus", unit="sample") as bar, recording(model, recorder):
         generate_corpus(model, prompts, tokens, corpus_path, samples=samples, seed=config.seed, resume=resume,
                         progress=bar.update, stop=corpus_stop)
-    if any(stopped):
+    if stopped:
         err.print(f"the corpus used its {BUDGET_SHARE:.0%} of --max-minutes: the samples in flight stand as far "
                   f"as they were written (more minutes write more text)", highlight=False)
     return corpus_path, recorder

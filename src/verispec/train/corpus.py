@@ -4,8 +4,9 @@ Owns the prompt list (`data/prompts.jsonl`, written for this project: instructio
 passages across writing, role-play, reasoning, code, math and word problems, science, humanities,
 summarisation, question answering, extraction, translation and chat, kept apart from every
 benchmark prompt so that training never sees evaluation text), the generation of the corpus (the
-target samples continuations of the prompts, formatted like the benchmark formats them, with
-`ar`, many sequences a forward where the target batches exactly), and reading/writing the corpus file (JSONL, one document a line:
+target samples continuations of the prompts, in the plain `PLAIN_TEMPLATE` (the benchmark's
+form for a tokenizer without a chat template), with `ar`, many sequences a forward where the
+target batches exactly), and reading/writing the corpus file (JSONL, one document a line:
 {"prompt": ..., "text": prompt + continuation, "ids": the token ids of both as the target read and
 wrote them}). Training labels a document's ids where the line has them (`read_corpus_ids`), not a
 re-tokenization of its text (which may differ where the target sampled a piece its tokenizer would
@@ -37,8 +38,8 @@ DATA = Path(__file__).parent / "data"
 PROMPTS_PATH = DATA / "prompts.jsonl"
 CORPUS_PATH = DATA / "corpus.jsonl"
 # of a training run's time budget (train-exit's --max-minutes): the most that writing its corpus
-# takes, the rest left to training (on a 2-core CPU a model writes about 100 tokens a second over
-# all its sequences, and a head learns more from more steps than from more text at this size)
+# takes, the rest left to training (a head needs both: with half the text it learnt its training
+# text; measured in docs/methods.md)
 BUDGET_SHARE = 0.65
 
 

@@ -510,8 +510,8 @@ def train_exit_head(target, corpus_path: Path, out_dir: Path, config: TrainConfi
                                                               config.eval_tokens)
     log(f"held-out before training: {before}")
     now = time.perf_counter()
-    # the last evaluation takes as long as the first (a resume's estimate: a twentieth of the budget)
-    reserve = 1.25 * (now - evaluating) if checkpoint is None else 3 * config.max_minutes
+    # the last evaluation takes as long as the first (a resume, which skips it: a twentieth of the budget)
+    reserve = 1.25 * (now - evaluating) if checkpoint is None else 0.05 * 60 * config.max_minutes
     deadline = max(budget_end - reserve, now + MIN_TRAINING_SHARE * 60 * config.max_minutes)
     log(f"training for {(deadline - now) / 60:.1f} min (--max-minutes {config.max_minutes:g}: "
         f"{(now - began) / 60:.1f} min used before training)")
