@@ -127,14 +127,13 @@ def test_a_required_or_named_tool_call_round_trip(client, stream):
     for choice in ({"type": "function", "function": {"name": "get_weather"}}, "required"):
         kwargs = dict(model=MODEL_ID, messages=messages, tools=[WEATHER, TIME], tool_choice=choice,
                       temperature=0, max_tokens=60)
-        if stream:
-            calls, finish = {}, None
-            for chunk in client.chat.completions.create(stream=True, **kwargs):
-                delta = chunk.choices[0].delta if chunk.choices else None
-                for call in (delta.tool_calls or []) if delta else []:
-                    calls[call.index] = call
-                finish = (chunk.choices[0].finish_reason if chunk.choices else None) or finish
-            calls = [calls[i] for i in sorted(calls)]
+        if stream:  # the openai client joins the call's pieces, as it does OpenAI's streams
+            with client.chat.completions.stream(**kwargs) as events:
+                pieces = [event for event in events if event.type == "tool_calls.function.arguments.delta"]
+                response = events.get_final_completion()
+            calls, finish = response.choices[0].message.tool_calls, response.choices[0].finish_reason
+            assert len(pieces) > 1, "the arguments arrive as they are written, not whole at the end"
+            assert "".join(piece.arguments_delta for piece in pieces) == calls[0].function.arguments
         else:
             response = client.chat.completions.create(**kwargs)
             calls, finish = response.choices[0].message.tool_calls, response.choices[0].finish_reason
@@ -183,3 +182,13 @@ def test_bad_tool_requests_are_400s(client, extra, param):
     with pytest.raises(openai.BadRequestError) as caught:
         client.chat.completions.create(model=MODEL_ID, messages=ask("x"), max_tokens=5, **extra)
     assert caught.value.body["param"] == param, caught.value.body
+
+
+def test_a_streamed_call_keeps_every_tokens_log_probability(client):
+    chunks = list(client.chat.completions.create(
+        model=MODEL_ID, messages=[{"role": "user", "content": "Weather in Oslo?"}], tools=[WEATHER],
+        tool_choice="required", temperature=0, max_tokens=60, logprobs=True, stream=True,
+        stream_options={"include_usage": True}))
+    entries = [entry for chunk in chunks if chunk.choices and chunk.choices[0].logprobs
+               for entry in chunk.choices[0].logprobs.content]
+    assert len(entries) == chunks[-1].usage.completion_tokens > 0

@@ -835,6 +835,7 @@ class Serving:
         n = len(jobs)
         finished: dict[int, Finished] = {}
         got: tuple[int, Event] | None = first
+        readers = {index: tools.CallReader(shape.calls == "constrained") for index in range(n)} if shape.calls else {}
         try:
             if shape.chat:
                 for index in range(n):
@@ -842,12 +843,16 @@ class Serving:
             while got is not None:
                 index, event = got
                 if isinstance(event, Delta):
-                    if not shape.calls:  # a choice that may hold tool calls is sent whole at its end
+                    if shape.calls:  # text and calls as the reader finds them
+                        for chunk in shape.call_chunks(readers[index].feed(event.text), index, shape.logprobs(event)):
+                            yield shape.sse(chunk)
+                    else:
                         yield shape.sse(shape.chunk(event.text, index, logprobs=shape.logprobs(event)))
                 elif isinstance(event, Finished):
                     finished[index] = event
                     if shape.calls:
-                        yield shape.sse(shape.chunk(shape.message(event, streamed=True), index))
+                        for chunk in shape.call_chunks(readers[index].finish(), index, None, last=True):
+                            yield shape.sse(chunk)
                     yield shape.sse(shape.final_chunk(event, index))
                     if len(finished) == n:
                         if include_usage:
@@ -937,6 +942,7 @@ class _Shape:
         self.calls = ""  # "free" or "constrained" where the output may hold tool calls (`tools`)
         self.created = int(time.time())
         self._offsets: dict[int, int] = {}  # completions' text_offset so far, per choice (streams)
+        self._held_logprobs: dict[int, dict] = {}  # a stream's log-probabilities not yet sent, per choice
 
     def _head(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
@@ -1015,16 +1021,28 @@ class _Shape:
                   "finish_reason": finish}
         return {**self._head("text_completion"), "choices": [choice]}
 
-    def message(self, event: Finished, streamed: bool = False) -> dict:
-        """A chat choice's message (a stream's delta with `streamed`): its text, or with tools
-        its calls (`tools.parse_calls`) and the text outside them."""
+    def message(self, event: Finished) -> dict:
+        """A chat choice's message: its text, or with tools its calls (`tools.parse_calls`) and
+        the text outside them."""
         if not self.calls:
             return {"role": "assistant", "content": event.text}
         content, calls = tools.parse_calls(event.text, self.calls == "constrained")
-        if streamed:
-            calls = [{"index": i, **call} for i, call in enumerate(calls)]
-            return {"content": content, "tool_calls": calls} if calls else {"content": content}
         return {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})}
+
+    def call_chunks(self, deltas: list[dict], index: int, logprobs: dict | None, last: bool = False) -> list[dict]:
+        """A stream's chunks for what a `tools.CallReader` said of a choice's new text; its
+        log-probabilities go with the next chunk that says something (with `last`, now)."""
+        held = self._held_logprobs.pop(index, None)
+        if held is not None and logprobs is not None:
+            logprobs = {"content": held["content"] + logprobs["content"]}
+        else:
+            logprobs = held if logprobs is None else logprobs
+        if not deltas and logprobs is not None and not last:
+            self._held_logprobs[index] = logprobs
+            return []
+        if not deltas and logprobs is not None:
+            deltas = [{}]
+        return [self.chunk(delta, index, logprobs=logprobs if i == 0 else None) for i, delta in enumerate(deltas)]
 
     def finish_reason(self, event: Finished) -> str:
         finish = _FINISH_REASONS.get(event.reason, "length")

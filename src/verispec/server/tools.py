@@ -12,6 +12,15 @@ Owns the three things tools change in a chat request:
   templates of tool-trained models such as Qwen2.5 ask for); "none" ignores the tools;
 - the answer: the calls parsed into OpenAI's `tool_calls` (each with an id and its arguments as
   a JSON string), `finish_reason` "tool_calls", the text outside the calls as `content`.
+
+`CallReader` reads an output as it is written and says what to send (OpenAI's deltas): text
+outside the calls as content at once, except what may be the start of a `<tool_call>`; a call as
+soon as its name is known (id, name, empty arguments), then its arguments' text as the model
+writes it, in fragments. A streamed answer and a whole one are read by the same reader, so the
+arguments a client joins from the fragments are the whole answer's, character for character
+(the model's own text of the arguments value). A block whose text does not begin
+`{"name": ..., "arguments": ...` is held until it closes: then it is a call if it parses as one
+(the arguments written as `json.dumps` writes them), else text.
 """
 
 from __future__ import annotations
@@ -82,22 +91,212 @@ def _arguments(text: str):
 
 
 def parse_calls(text: str, constrained: bool) -> tuple[str | None, list[dict]]:
-    """(content, tool_calls) of an output: a constrained output is one call; a free one holds
-    calls in `<tool_call>` blocks (a block that is not a call stays text)."""
-    if constrained:
-        call = _call(text)
-        return (None, [call]) if call is not None else (text, [])
-    calls, kept, last = [], [], 0
-    for match in CALL_BLOCK.finditer(text):
-        call = _call(match.group(1))
-        if call is None:
-            continue
-        kept.append(text[last:match.start()])
-        last = match.end()
-        calls.append(call)
-    kept.append(text[last:])
-    content = "".join(kept).strip()
-    return (content or None) if calls else text, calls
+    """(content, tool_calls) of a whole output, as `CallReader` streams it: a constrained output
+    is one call; a free one holds calls in `<tool_call>` blocks (a block that is not a call stays
+    text). Content is None where calls were made and no other text was written."""
+    reader = CallReader(constrained)
+    content, calls = [], []
+    for delta in reader.feed(text) + reader.finish():
+        content.append(delta.get("content", ""))
+        for part in delta.get("tool_calls", ()):
+            if "id" in part:
+                calls.append({"id": part["id"], "type": "function",
+                              "function": {"name": part["function"]["name"], "arguments": ""}})
+            calls[part["index"]]["function"]["arguments"] += part["function"]["arguments"]
+    joined = "".join(content)
+    return (joined or None) if calls else joined, calls
+
+
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+CALL_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*')
+
+
+class CallReader:
+    """One choice's output, read as it is written (`feed`, then `finish` at its end), as the
+    deltas of OpenAI's chat stream: `{"content": text}` and `{"tool_calls": [part]}`, a part
+    being a call's start (index, id, type, name, empty arguments) or a fragment of its
+    arguments (index, arguments). Whitespace next to a call is not content."""
+
+    def __init__(self, constrained: bool):
+        self.constrained = constrained
+        self.pending = ""  # text read but not yet said: a possible `<tool_call>`, a block, spaces
+        self.in_block = constrained  # a constrained output is one call, with no tags around it
+        self.calls = 0
+        self.value: _ValueScanner | None = None  # the arguments being streamed
+        self.after_value = False  # the call's arguments are whole; the rest of its block is skipped
+        self.after_call = False  # spaces after a call are not content
+        self.spaces = ""  # spaces before an open block: content if the block is not a call
+
+    def feed(self, text: str) -> list[dict]:
+        self.pending += text
+        deltas: list[dict] = []
+        while True:
+            progressed = self._step(deltas)
+            if not progressed:
+                return deltas
+
+    def finish(self) -> list[dict]:
+        """What is still held when the output ends: an unclosed block that is not yet a call (as
+        text, or as a call if a constrained output parses as one), trailing spaces where no call
+        was made."""
+        deltas: list[dict] = []
+        text, self.pending = self.pending, ""
+        if self.value is not None or self.after_value:
+            return deltas  # a call cut short stays as streamed
+        if self.in_block:
+            if self.constrained:
+                call = _call(text)
+                if call is not None:
+                    return self._whole_call(call)
+                return [{"content": text}] if text else []
+            text = self.spaces + OPEN + text
+        if text and not (self.calls and not text.strip()):
+            deltas.append({"content": text})
+        return deltas
+
+    # -- the states ----------------------------------------------------------------------------
+    def _step(self, deltas: list[dict]) -> bool:
+        if self.value is not None:
+            return self._stream_value(deltas)
+        if self.after_value:
+            return self._skip_to_close()
+        if self.in_block:
+            return self._read_block(deltas)
+        return self._read_text(deltas)
+
+    def _read_text(self, deltas: list[dict]) -> bool:
+        if self.after_call:
+            self.pending = self.pending.lstrip()
+            self.after_call = not self.pending
+        at = self.pending.find(OPEN)
+        if at >= 0:
+            before, self.pending = self.pending[:at], self.pending[at + len(OPEN):]
+            said = before.rstrip()
+            if said:
+                deltas.append({"content": said})
+            self.spaces, self.in_block = before[len(said):], True
+            return True
+        keep = _open_prefix(self.pending)
+        say = self.pending[:len(self.pending) - keep]
+        stripped = say.rstrip()
+        if stripped:  # spaces are held: they are content only if text follows them
+            deltas.append({"content": stripped})
+            self.pending = self.pending[len(stripped):]
+        return False
+
+    def _read_block(self, deltas: list[dict]) -> bool:
+        head = CALL_HEAD.match(self.pending)
+        if head is not None:
+            try:
+                name = json.loads('"' + head.group(1) + '"')
+            except json.JSONDecodeError:
+                name = None
+            if isinstance(name, str):
+                deltas.append({"tool_calls": [{"index": self.calls, "id": _call_id(), "type": "function",
+                                               "function": {"name": name, "arguments": ""}}]})
+                self.pending = self.pending[head.end():]
+                self.value = _ValueScanner()
+                return True
+        if not self.constrained:
+            close = self.pending.find(CLOSE)
+            if close >= 0:
+                block, self.pending = self.pending[:close], self.pending[close + len(CLOSE):]
+                call = _call(block.strip())
+                self.in_block = False
+                if call is not None:
+                    deltas.extend(self._whole_call(call))
+                    self.after_call = True
+                else:
+                    deltas.append({"content": self.spaces + OPEN + block + CLOSE})
+                self.spaces = ""
+                return True
+        return False
+
+    def _stream_value(self, deltas: list[dict]) -> bool:
+        if not self.value.kind:
+            self.pending = self.pending.lstrip()  # spaces before the value, however they arrive
+        taken = self.value.take(self.pending)
+        if taken:
+            deltas.append({"tool_calls": [{"index": self.calls, "function": {"arguments": self.pending[:taken]}}]})
+            self.pending = self.pending[taken:]
+        if not self.value.done:
+            return False
+        self.value, self.after_value = None, True
+        self.calls += 1
+        return True
+
+    def _skip_to_close(self) -> bool:
+        if self.constrained:
+            self.pending = ""  # the closing brace
+            return False
+        close = self.pending.find(CLOSE)
+        if close < 0:
+            return False
+        self.pending = self.pending[close + len(CLOSE):]
+        self.after_value = self.in_block = False
+        self.after_call, self.spaces = True, ""
+        return True
+
+    def _whole_call(self, call: dict) -> list[dict]:
+        index, self.calls = self.calls, self.calls + 1
+        function = call["function"]
+        return [{"tool_calls": [{"index": index, "id": call["id"], "type": "function",
+                                 "function": {"name": function["name"], "arguments": ""}}]},
+                {"tool_calls": [{"index": index, "function": {"arguments": function["arguments"]}}]}]
+
+
+class _ValueScanner:
+    """Where one JSON value ends in text read piece by piece (its nesting, its strings)."""
+
+    def __init__(self):
+        self.depth = 0
+        self.kind = ""  # "" (not begun), "nest" ({ or [), "string", "literal"
+        self.in_string = self.escaped = self.done = False
+
+    def take(self, text: str) -> int:
+        """How many leading characters of `text` belong to the value (all of them, unless the
+        value ends inside it; `done` then)."""
+        for i, char in enumerate(text):
+            if self.done:
+                return i
+            if not self.kind:
+                if char.isspace():
+                    continue
+                self.kind = {"{": "nest", "[": "nest", '"': "string"}.get(char, "literal")
+            if self.kind == "literal":
+                if char in ",}] \t\r\n":
+                    self.done = True
+                    return i
+                continue
+            if self.in_string:
+                if self.escaped:
+                    self.escaped = False
+                elif char == "\\":
+                    self.escaped = True
+                elif char == '"':
+                    self.in_string = False
+                    self.done = self.kind == "string"
+                continue
+            if char == '"':
+                self.in_string = True
+            elif char in "{[":
+                self.depth += 1
+            elif char in "}]":
+                self.depth -= 1
+                self.done = self.depth == 0
+        return len(text)
+
+
+def _open_prefix(text: str) -> int:
+    """The length of the longest end of `text` that begins `<tool_call>`."""
+    for size in range(min(len(OPEN) - 1, len(text)), 0, -1):
+        if OPEN.startswith(text[-size:]):
+            return size
+    return 0
+
+
+def _call_id() -> str:
+    return "call_" + uuid.uuid4().hex[:24]
 
 
 def _call(text: str) -> dict | None:
@@ -108,5 +307,5 @@ def _call(text: str) -> dict | None:
     if not isinstance(value, dict) or not isinstance(value.get("name"), str):
         return None
     arguments = value.get("arguments", value.get("parameters", {}))
-    return {"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
+    return {"id": _call_id(), "type": "function",
             "function": {"name": value["name"], "arguments": json.dumps(arguments)}}
