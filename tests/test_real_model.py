@@ -256,3 +256,22 @@ def test_requests_decoded_together_give_what_each_gives_alone(real_target):
         assert verispec.generate_many(real_target, [second])[0].token_ids == cached.token_ids
     finally:
         real_target.prefix_cache = True
+
+
+def test_text_copies_on_the_real_tokenizer_keep_a_constrained_output(real_target):
+    """A value written in other tokens than the prompt's (`K`, `rak` for the prompt's ` Kraków`)
+    is copied from the prompt's text; anpd under a JSON format still writes constrained ar's
+    tokens."""
+    from verispec.core.drafters.text_copy import TextCopy
+
+    tokenizer = real_target.tokenizer
+    prompt = "Extract the person as JSON with name, age and city.\nText: Sofia Marinescu is 34 and lives in Kraków.\nJSON:"
+    copier = TextCopy.for_tokenizer(tokenizer)
+    copier.begin(tokenizer.encode(prompt, add_special_tokens=False))
+    value = tokenizer.encode('"city": "Krak', add_special_tokens=False)
+    tokens, chars = copier.draft(value[-4:], 2)
+    assert tokenizer.decode(tokens).startswith("ów") and chars > 0
+    settings = dict(max_new_tokens=48, prompt_format="chat", response_format={"type": "json_object"})
+    reference = verispec.generate(real_target, prompt, "ar", **settings)
+    copied = verispec.generate(real_target, prompt, "anpd/ngram_memory=false", **settings)
+    assert copied.token_ids == reference.token_ids

@@ -190,7 +190,7 @@ def draft_cost(target: Target, lm: DraftLM) -> float:
 
 def _hybrid(target: Target, options: MethodOptions, sampling: SamplingConfig) -> Drafter:
     ngram = AnpdDrafter.for_target(target.attachments, NgramConfig(max_n=options.ngram_max_n, span_min=options.span_min),
-                                   options.ngram_memory, 0)
+                                   options.ngram_memory, 0, target.tokenizer)
     lm = draft_lm(target, options)
     return HybridDrafter(ngram, SampledDrafter(lm, sampling), draft_cost(target, lm))
 
@@ -233,7 +233,7 @@ METHODS: dict[str, Method] = {
         Method("anpd", "ANPD: adaptive multi-level n-gram tables from the prompt and the output", True, 16,
                lambda target, options, sampling: AnpdDrafter.for_target(
                    target.attachments, NgramConfig(max_n=options.ngram_max_n, span_min=options.span_min), options.ngram_memory,
-                   _tree_budget(target, options.tree)),
+                   _tree_budget(target, options.tree), target.tokenizer),
                "adaptive", settings=NGRAM_SETTINGS),
         Method("eesd", "EESD: the target's first layers plus a trained exit head, Thompson-sampled length",
                True, 8, _eesd, "calibrated-ts", draws=True, settings=HEAD_SETTINGS),

@@ -72,6 +72,7 @@ import torch
 from ...errors import ConfigError
 from .base import HOST, Draft, Keep, keep_all, kept_prefix, memory_switched_off, own_outcome, recently_used
 from .spans import Span, SpanIndex
+from .text_copy import MAX_TAIL, TextCopy
 
 SPAN_KEY = 4  # tokens of the n-grams a long match is looked up by (`SpanIndex.key`)
 SPAN_MAX_BACK = 32  # the longest match measured (`SpanIndex.max_back`)
@@ -86,6 +87,13 @@ SPAN_PRIOR_ACCEPTED = 2
 # answers and 11% on 16 code-edit ones, and at 0.5 a fresh request's trees spent their budget on
 # bushy, shallow branches. Priors of 2, 4 and 8 rejections replayed within 1% of each other.
 ALTERNATIVE_PRIOR_REJECTED = 4
+COPY_TAIL = MAX_TAIL + 1  # context tokens a text copy reads: its longest tail and the token before
+
+
+def text_kind(chars: int, position: int) -> tuple:
+    """The confidence kind of draft token `position` (0-based) of a text copy whose match was
+    `chars` characters long (both capped: 4 and 3)."""
+    return ("text", (min(chars, 4), min(position, 3)), False)
 
 
 @dataclass
@@ -358,7 +366,7 @@ class AnpdDrafter:
     """
 
     def __init__(self, config: NgramConfig = NgramConfig(), memory: NgramMemory | None = None, tree: int = 0,
-                 outcomes: dict[tuple, list[int]] | None = None):
+                 outcomes: dict[tuple, list[int]] | None = None, copier: TextCopy | None = None):
         if memory is not None and memory.config != config:
             raise ConfigError(f"the memory's n-gram config {memory.config} differs from the drafter's {config}")
         if isinstance(tree, bool) or not isinstance(tree, int) or tree < 0:
@@ -366,6 +374,7 @@ class AnpdDrafter:
         self.config = config
         self.memory = memory
         self.tree = tree
+        self.copier = copier  # drafts from the prompt's text where every n-gram level misses
         self.tables = self._new_tables()
         self._memory_tail: deque[int] | None = None
         self._spans: SpanIndex | None = None  # the memory's, or this request's own
@@ -377,10 +386,13 @@ class AnpdDrafter:
         self._last_tree: tuple[list[int], list[int], list[tuple]] | None = None  # tokens, parents, kinds
 
     @classmethod
-    def for_target(cls, attachments: dict, config: NgramConfig, memory: bool = True, tree: int = 0) -> "AnpdDrafter":
+    def for_target(cls, attachments: dict, config: NgramConfig, memory: bool = True, tree: int = 0,
+                   tokenizer=None) -> "AnpdDrafter":
         """A drafter using the memory kept in a target's `attachments` (`shared_memory`) when
-        `memory` is True and the target has not switched it off; `tree`: its node budget."""
-        return cls(config, shared_memory(attachments, config) if memory else None, tree)
+        `memory` is True and the target has not switched it off; `tree`: its node budget; with
+        the target's `tokenizer`, text copies where the tables miss (`TextCopy`)."""
+        return cls(config, shared_memory(attachments, config) if memory else None, tree,
+                   copier=TextCopy.for_tokenizer(tokenizer))
 
     def _new_tables(self) -> NgramTables:
         c = self.config
@@ -398,6 +410,8 @@ class AnpdDrafter:
             self._spans.extend(self._stream, prompt)
         self._outcomes = {} if self._pooled is None else self._pooled
         self._last_kinds, self._last_tree, self._ahead = [], None, 0
+        if self.copier is not None:
+            self.copier.begin(prompt)
 
     def propose(self, context: Sequence[int], k: int, keep: Keep = keep_all) -> Draft:
         span = self._long_match()
@@ -405,7 +419,7 @@ class AnpdDrafter:
             k = min(k, self.tree)
             if span is None:
                 return self._propose_tree(k, keep)
-        tokens, confidence = self._propose_path(span, k, keep)
+        tokens, confidence = self._propose_path(span, k, keep, tail=context[-COPY_TAIL:])
         return Draft(torch.tensor(tokens, dtype=torch.long, device=HOST), confidence=confidence)
 
     def propose_ahead(self, context: Sequence[int], ahead: Sequence[int], k: int, keep: Keep = keep_all) -> Draft:
@@ -413,7 +427,8 @@ class AnpdDrafter:
         (a grammar's forced text, drafted before these); `commit` follows with the step's
         committed tokens and the whole draft's length, `ahead` included, and learns from the
         tokens after `ahead` only."""
-        tokens, confidence = self._propose_path(self._long_match(ahead), k, keep, ahead)
+        tail = [*context[-COPY_TAIL:], *ahead][-COPY_TAIL:]
+        tokens, confidence = self._propose_path(self._long_match(ahead), k, keep, ahead, tail)
         self._ahead = len(ahead)
         return Draft(torch.tensor(tokens, dtype=torch.long, device=HOST), confidence=confidence)
 
@@ -425,10 +440,11 @@ class AnpdDrafter:
             raise ConfigError("propose_ids makes linear drafts: this drafter drafts trees (tree > 0)")
         return self._propose_path(self._long_match(), k, keep)
 
-    def _propose_path(self, span: Span | None, k: int, keep: Keep,
-                      ahead: Sequence[int] = ()) -> tuple[list[int], tuple[float, ...]]:
+    def _propose_path(self, span: Span | None, k: int, keep: Keep, ahead: Sequence[int] = (),
+                      tail: Sequence[int] = ()) -> tuple[list[int], tuple[float, ...]]:
         """Up to k tokens on one path: the copy after a long match, else chained look-ups (after
-        `ahead`, uncommitted tokens that come first)."""
+        `ahead`, uncommitted tokens that come first), else the prompt's text after the text of
+        `tail`, the last tokens before the draft (`TextCopy`)."""
         if span is not None:  # a long match is copied as a single path, trees or not
             tokens = span.tokens(k)
             kinds = [span_kind(span.length + j, span.other) for j in range(len(tokens))]
@@ -437,6 +453,9 @@ class AnpdDrafter:
             matches = self.tables.draft_matches(k, fallback, ahead)
             tokens = [m.token for m in matches]
             kinds = [(m.n, min(m.count, 3), m.remembered) for m in matches]
+            if not tokens and self.copier is not None and tail:
+                tokens, chars = self.copier.draft(tail, k)
+                kinds = [text_kind(chars, j) for j in range(len(tokens))]
         confidence = tuple(self._confidence(kind) for kind in kinds)
         n = kept_prefix(confidence, keep)
         self._last_kinds = kinds[:n]
