@@ -8,7 +8,7 @@ import torch
 
 import helpers
 from verispec.core.drafters.base import Draft
-from verispec.core.drafters.hybrid import HybridDrafter, best_model_length, expected_tokens
+from verispec.core.drafters.hybrid import HybridDrafter, ModelAcceptance, best_model_length, expected_tokens
 from verispec.core.methods import MethodOptions, build
 from verispec.core.sampling import SamplingConfig
 
@@ -76,6 +76,55 @@ def test_model_drafts_teach_the_acceptance():
     assert drafter.model_acceptance < before
 
 
+def test_what_model_drafts_earned_carries_over_to_the_next_request():
+    """Requests sharing a target share one `ModelAcceptance`: after a request whose model drafts
+    were all rejected, the next one drafts with the model far less often than a fresh one would."""
+    shared = ModelAcceptance()
+    first = HybridDrafter(_Stub(_draft([], [])), _Stub(_draft([7, 8], [0.9, 0.9])), 0.2, shared)
+    for _ in range(40):
+        draft = first.propose([1], 2)
+        first.commit([5], len(draft.tokens))  # nothing accepted
+    assert shared.mean < 0.1
+
+    def model_share(acceptance: ModelAcceptance) -> float:
+        model = _Stub(_draft([7, 8], [0.9, 0.9]))
+        drafter = HybridDrafter(_Stub(_draft([], [])), model, 0.2, acceptance)
+        chosen = 0
+        for _ in range(200):
+            chosen += drafter.propose([1], 2) is model.draft
+            drafter._source = None  # not learning: the share under this posterior
+        return chosen / 200
+
+    assert model_share(ModelAcceptance()) > 0.9  # the prior: model drafts are tried
+    assert 0 < model_share(shared) < 0.1  # now rarely, but still now and then (Thompson draws)
+
+    class Begun(_Stub):
+        begun = 0
+
+        def begin(self, prompt):
+            self.begun += 1
+
+    # a request the model sits out does not begin it (an exit head's verifies keep no states)
+    model = Begun(_draft([7, 8], [0.9, 0.9]))
+    for _ in range(20):
+        HybridDrafter(_Stub(_draft([], [])), model, 0.2, shared).begin([1])
+    assert model.begun < 5
+    fresh = Begun(_draft([7, 8], [0.9, 0.9]))
+    HybridDrafter(_Stub(_draft([], [])), fresh, 0.2).begin([1])
+    assert fresh.begun == 1
+
+
+def test_build_shares_the_acceptance_per_target_and_draft_model(tmp_path):
+    target = helpers.make_target("llama", seed=1)
+    for directory in (tmp_path / "a", tmp_path / "b"):
+        helpers.make_model(helpers.make_config("llama"), seed=9).save_pretrained(directory)
+        helpers.char_tokenizer().save_pretrained(directory)
+    first, second, other = (build("hybrid", target, MethodOptions(draft_model=str(tmp_path / name)))
+                            for name in ("a", "a", "b"))
+    assert first.drafter.acceptance is second.drafter.acceptance
+    assert other.drafter.acceptance is not first.drafter.acceptance
+
+
 @pytest.mark.long
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_greedy_hybrid_equals_ar(arch, tmp_path, monkeypatch):
@@ -109,6 +158,7 @@ def test_hybrid_is_lossless_under_sampling(micro, micro_draft, monkeypatch):
     import verispec.core.methods as methods
 
     monkeypatch.setattr(methods, "draft_cost", lambda target, lm: 0.05)
+    monkeypatch.setattr(ModelAcceptance, "draw", lambda self: 0.9)  # the model drafts in every request
     sampling = SamplingConfig(temperature=1.0)
     prompt = [1, 2, 3, 1, 2, 3, 1, 2]
     exact = helpers.exact_sequence_distribution(micro.model, prompt, 3, sampling)

@@ -18,7 +18,7 @@ from .control import CUTS_AFTER_DRAFTING, ControllerMemory, controller_name, par
 from .drafters.base import Drafter, NullDrafter
 from .drafters.early_exit import EarlyExitDrafter, ExitHeadLM, PreparedHead, load_head
 from .drafters.draft_model import MIN_DRAFT_VOCAB, AuxLM, BeamDrafter, DraftLM, SampledDrafter, frequent_vocabulary
-from .drafters.hybrid import HybridDrafter
+from .drafters.hybrid import HybridDrafter, ModelAcceptance
 from .drafters.ngram import AnpdDrafter, NgramConfig, PromptLookupDrafter
 from .drafters.suffix import SuffixConfig, SuffixDrafter
 from .engine import Recipe, Rule
@@ -192,7 +192,9 @@ def _hybrid(target: Target, options: MethodOptions, sampling: SamplingConfig) ->
     ngram = AnpdDrafter.for_target(target.attachments, NgramConfig(max_n=options.ngram_max_n, span_min=options.span_min),
                                    options.ngram_memory, 0, target.tokenizer)
     lm = draft_lm(target, options)
-    return HybridDrafter(ngram, SampledDrafter(lm, sampling), draft_cost(target, lm))
+    key = ("hybrid-acceptance", str(options.draft_model), str(options.exit_head), options.head_int8, options.draft_vocab)
+    acceptance = target.attachments.setdefault(key, ModelAcceptance())
+    return HybridDrafter(ngram, SampledDrafter(lm, sampling), draft_cost(target, lm), acceptance)
 
 
 def draft_lm(target: Target, options: MethodOptions) -> DraftLM:
