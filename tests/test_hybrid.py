@@ -87,22 +87,25 @@ def test_what_model_drafts_earned_carries_over_to_the_next_request():
     assert shared.mean < 0.1
 
     def model_share(acceptance: ModelAcceptance) -> float:
-        model = _Stub(_draft([7, 8], [0.9, 0.9]))
-        drafter = HybridDrafter(_Stub(_draft([], [])), model, 0.2, acceptance)
+        """The share of 500 new requests that take the model's draft at their first step."""
         chosen = 0
-        for _ in range(200):
-            chosen += drafter.propose([1], 2) is model.draft
-            drafter._source = None  # not learning: the share under this posterior
-        return chosen / 200
+        for _ in range(500):
+            model = _Stub(_draft([7, 8], [0.9, 0.9]))
+            chosen += HybridDrafter(_Stub(_draft([], [])), model, 0.2, acceptance).propose([1], 2) is model.draft
+        return chosen / 500
 
     assert model_share(ModelAcceptance()) > 0.9  # the prior: model drafts are tried
     assert 0 < model_share(shared) < 0.1  # now rarely, but still now and then (Thompson draws)
 
     class Begun(_Stub):
         begun = 0
+        in_target_sequence = True  # as an exit head: its verifies keep its states
 
         def begin(self, prompt):
             self.begun += 1
+
+        def kv_claims(self, prompt_tokens, max_new_tokens):
+            return ["claim"]
 
     # a request the model sits out does not begin it (an exit head's verifies keep no states)
     model = Begun(_draft([7, 8], [0.9, 0.9]))
@@ -110,8 +113,13 @@ def test_what_model_drafts_earned_carries_over_to_the_next_request():
         HybridDrafter(_Stub(_draft([], [])), model, 0.2, shared).begin([1])
     assert model.begun < 5
     fresh = Begun(_draft([7, 8], [0.9, 0.9]))
-    HybridDrafter(_Stub(_draft([], [])), fresh, 0.2).begin([1])
+    taking_part = HybridDrafter(_Stub(_draft([], [])), fresh, 0.2)
+    assert taking_part.in_target_sequence and taking_part.kv_claims(8, 8) == ["claim"]
+    taking_part.begin([1])
     assert fresh.begun == 1
+    # ... and where it sits out, the request may share the batch's forwards and claims nothing for it
+    sitting_out = HybridDrafter(_Stub(_draft([], [])), Begun(_draft([7], [0.9])), 0.2, ModelAcceptance(64.0, 0.0))
+    assert not sitting_out.in_target_sequence and sitting_out.kv_claims(8, 8) == []
 
 
 def test_build_shares_the_acceptance_per_target_and_draft_model(tmp_path):

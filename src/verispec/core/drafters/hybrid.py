@@ -20,8 +20,9 @@ Beta posterior (Thompson sampling), so a model found poor is still tried now and
 often as the posterior says it may pay; the counts are capped (`MAX_WEIGHT` drafted tokens) so
 the posterior stays wide enough to follow a change of text. The same draw decides, when a request
 begins, whether the model takes part in it at all: where even its best length would not pay, the
-request is ANPD's alone, and an exit head does not make its verifies keep the exit layer's states
-(measured on the 1.5B, that keeping cost about 3.5% of a step when nothing was drafted).
+request is ANPD's alone: an exit head does not make its verifies keep the exit layer's states
+(measured on the 1.5B, that keeping cost about 3.5% of a step when nothing was drafted), and the
+request may share the batch's forwards with others (`in_target_sequence`).
 """
 
 from __future__ import annotations
@@ -97,17 +98,23 @@ class HybridDrafter:
         self.costs = CostModel()  # replaced by the measured controller's (`measure_with`)
         self.acceptance = acceptance if acceptance is not None else ModelAcceptance()
         self._source = None  # "ngram" or "model": whose draft this step verifies
-        self.model_on = True  # whether the model takes part in this request (`begin`)
+        self._model_on: bool | None = None  # whether the model takes part in this request (`model_on`)
 
     def measure_with(self, costs: CostModel) -> None:
         """Price verify widths with `costs` (measured by the controller as the requests run)."""
         self.costs = costs
 
+    @property
+    def model_on(self) -> bool:
+        """Whether the model takes part in this request: drawn once, the first time it is asked
+        (when the request is admitted or begins), as whether its best draft length pays."""
+        if self._model_on is None:
+            length, _ = best_model_length(self.acceptance.draw(), self.model_cost, MAX_MODEL_DRAFT, self.costs.verify)
+            self._model_on = length > 0
+        return self._model_on
+
     def begin(self, prompt: Sequence[int]) -> None:
         self.ngram.begin(prompt)
-        length, _ = best_model_length(self.acceptance.draw(), self.model_cost, MAX_MODEL_DRAFT,
-                                      self.costs.verify)
-        self.model_on = length > 0
         if self.model_on:
             self.model.begin(prompt)
 
@@ -116,11 +123,13 @@ class HybridDrafter:
             self.model.close()
 
     def kv_claims(self, prompt_tokens: int, max_new_tokens: int) -> list:
-        return self.model.kv_claims(prompt_tokens, max_new_tokens)
+        return self.model.kv_claims(prompt_tokens, max_new_tokens) if self.model_on else []
 
     @property
     def in_target_sequence(self) -> bool:
-        return self.model.in_target_sequence
+        """An exit head that takes part needs its own verifies (they keep its states); a request
+        that leaves it out can share the batch's forwards."""
+        return self.model_on and self.model.in_target_sequence
 
     @property
     def draft_sequence(self):
