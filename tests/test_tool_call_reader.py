@@ -1,6 +1,8 @@
 """`server.tools.CallReader`: an output read as it is written gives OpenAI's stream deltas, and the
 same content and calls however its text is cut into pieces (one piece, a character at a time, at
-random), so a streamed answer joins into the whole answer's message."""
+random), so a streamed answer joins into the whole answer's message. Calls come in `<tool_call>`
+blocks, or in fenced JSON blocks naming one of the request's tools (as Qwen2.5-Coder writes them;
+the first case below is its answer on the project's 1.5B)."""
 
 from __future__ import annotations
 
@@ -12,6 +14,16 @@ import pytest
 from verispec.server.tools import CallReader, parse_calls
 
 WEATHER = '{"name": "get_weather", "arguments": {"city": "Oslo \\"N\\"", "days": [1, {"x": "}"}]}}'
+CODER = '```json\n{\n  "name": "get_weather",\n  "arguments": {\n    "city": "Oslo",\n    "unit": "c"\n  }\n}\n```'
+NAMES = frozenset({"get_weather", "now"})
+FENCED = [
+    (CODER, NAMES),
+    ("Sure.\n```\n" + WEATHER + "\n```\nDone.", NAMES),
+    ("Code:\n```python\nprint({'a': 1})\n```\nand JSON:\n```json\n{\"a\": 1}\n```", NAMES),
+    ('```json\n{"name": "unknown", "arguments": {}}\n```', NAMES),
+    (CODER, frozenset()),
+    ("```json\n{\"arguments\": {\"x\": 1}, \"name\": \"now\"}\n``` and ``", NAMES),
+]
 OUTPUTS = [
     ("Let me look.<tool_call>" + WEATHER + "</tool_call>", False),
     ("<tool_call>\n" + WEATHER + "\n</tool_call>\n<tool_call>\n{\"name\": \"now\", \"arguments\": {}}\n</tool_call>",
@@ -40,8 +52,8 @@ def joined(deltas: list[dict]) -> tuple[str, list[tuple[str, str]]]:
     return content, [tuple(call) for call in calls]
 
 
-def read(pieces: list[str], constrained: bool) -> list[dict]:
-    reader = CallReader(constrained)
+def read(pieces: list[str], constrained: bool, names: frozenset[str] = frozenset()) -> list[dict]:
+    reader = CallReader(constrained, names)
     deltas = []
     for piece in pieces:
         deltas += reader.feed(piece)
@@ -54,14 +66,38 @@ def cuts(text: str, seed: int) -> list[str]:
     return [text[a:b] for a, b in zip([0] + points, points + [len(text)])]
 
 
-@pytest.mark.parametrize("text,constrained", OUTPUTS)
-def test_any_cut_of_the_text_gives_the_whole_texts_answer(text, constrained):
-    whole = joined(read([text], constrained))
-    assert joined(read(list(text), constrained)) == whole
+@pytest.mark.parametrize("text,constrained,names", [(t, c, frozenset()) for t, c in OUTPUTS] +
+                         [(t, False, n) for t, n in FENCED])
+def test_any_cut_of_the_text_gives_the_whole_texts_answer(text, constrained, names):
+    whole = joined(read([text], constrained, names))
+    assert joined(read(list(text), constrained, names)) == whole
     for seed in range(20):
-        assert joined(read(cuts(text, seed), constrained)) == whole
-    content, calls = parse_calls(text, constrained)
+        assert joined(read(cuts(text, seed), constrained, names)) == whole
+    content, calls = parse_calls(text, constrained, names)
     assert (content or "", [(c["function"]["name"], c["function"]["arguments"]) for c in calls]) == whole
+
+
+@pytest.mark.parametrize("text,names,content,calls", [
+    (CODER, NAMES, None, [("get_weather", '{\n    "city": "Oslo",\n    "unit": "c"\n  }')]),
+    (CODER, frozenset(), CODER, []),  # no tools of that name: a code block
+    ("Sure.\n```\n" + WEATHER + "\n```\nDone.", NAMES, "Sure.Done.",
+     [("get_weather", json.dumps(json.loads(WEATHER)["arguments"]))]),
+    ('```json\n{"name": "unknown", "arguments": {}}\n```', NAMES, '```json\n{"name": "unknown", "arguments": {}}\n```',
+     []),
+    ("```json\n{\"arguments\": {\"x\": 1}, \"name\": \"now\"}\n```", NAMES, None, [("now", '{"x": 1}')]),
+])
+def test_fenced_json_that_calls_a_given_tool_is_a_call(text, names, content, calls):
+    got_content, got_calls = parse_calls(text, False, names)
+    assert got_content == content
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in got_calls] == calls
+
+
+def test_a_code_block_streams_as_it_is_written():
+    reader = CallReader(False, NAMES)
+    assert reader.feed("Here:\n```py") == [{"content": "Here:"}]
+    assert reader.feed("thon\nprint(1)\n") == [{"content": "\n```python\nprint(1)\n"}]
+    assert reader.feed("x = 2\n``") == [{"content": "x = 2\n"}]
+    assert reader.feed("`\nbye") == [{"content": "```"}, {"content": "\nbye"}]
 
 
 def test_a_call_is_said_as_soon_as_its_name_is_known_and_its_arguments_as_written():

@@ -796,6 +796,7 @@ class Serving:
         shape = _Shape(chat, self.settings.model_id, generation, self.target.tokenizer)
         if chat and tools.active(body.tools, body.tool_choice):
             shape.calls = "constrained" if tools.call_schema(body.tools, body.tool_choice) else "free"
+            shape.tool_names = frozenset(tool.function.name for tool in body.tools)
         try:
             if not body.stream:
                 return await self.complete(request, jobs, events, shape)
@@ -835,7 +836,7 @@ class Serving:
         n = len(jobs)
         finished: dict[int, Finished] = {}
         got: tuple[int, Event] | None = first
-        readers = {index: tools.CallReader(shape.calls == "constrained") for index in range(n)} if shape.calls else {}
+        readers = {index: shape.call_reader() for index in range(n)} if shape.calls else {}
         try:
             if shape.chat:
                 for index in range(n):
@@ -940,6 +941,7 @@ class _Shape:
         self.chat, self.model, self.generation, self.tokenizer = chat, model_id, generation, tokenizer
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         self.calls = ""  # "free" or "constrained" where the output may hold tool calls (`tools`)
+        self.tool_names: frozenset[str] = frozenset()  # the request's tools (a fenced block may call them)
         self.created = int(time.time())
         self._offsets: dict[int, int] = {}  # completions' text_offset so far, per choice (streams)
         self._held_logprobs: dict[int, dict] = {}  # a stream's log-probabilities not yet sent, per choice
@@ -1026,8 +1028,12 @@ class _Shape:
         the text outside them."""
         if not self.calls:
             return {"role": "assistant", "content": event.text}
-        content, calls = tools.parse_calls(event.text, self.calls == "constrained")
+        content, calls = tools.parse_calls(event.text, self.calls == "constrained", self.tool_names)
         return {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})}
+
+    def call_reader(self) -> tools.CallReader:
+        """A reader of one choice's calls as it is streamed."""
+        return tools.CallReader(self.calls == "constrained", self.tool_names)
 
     def call_chunks(self, deltas: list[dict], index: int, logprobs: dict | None, last: bool = False) -> list[dict]:
         """A stream's chunks for what a `tools.CallReader` said of a choice's new text; its
@@ -1046,7 +1052,8 @@ class _Shape:
 
     def finish_reason(self, event: Finished) -> str:
         finish = _FINISH_REASONS.get(event.reason, "length")
-        if finish == "stop" and self.calls and tools.parse_calls(event.text, self.calls == "constrained")[1]:
+        if finish == "stop" and self.calls and tools.parse_calls(event.text, self.calls == "constrained",
+                                                                 self.tool_names)[1]:
             return "tool_calls"
         return finish
 
