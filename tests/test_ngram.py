@@ -408,3 +408,23 @@ def test_a_fresh_trees_alternatives_start_less_trusted_than_its_winners():
     for _ in range(20):
         drafter._learn(alternative, True)
     assert drafter._confidence(alternative) > 0.75
+
+
+def test_a_longer_matchs_copy_is_trusted_at_least_as_a_shorter_ones():
+    """While a copy goes on, its tokens' matches grow into longer buckets: one never seen before
+    starts from what the shorter ones earned, not from the prior, and its own outcomes still
+    count where they say more."""
+    from verispec.core.drafters.ngram import span_kind
+
+    drafter = AnpdDrafter(NgramConfig())
+    drafter.begin([1, 2])
+    short, longer, longest = span_kind(8, False), span_kind(16, False), span_kind(32, False)
+    fresh = drafter._confidence(longest)
+    for _ in range(30):
+        drafter._learn(short, True)
+    assert drafter._confidence(short) > 0.95
+    assert drafter._confidence(longer) == drafter._confidence(longest) == drafter._confidence(short) > fresh
+    for _ in range(60):
+        drafter._learn(longest, True)
+    assert drafter._confidence(longest) > drafter._confidence(short)
+    assert drafter._confidence(span_kind(4, False)) == fresh  # a shorter match gains nothing from longer ones

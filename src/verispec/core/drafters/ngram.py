@@ -507,10 +507,16 @@ class AnpdDrafter:
         return self.memory.outcomes if shared and self.memory is not None else self._outcomes
 
     def _confidence(self, kind: tuple) -> float:
+        """The mean of the kind's Beta posterior; for a long match's copy, at least the confidence
+        of a shorter match's (a match of 24 tokens holds one of 12: while a copy goes on, each
+        token's match grows into a longer bucket, which would otherwise start again from the
+        prior and hold the draft back)."""
         accepted, rejected = self._outcomes_of(kind).get(kind, (0, 0))
         if kind[0] == "span":
-            accepted += SPAN_PRIOR_ACCEPTED
-        elif len(kind) > 3:  # a tree's alternative to the likeliest continuation
+            own = (1 + accepted + SPAN_PRIOR_ACCEPTED) / (2 + accepted + rejected + SPAN_PRIOR_ACCEPTED)
+            shorter = [bucket for bucket in SPAN_BUCKETS if bucket < kind[1]]
+            return max(own, self._confidence(("span", shorter[-1], kind[2]))) if shorter else own
+        if len(kind) > 3:  # a tree's alternative to the likeliest continuation
             rejected += ALTERNATIVE_PRIOR_REJECTED
         return (1 + accepted) / (2 + accepted + rejected)
 
