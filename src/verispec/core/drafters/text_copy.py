@@ -21,6 +21,7 @@ from typing import Callable, Sequence
 
 MAX_TAIL = 3  # output tokens whose text is looked up, longest first
 SPAN_CHARS = 48  # characters of the prompt after a match that are re-tokenized
+MAX_LOOKS = 32  # occurrences of a text looked at for one that fits
 
 
 class TextCopy:
@@ -69,15 +70,15 @@ class TextCopy:
 
     def _find(self, piece: str, word_start: bool) -> int:
         """The last occurrence of `piece` in the prompt's text with text after it (at a word start
-        if asked), or -1."""
+        if asked), or -1; at most MAX_LOOKS occurrences are looked at (a letter occurs thousands
+        of times in a long prompt)."""
         end = len(self.text) - 1
-        while True:
+        for _ in range(MAX_LOOKS):
             at = self.text.rfind(piece, 0, end + 1)
-            if at < 0 or at + len(piece) >= len(self.text):
-                if at < 0:
-                    return -1
-                end = at + len(piece) - 2
-                continue
-            if not word_start or at == 0 or not self.text[at - 1].isalnum():
+            if at < 0:
+                return -1
+            followed = at + len(piece) < len(self.text)
+            if followed and (not word_start or at == 0 or not self.text[at - 1].isalnum()):
                 return at
-            end = at + len(piece) - 2
+            end = at + len(piece) - 2  # the next search ends before this occurrence does
+        return -1
