@@ -7,12 +7,13 @@ the prompt until the copy has passed that word. `TextCopy` matches text instead:
 output's last few tokens, found in the prompt's text, is re-tokenized together with the text that
 followed it there, and where that tokenization begins with those same last tokens, the tokens
 after them are the draft. Measured on the project's extraction set (`scripts/structured_output.py`,
-Qwen2.5-Coder-1.5B, constrained `ar`'s answers): 57 of 690 answer tokens are predicted this way
-and by no bigram of the context.
+Qwen2.5-Coder-1.5B, constrained `ar`'s answers): of 690 answer tokens, 57 that no bigram of the
+context predicts are predicted this way (an offline count).
 
 Pure: the tokenizer enters as `encode` / `decode` callables; no model, no torch. Cost per draft: a
 decode of at most `max_tail` tokens and an encode of about `span_chars` characters per tail length
-tried, and a search of the prompt's text (its occurrences are found with `str.find`).
+tried, and a search of the prompt's text (`str.rfind`, at most MAX_LOOKS occurrences): about
+0.1 ms a draft on the 1.5B's tokenizer.
 """
 
 from __future__ import annotations
