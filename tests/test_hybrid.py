@@ -97,6 +97,8 @@ def test_what_model_drafts_earned_carries_over_to_the_next_request():
     assert model_share(ModelAcceptance()) > 0.9  # the prior: model drafts are tried
     assert 0 < model_share(shared) < 0.1  # now rarely, but still now and then (Thompson draws)
 
+
+def test_a_request_that_leaves_the_model_out_does_not_begin_it_and_may_share_forwards():
     class Begun(_Stub):
         begun = 0
         in_target_sequence = True  # as an exit head: its verifies keep its states
@@ -108,9 +110,10 @@ def test_what_model_drafts_earned_carries_over_to_the_next_request():
             return ["claim"]
 
     # a request the model sits out does not begin it (an exit head's verifies keep no states)
+    poor = ModelAcceptance(64.0, 2.0)  # 2 of 64 drafted tokens accepted
     model = Begun(_draft([7, 8], [0.9, 0.9]))
     for _ in range(20):
-        HybridDrafter(_Stub(_draft([], [])), model, 0.2, shared).begin([1])
+        HybridDrafter(_Stub(_draft([], [])), model, 0.2, poor).begin([1])
     assert model.begun < 5
     fresh = Begun(_draft([7, 8], [0.9, 0.9]))
     taking_part = HybridDrafter(_Stub(_draft([], [])), fresh, 0.2)
@@ -118,7 +121,7 @@ def test_what_model_drafts_earned_carries_over_to_the_next_request():
     taking_part.begin([1])
     assert fresh.begun == 1
     # ... and where it sits out, the request may share the batch's forwards and claims nothing for it
-    sitting_out = HybridDrafter(_Stub(_draft([], [])), Begun(_draft([7], [0.9])), 0.2, ModelAcceptance(64.0, 0.0))
+    sitting_out = HybridDrafter(_Stub(_draft([], [])), Begun(_draft([7], [0.9])), 0.2, poor)
     assert not sitting_out.in_target_sequence and sitting_out.kv_claims(8, 8) == []
 
 

@@ -854,7 +854,7 @@ class Serving:
                     if shape.calls:
                         for chunk in shape.call_chunks(readers[index].finish(), index, None, last=True):
                             yield shape.sse(chunk)
-                    yield shape.sse(shape.final_chunk(event, index))
+                    yield shape.sse(shape.final_chunk(event, index, bool(shape.calls and readers[index].calls)))
                     if len(finished) == n:
                         if include_usage:
                             yield shape.sse(shape.usage_chunk([finished[i] for i in range(n)]))
@@ -1004,13 +1004,13 @@ class _Shape:
     def completion(self, events: list[Finished]) -> dict:
         choices = []
         for index, event in enumerate(events):
-            finish = self.finish_reason(event)
             if self.chat:
-                choices.append({"index": index, "message": self.message(event),
-                                "logprobs": self.logprobs(event), "finish_reason": finish})
+                message = self.message(event)
+                choices.append({"index": index, "message": message, "logprobs": self.logprobs(event),
+                                "finish_reason": self.finish_reason(event, bool(message.get("tool_calls")))})
             else:
                 choices.append({"index": index, "text": event.text, "logprobs": self.logprobs(event),
-                                "finish_reason": finish})
+                                "finish_reason": self.finish_reason(event)})
         head = self._head("chat.completion" if self.chat else "text_completion")
         return {**head, "choices": choices, "usage": self._usage(events), "verispec": self._extensions(events)}
 
@@ -1050,16 +1050,15 @@ class _Shape:
             deltas = [{}]
         return [self.chunk(delta, index, logprobs=logprobs if i == 0 else None) for i, delta in enumerate(deltas)]
 
-    def finish_reason(self, event: Finished) -> str:
+    def finish_reason(self, event: Finished, made_calls: bool = False) -> str:
+        """OpenAI's finish_reason of a choice; "tool_calls" where it stopped after making calls
+        (`made_calls`: what its message or its stream's `tools.CallReader` found)."""
         finish = _FINISH_REASONS.get(event.reason, "length")
-        if finish == "stop" and self.calls and tools.parse_calls(event.text, self.calls == "constrained",
-                                                                 self.tool_names)[1]:
-            return "tool_calls"
-        return finish
+        return "tool_calls" if finish == "stop" and made_calls else finish
 
-    def final_chunk(self, event: Finished, index: int) -> dict:
+    def final_chunk(self, event: Finished, index: int, made_calls: bool = False) -> dict:
         """A choice's chunk with its finish_reason, its usage and metrics."""
-        last = self.chunk({} if self.chat else "", index, self.finish_reason(event))
+        last = self.chunk({} if self.chat else "", index, self.finish_reason(event, made_calls))
         last.update(usage=self._usage([event]), verispec=self.extension(event))
         return last
 
