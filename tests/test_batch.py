@@ -99,6 +99,33 @@ def test_requests_of_a_model_drafted_method_run_beside_the_batch(tmp_path):
     assert target.pool.used_blocks == 0
 
 
+@pytest.mark.parametrize("acceptance", [0.0, 0.9])
+def test_hybrid_requests_with_or_without_their_head_give_what_each_gives_alone(tmp_path, monkeypatch, acceptance):
+    """A hybrid request whose exit head would not pay leaves it out and joins the batch's shared
+    forwards; one whose head takes part runs beside the batch (its verifies keep exit states).
+    Either way each output is the request's alone."""
+    from test_eesd import identity_head
+    from verispec.core.drafters.early_exit import save_head
+    from verispec.core.drafters.hybrid import ModelAcceptance
+    from verispec.core.methods import build
+
+    import verispec.core.methods as methods
+
+    monkeypatch.setattr(ModelAcceptance, "draw", lambda self: acceptance)
+    monkeypatch.setattr(methods, "draft_cost", lambda target, lm: 0.05)  # a head of a tiny model's 2 layers pays
+    target = int8_target("llama", seed=1)
+    head = identity_head(target)
+    save_head(head, head.spec(target.model, target.name), tmp_path)
+    options = MethodOptions(exit_head=str(tmp_path))
+    assert build("hybrid", target, options).drafter.in_target_sequence == (acceptance > 0)
+    requests = [make_request(target, PROMPTS[i], method, max_new_tokens=20,
+                             options=options if method == "hybrid" else None)
+                for i in range(3) for method in ("hybrid", "anpd")]
+    expected = [helpers.solo(target, request) for request in requests]
+    assert [result.token_ids for result in generate_many(target, requests)] == expected
+    assert target.pool.used_blocks == 0
+
+
 @pytest.mark.parametrize("prompt_blocks", [0, 2])
 def test_identical_prompts_start_together_once_their_shared_blocks_are_computed(prompt_blocks):
     """n choices of one prompt: the first prefills the prompt's full blocks (the others wait to

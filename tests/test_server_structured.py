@@ -192,3 +192,26 @@ def test_a_streamed_call_keeps_every_tokens_log_probability(client):
     entries = [entry for chunk in chunks if chunk.choices and chunk.choices[0].logprobs
                for entry in chunk.choices[0].logprobs.content]
     assert len(entries) == chunks[-1].usage.completion_tokens > 0
+
+
+def test_n_streamed_choices_each_join_into_their_own_call(client):
+    """With n = 2, each choice's call arrives in its own pieces (by choice and call index) and
+    joins into that choice's arguments, sampled apart (seed + i)."""
+    kwargs = dict(model=MODEL_ID, messages=[{"role": "user", "content": "Weather?"}], tools=[WEATHER],
+                  tool_choice="required", temperature=1.0, seed=5, max_tokens=60, n=2)
+    joined: dict[int, dict] = {}
+    finish = {}
+    for chunk in client.chat.completions.create(stream=True, **kwargs):
+        for choice in chunk.choices:
+            for call in choice.delta.tool_calls or []:
+                entry = joined.setdefault(choice.index, {"name": "", "arguments": "", "pieces": 0})
+                entry["name"] += call.function.name or ""
+                entry["arguments"] += call.function.arguments or ""
+                entry["pieces"] += 1
+            finish[choice.index] = choice.finish_reason or finish.get(choice.index)
+    whole = client.chat.completions.create(**kwargs)
+    assert sorted(joined) == [0, 1] and finish == {0: "tool_calls", 1: "tool_calls"}
+    for index, choice in enumerate(whole.choices):
+        call = choice.message.tool_calls[0]
+        assert joined[index]["name"] == call.function.name == "get_weather"
+        assert joined[index]["arguments"] == call.function.arguments and joined[index]["pieces"] > 2
