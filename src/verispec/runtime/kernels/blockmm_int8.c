@@ -96,60 +96,6 @@ static void quantize_row(const float *x, int64_t K, int64_t B, int8_t *q, float 
 }
 
 #ifdef VS_AVX2
-#ifdef VS_VNNI_WIDE
-/* Two output groups (16 lanes) in one 512-bit vector: `tile_wide` below. In the emulated build a
- * "wide" vector is a pair of 256-bit ones and every operation is applied to both halves, so the
- * tile's logic (lane order, loads, corrections) is tested on AVX2; the AVX-512 build uses one zmm. */
-#ifdef VS_VNNI_EMULATED
-typedef struct { __m256i lo, hi; } wide_i;
-typedef struct { __m256 lo, hi; } wide_f;
-static inline wide_i wide_load2(const int8_t *a, const int8_t *b) {
-    return (wide_i){_mm256_loadu_si256((const __m256i *)a), _mm256_loadu_si256((const __m256i *)b)};
-}
-static inline wide_f wide_load2_ps(const float *a, const float *b) { return (wide_f){_mm256_loadu_ps(a), _mm256_loadu_ps(b)}; }
-static inline wide_f wide_pair_ps(__m256 lo, __m256 hi) { return (wide_f){lo, hi}; }
-static inline wide_i wide_zero(void) { return (wide_i){_mm256_setzero_si256(), _mm256_setzero_si256()}; }
-static inline wide_f wide_zero_ps(void) { return (wide_f){_mm256_setzero_ps(), _mm256_setzero_ps()}; }
-static inline wide_i wide_set1(int32_t v) { return (wide_i){_mm256_set1_epi32(v), _mm256_set1_epi32(v)}; }
-static inline wide_f wide_set1_ps(float v) { return (wide_f){_mm256_set1_ps(v), _mm256_set1_ps(v)}; }
-static inline wide_i wide_flip(wide_i w) {
-    const __m256i flip = _mm256_set1_epi8((char)0x80);
-    return (wide_i){_mm256_xor_si256(w.lo, flip), _mm256_xor_si256(w.hi, flip)};
-}
-static inline wide_i wide_dpbusd(wide_i acc, wide_i u, wide_i s) {
-    return (wide_i){VS_DPBUSD(acc.lo, u.lo, s.lo), VS_DPBUSD(acc.hi, u.hi, s.hi)};
-}
-static inline wide_i wide_sub(wide_i a, wide_i b) { return (wide_i){_mm256_sub_epi32(a.lo, b.lo), _mm256_sub_epi32(a.hi, b.hi)}; }
-static inline wide_f wide_cvt(wide_i a) { return (wide_f){_mm256_cvtepi32_ps(a.lo), _mm256_cvtepi32_ps(a.hi)}; }
-static inline wide_f wide_add_ps(wide_f a, wide_f b) { return (wide_f){_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)}; }
-static inline wide_f wide_sub_ps(wide_f a, wide_f b) { return (wide_f){_mm256_sub_ps(a.lo, b.lo), _mm256_sub_ps(a.hi, b.hi)}; }
-static inline wide_f wide_mul_ps(wide_f a, wide_f b) { return (wide_f){_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
-static inline void wide_store_ps(float *y, wide_f v) { _mm256_storeu_ps(y, v.lo), _mm256_storeu_ps(y + GROUP, v.hi); }
-#else
-typedef __m512i wide_i;
-typedef __m512 wide_f;
-static inline wide_i wide_load2(const int8_t *a, const int8_t *b) {
-    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)a)),
-                              _mm256_loadu_si256((const __m256i *)b), 1);
-}
-static inline wide_f wide_pair_ps(__m256 lo, __m256 hi) {
-    return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(lo)), _mm256_castps_pd(hi), 1));
-}
-static inline wide_f wide_load2_ps(const float *a, const float *b) { return wide_pair_ps(_mm256_loadu_ps(a), _mm256_loadu_ps(b)); }
-static inline wide_i wide_zero(void) { return _mm512_setzero_si512(); }
-static inline wide_f wide_zero_ps(void) { return _mm512_setzero_ps(); }
-static inline wide_i wide_set1(int32_t v) { return _mm512_set1_epi32(v); }
-static inline wide_f wide_set1_ps(float v) { return _mm512_set1_ps(v); }
-static inline wide_i wide_flip(wide_i w) { return _mm512_xor_si512(w, _mm512_set1_epi8((char)0x80)); }
-static inline wide_i wide_dpbusd(wide_i acc, wide_i u, wide_i s) { return _mm512_dpbusd_epi32(acc, u, s); }
-static inline wide_i wide_sub(wide_i a, wide_i b) { return _mm512_sub_epi32(a, b); }
-static inline wide_f wide_cvt(wide_i a) { return _mm512_cvtepi32_ps(a); }
-static inline wide_f wide_add_ps(wide_f a, wide_f b) { return _mm512_add_ps(a, b); }
-static inline wide_f wide_sub_ps(wide_f a, wide_f b) { return _mm512_sub_ps(a, b); }
-static inline wide_f wide_mul_ps(wide_f a, wide_f b) { return _mm512_mul_ps(a, b); }
-static inline void wide_store_ps(float *y, wide_f v) { _mm512_storeu_ps(y, v); }
-#endif
-#endif
 
 /* 32 bytes of codes of step s (4 inputs x 8 outputs) of both groups, prefetching ahead. */
 static inline __attribute__((always_inline)) void load_step(__m256i w[2], const int8_t *w0, const int8_t *w1,

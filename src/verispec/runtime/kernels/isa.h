@@ -12,7 +12,8 @@
  *                    with these two spellings every kernel compiles to the instructions it had
  *                    before the gate was shared).
  *   VS_VNNI_WIDE     16-lane (512-bit) vpdpbusd: AVX-512 VNNI, or the emulated VNNI build, where a
- *                    "wide" vector is two 256-bit halves (blockmm_int8.c's tile_wide).
+ *                    "wide" vector is two 256-bit halves: the wide_* helpers below (blockmm_int8.c's
+ *                    tile_wide, qmatmul_avx2.c's consume_pair).
  *   VS_AVX512        the real AVX-512 instructions (512-bit registers) are available.
  *   VS_AMX           the tile path of qmatmul_amx.c: real AMX-INT8 (-mamx-tile -mamx-int8, the "amx"
  *                    variant) or its portable emulation (-DBLOCKMM_EMULATE_AMX, "amx-emulated");
@@ -58,6 +59,72 @@ static inline __m256i dpbusd256(__m256i acc, __m256i u, __m256i s) { return VS_D
 #define VS_VNNI 1
 #define VS_DPBUSD _mm256_dpbusd_avx_epi32
 static inline __m256i dpbusd256(__m256i acc, __m256i u, __m256i s) { return VS_DPBUSD(acc, u, s); }
+#endif
+
+#ifdef VS_VNNI_WIDE
+/* Two output groups of 8 lanes as one 16-lane vector (blockmm_int8.c's tile_wide, qmatmul_avx2.c's
+ * consume_pair): group a in lanes 0..7 (`wide_low`), group b in 8..15 (`wide_high`). In the emulated
+ * build a "wide" vector is a pair of 256-bit ones and every operation is applied to both halves, so
+ * the tiles' logic (lane order, loads, corrections) is tested on AVX2; the AVX-512 build uses one zmm. */
+#ifdef VS_VNNI_EMULATED
+typedef struct { __m256i lo, hi; } wide_i;
+typedef struct { __m256 lo, hi; } wide_f;
+static inline wide_i wide_load2(const int8_t *a, const int8_t *b) {
+    return (wide_i){_mm256_loadu_si256((const __m256i *)a), _mm256_loadu_si256((const __m256i *)b)};
+}
+static inline wide_f wide_load2_ps(const float *a, const float *b) { return (wide_f){_mm256_loadu_ps(a), _mm256_loadu_ps(b)}; }
+static inline wide_f wide_pair_ps(__m256 lo, __m256 hi) { return (wide_f){lo, hi}; }
+static inline wide_i wide_zero(void) { return (wide_i){_mm256_setzero_si256(), _mm256_setzero_si256()}; }
+static inline wide_f wide_zero_ps(void) { return (wide_f){_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+static inline wide_i wide_set1(int32_t v) { return (wide_i){_mm256_set1_epi32(v), _mm256_set1_epi32(v)}; }
+static inline wide_f wide_set1_ps(float v) { return (wide_f){_mm256_set1_ps(v), _mm256_set1_ps(v)}; }
+static inline wide_i wide_flip(wide_i w) {
+    const __m256i flip = _mm256_set1_epi8((char)0x80);
+    return (wide_i){_mm256_xor_si256(w.lo, flip), _mm256_xor_si256(w.hi, flip)};
+}
+static inline wide_i wide_dpbusd(wide_i acc, wide_i u, wide_i s) {
+    return (wide_i){VS_DPBUSD(acc.lo, u.lo, s.lo), VS_DPBUSD(acc.hi, u.hi, s.hi)};
+}
+static inline wide_i wide_sub(wide_i a, wide_i b) { return (wide_i){_mm256_sub_epi32(a.lo, b.lo), _mm256_sub_epi32(a.hi, b.hi)}; }
+static inline wide_i wide_add(wide_i a, wide_i b) { return (wide_i){_mm256_add_epi32(a.lo, b.lo), _mm256_add_epi32(a.hi, b.hi)}; }
+static inline wide_i wide_mullo(wide_i a, wide_i b) {
+    return (wide_i){_mm256_mullo_epi32(a.lo, b.lo), _mm256_mullo_epi32(a.hi, b.hi)};
+}
+static inline __m256i wide_low(wide_i a) { return a.lo; }
+static inline __m256i wide_high(wide_i a) { return a.hi; }
+static inline wide_f wide_cvt(wide_i a) { return (wide_f){_mm256_cvtepi32_ps(a.lo), _mm256_cvtepi32_ps(a.hi)}; }
+static inline wide_f wide_add_ps(wide_f a, wide_f b) { return (wide_f){_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)}; }
+static inline wide_f wide_sub_ps(wide_f a, wide_f b) { return (wide_f){_mm256_sub_ps(a.lo, b.lo), _mm256_sub_ps(a.hi, b.hi)}; }
+static inline wide_f wide_mul_ps(wide_f a, wide_f b) { return (wide_f){_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
+static inline void wide_store_ps(float *y, wide_f v) { _mm256_storeu_ps(y, v.lo), _mm256_storeu_ps(y + 8, v.hi); }
+#else
+typedef __m512i wide_i;
+typedef __m512 wide_f;
+static inline wide_i wide_load2(const int8_t *a, const int8_t *b) {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)a)),
+                              _mm256_loadu_si256((const __m256i *)b), 1);
+}
+static inline wide_f wide_pair_ps(__m256 lo, __m256 hi) {
+    return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(lo)), _mm256_castps_pd(hi), 1));
+}
+static inline wide_f wide_load2_ps(const float *a, const float *b) { return wide_pair_ps(_mm256_loadu_ps(a), _mm256_loadu_ps(b)); }
+static inline wide_i wide_zero(void) { return _mm512_setzero_si512(); }
+static inline wide_f wide_zero_ps(void) { return _mm512_setzero_ps(); }
+static inline wide_i wide_set1(int32_t v) { return _mm512_set1_epi32(v); }
+static inline wide_f wide_set1_ps(float v) { return _mm512_set1_ps(v); }
+static inline wide_i wide_flip(wide_i w) { return _mm512_xor_si512(w, _mm512_set1_epi8((char)0x80)); }
+static inline wide_i wide_dpbusd(wide_i acc, wide_i u, wide_i s) { return _mm512_dpbusd_epi32(acc, u, s); }
+static inline wide_i wide_sub(wide_i a, wide_i b) { return _mm512_sub_epi32(a, b); }
+static inline wide_i wide_add(wide_i a, wide_i b) { return _mm512_add_epi32(a, b); }
+static inline wide_i wide_mullo(wide_i a, wide_i b) { return _mm512_mullo_epi32(a, b); }
+static inline __m256i wide_low(wide_i a) { return _mm512_castsi512_si256(a); }
+static inline __m256i wide_high(wide_i a) { return _mm512_extracti64x4_epi64(a, 1); }
+static inline wide_f wide_cvt(wide_i a) { return _mm512_cvtepi32_ps(a); }
+static inline wide_f wide_add_ps(wide_f a, wide_f b) { return _mm512_add_ps(a, b); }
+static inline wide_f wide_sub_ps(wide_f a, wide_f b) { return _mm512_sub_ps(a, b); }
+static inline wide_f wide_mul_ps(wide_f a, wide_f b) { return _mm512_mul_ps(a, b); }
+static inline void wide_store_ps(float *y, wide_f v) { _mm512_storeu_ps(y, v); }
+#endif
 #endif
 
 /* The tile path: real AMX-INT8 where the compiler was given it, else the emulation when asked. */

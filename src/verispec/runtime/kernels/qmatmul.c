@@ -75,7 +75,13 @@
  *     codes per 4 inputs for all rows of the tile), so
  *     the weights are read from memory and decoded once per call whatever M is; the float
  *     accumulators of every row live in a per-thread buffer between chunks; from M = 32 on, 4 groups
- *     share each chunk so that x is read from cache once per 32 outputs.
+ *     share each chunk so that x is read from cache once per 32 outputs. Builds with 16-lane
+ *     vpdpbusd (AVX-512 VNNI, and the emulated VNNI test build) consume two groups' buffers as one
+ *     16-lane tile (`consume_pair`: per step one 512-bit product per row, the broadcast of the row's
+ *     activations shared by both groups), so from M = 4 on a task holds 2 groups: on a Zen 4 the
+ *     products of 64 rows ran 0.92-0.93x the time of the 8-lane tile (`scripts/kernel_ab.py product`,
+ *     Q4_K and Q6_K) and whole forwards of 64 tokens of Qwen2.5-Coder-1.5B 0.90x; 4 to 16 tokens
+ *     were unchanged (0.98-1.00x), the weights' reading and decoding bound them there.
  * Decoding costs about as much as the products of one row (measured on AVX2 Zen 2), so the fused
  * path for M = 1 is what keeps a one-token step near memory bandwidth; with more rows the products
  * (one vpmaddubsw per 32 of them, as in blockmm_int8.c) dominate. While a task's rows are read,
@@ -171,10 +177,21 @@
 #define ROW_TILE 4
 #endif
 #define MAX_TASK_GROUPS 4 /* groups decoded per chunk (and per OpenMP task) when M is large */
-#define MANY_ROWS 32      /* from this M on, a task holds MAX_TASK_GROUPS groups, else 1 */
+#define MANY_ROWS 32      /* from this M on, a task holds MAX_TASK_GROUPS groups, else 1 (or 2, below) */
 #define FUSED_ROWS 2      /* up to this M, chunks are decoded and multiplied at once (no buffer) */
 #define FUSED_TILE 2      /* rows per fused call (3 or 4 were measured no faster than the buffer) */
 #define ROWWISE_ROWS 3    /* up to this M, the K-quants take the row-wise path, one call */
+
+/* Output groups per OpenMP task for M rows. VNNI builds with 16-lane vectors consume the buffered
+ * chunks of two groups as one tile (qmatmul_avx2.c's consume_pair), so there a task of the buffered
+ * path holds at least 2. */
+static int64_t groups_per_task(int64_t M) {
+    if (M >= MANY_ROWS) return MAX_TASK_GROUPS;
+#ifdef VS_VNNI_WIDE
+    if (M > ROWWISE_ROWS) return 2;
+#endif
+    return 1;
+}
 
 
 /* Bytes per row of a [*, K] weight of `type`, or -1 (unknown type, K < 1, K not allowed: a multiple
@@ -335,7 +352,7 @@ int qmm_matmul(const float *x, const int8_t *xq, const float *xs, const float *x
     }
 #endif
     const int64_t groups = (N + LANES - 1) / LANES;
-    const int64_t per_task = M >= MANY_ROWS ? MAX_TASK_GROUPS : 1;
+    const int64_t per_task = groups_per_task(M);
     const int64_t tasks = (groups + per_task - 1) / per_task;
     /* Threads take runs of consecutive tasks (each run's rows are contiguous in the file, and each
      * task prefetches the next one's) as they come free: a thread slowed by other work on its core
@@ -345,8 +362,8 @@ int qmm_matmul(const float *x, const int8_t *xq, const float *xs, const float *x
 #pragma omp parallel num_threads(threads) if (threads > 1 && tasks > 1)
     {
         Decoded dec[MAX_TASK_GROUPS];
-        float small[2 * 16 * LANES]; /* the accumulators of up to 16 rows (one group) without malloc */
-        const int on_stack = 2 * per_task * M * LANES <= 2 * 16 * LANES;
+        float small[2 * 32 * LANES]; /* the accumulators of up to 32 rows of groups (16 rows of a pair) without malloc */
+        const int on_stack = 2 * per_task * M * LANES <= 2 * 32 * LANES;
         float *acc = on_stack ? small : malloc(sizeof(float) * (size_t)(2 * per_task * M * LANES));
         if (!acc) {
 #pragma omp atomic write
@@ -376,7 +393,7 @@ int qmm_matmul_parts(const int8_t *xq, const float *xs, const float *xo, const i
     int64_t row_bytes[MAX_PARTS], first[MAX_PARTS + 1], offset[MAX_PARTS], groups[MAX_PARTS];
     if (count < 1 || count > MAX_PARTS || M < 1 || !xq || !xs || !xo || !xsum || !y) return -1;
     if (threads < 1) threads = 1;
-    const int64_t per_task = M >= MANY_ROWS ? MAX_TASK_GROUPS : 1;
+    const int64_t per_task = groups_per_task(M);
     int64_t width = 0;
     first[0] = 0;
     for (int p = 0; p < count; p++) {
@@ -399,8 +416,8 @@ int qmm_matmul_parts(const int8_t *xq, const float *xs, const float *xo, const i
 #pragma omp parallel num_threads(threads) if (threads > 1 && tasks > 1)
     {
         Decoded dec[MAX_TASK_GROUPS];
-        float small[2 * 16 * LANES];
-        const int on_stack = 2 * per_task * M * LANES <= 2 * 16 * LANES;
+        float small[2 * 32 * LANES];
+        const int on_stack = 2 * per_task * M * LANES <= 2 * 32 * LANES;
         float *acc = on_stack ? small : malloc(sizeof(float) * (size_t)(2 * per_task * M * LANES));
         if (!acc) {
 #pragma omp atomic write

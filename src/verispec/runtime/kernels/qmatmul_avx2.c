@@ -621,6 +621,74 @@ static inline __attribute__((always_inline)) void consume_k(const Decoded *dec, 
     }
 }
 
+#ifdef VS_VNNI_WIDE
+/* Two output groups' decoded chunks (a, b) consumed as one 16-lane tile: per step one 512-bit
+ * vpdpbusd per row instead of one 256-bit each (the loads of codes and the broadcasts of the
+ * activations, not the products, bound the 8-lane tile: on a Zen 4 a loop of 8 rows x 8 lanes ran at
+ * 66% of the vpdpbusd peak, the same loop x 16 lanes at the peak), then each group's float sequence
+ * from its own half, exactly as `consume` / `consume_k` run it: every integer sum is the same, so
+ * are the bits. acc / shift: group a's [R][8]; group b's `next` floats further. */
+
+/* sums[r] = the exact int32 sums of steps first .. first + n - 1 of both groups, row r (r < R). */
+static inline __attribute__((always_inline)) void tile_sums(const Decoded *a, const Decoded *b, int64_t first,
+                                                            const int n, const int R, const int8_t *xq, int64_t ldq,
+                                                            wide_i *sums) {
+    for (int r = 0; r < R; r++) sums[r] = wide_zero();
+#pragma GCC unroll 8
+    for (int i = 0; i < n; i++) {
+        const int64_t s = first + i;
+        const wide_i w = wide_load2((const int8_t *)a->codes[s], (const int8_t *)b->codes[s]);
+        for (int r = 0; r < R; r++) {
+            int32_t four;
+            memcpy(&four, xq + r * ldq + 4 * s, 4);
+            sums[r] = wide_dpbusd(sums[r], w, wide_set1(four));
+        }
+    }
+}
+
+/* `consume` (32-blocks) for a pair of groups. */
+static inline __attribute__((always_inline)) void consume_pair(const Decoded *a, const Decoded *b, int J, const int R,
+                                                               const int S, const int BIAS_LOG, const int8_t *xq,
+                                                               int64_t ldq, const float *xs, int64_t ldx,
+                                                               const int32_t *xsum, int64_t ldsum, float *acc,
+                                                               int64_t next) {
+    for (int j = 0; j < J; j++) {
+        wide_i sums[ROW_TILE];
+        tile_sums(a, b, (int64_t)j * (S / 4), S / 4, R, xq, ldq, sums);
+        __m256i half[ROW_TILE];
+        for (int r = 0; r < R; r++) half[r] = wide_low(sums[r]);
+        float_step(a, j, R, S, BIAS_LOG, half, xs, ldx, xsum, ldsum, acc);
+        for (int r = 0; r < R; r++) half[r] = wide_high(sums[r]);
+        float_step(b, j, R, S, BIAS_LOG, half, xs, ldx, xsum, ldsum, acc + next);
+    }
+}
+
+/* `consume_k` (a K-quant super-block) for a pair of groups. */
+static inline __attribute__((always_inline)) void consume_pair_k(const Decoded *a, const Decoded *b, const int R,
+                                                                 const int S, const int OFFS, const int BIAS_LOG,
+                                                                 const int8_t *xq, int64_t ldq, const float *xs,
+                                                                 int64_t ldx, const int32_t *xsum, int64_t ldsum,
+                                                                 float *acc, float *shift, int64_t next) {
+    wide_i isum[ROW_TILE];
+    for (int j = 0; j < CHUNK / S; j++) {
+        wide_i sums[ROW_TILE];
+        tile_sums(a, b, (int64_t)j * (S / 4), S / 4, R, xq, ldq, sums);
+        const wide_i sc = wide_load2((const int8_t *)a->k.sc[j], (const int8_t *)b->k.sc[j]);
+        for (int r = 0; r < R; r++) isum[r] = j ? wide_add(isum[r], wide_mullo(sums[r], sc)) : wide_mullo(sums[r], sc);
+    }
+    for (int r = 0; r < R; r++) {
+        __m256 sum = _mm256_loadu_ps(acc + 8 * r), sh = OFFS ? _mm256_loadu_ps(shift + 8 * r) : _mm256_setzero_ps();
+        k_floats(&a->k, OFFS, BIAS_LOG, wide_low(isum[r]), xs[r * ldx], xsum + r * ldsum, &sum, &sh);
+        _mm256_storeu_ps(acc + 8 * r, sum);
+        if (OFFS) _mm256_storeu_ps(shift + 8 * r, sh);
+        sum = _mm256_loadu_ps(acc + next + 8 * r), sh = OFFS ? _mm256_loadu_ps(shift + next + 8 * r) : _mm256_setzero_ps();
+        k_floats(&b->k, OFFS, BIAS_LOG, wide_high(isum[r]), xs[r * ldx], xsum + r * ldsum, &sum, &sh);
+        _mm256_storeu_ps(acc + next + 8 * r, sum);
+        if (OFFS) _mm256_storeu_ps(shift + next + 8 * r, sh);
+    }
+}
+#endif
+
 /* The float sequence of a fused chunk, accumulators in registers: 32-blocks block by block (KQ = 0),
  * a K-quant super-block's sums scaled by sc_j in the integer domain, then k_floats (KQ = 1). */
 static inline __attribute__((always_inline)) void fused_floats(const Decoded *dec, const Fused *f, int J, const int R,
@@ -679,6 +747,30 @@ typedef void (*FusedRows)(const uint8_t *const[LANES], int64_t, int64_t, int, De
 #else
 #error "consume_* has cases for ROW_TILE 4 or 8"
 #endif
+#ifdef VS_VNNI_WIDE /* two groups as one 16-lane tile (VNNI builds: ROW_TILE 8) */
+#define PAIR(R_, S_, KQ_, OFFS_, BIAS_LOG_)                                                                     \
+    (KQ_ ? consume_pair_k(a, b, R_, S_, OFFS_, BIAS_LOG_, xq, ldq, xs, ldx, xsum, ldsum, acc, shift, next)        \
+         : consume_pair(a, b, J, R_, S_, BIAS_LOG_, xq, ldq, xs, ldx, xsum, ldsum, acc, next))
+#define PAIR_KERNEL(NAME, S_, KQ_, OFFS_, BIAS_LOG_)                                                             \
+    static __attribute__((noinline)) void pair_##NAME(const Decoded *a, const Decoded *b, int J, int R,          \
+                                                      const int8_t *xq, int64_t ldq, const float *xs,             \
+                                                      int64_t ldx, const int32_t *xsum, int64_t ldsum, float *acc, \
+                                                      float *shift, int64_t next) {                               \
+        (void)J, (void)shift;                                                                                    \
+        switch (R) {                                                                                             \
+            case 1: PAIR(1, S_, KQ_, OFFS_, BIAS_LOG_); break;                                                   \
+            case 2: PAIR(2, S_, KQ_, OFFS_, BIAS_LOG_); break;                                                   \
+            case 3: PAIR(3, S_, KQ_, OFFS_, BIAS_LOG_); break;                                                   \
+            case 4: PAIR(4, S_, KQ_, OFFS_, BIAS_LOG_); break;                                                   \
+            case 5: PAIR(5, S_, KQ_, OFFS_, BIAS_LOG_); break;                                                   \
+            case 6: PAIR(6, S_, KQ_, OFFS_, BIAS_LOG_); break;                                                   \
+            case 7: PAIR(7, S_, KQ_, OFFS_, BIAS_LOG_); break;                                                   \
+            default: PAIR(8, S_, KQ_, OFFS_, BIAS_LOG_); break;                                                  \
+        }                                                                                                        \
+    }
+#else
+#define PAIR_KERNEL(NAME, S_, KQ_, OFFS_, BIAS_LOG_)
+#endif
 #define TYPE_KERNELS(NAME, TYPE, S_, SIGNED_, STEPS16_, KQ_, OFFS_, BIAS_LOG_)                                   \
     static __attribute__((noinline)) void decode_##NAME(const uint8_t *const p[LANES], int64_t k0, int64_t count, \
                                                         Decoded *dec) {                                           \
@@ -716,7 +808,8 @@ typedef void (*FusedRows)(const uint8_t *const[LANES], int64_t, int64_t, int, De
                 fused_floats(dec, &f, J, 2, S_, KQ_, OFFS_, BIAS_LOG_, xs, ldx, xsum, ldsum, acc, shift);    \
                 break;                                                                                           \
         }                                                                                                        \
-    }
+    }                                                                                                            \
+    PAIR_KERNEL(NAME, S_, KQ_, OFFS_, BIAS_LOG_)
 /* int16 steps: codes 0..15 -> 8 (8 * 2 * 15 * 127 = 30480), 0..31 -> 4 (31496), 0..63 -> 2 (32004).
  * (GCC cannot see that decode_chunk sets f.isum[j] for every j < J that fused_floats reads.) */
 #pragma GCC diagnostic push
@@ -733,25 +826,39 @@ TYPE_KERNELS(q5_k, GGUF_Q5_K, 32, 0, 4, 1, 1, -1)
 TYPE_KERNELS(q6_k, GGUF_Q6_K, 16, 0, 2, 1, 0, 5)
 #pragma GCC diagnostic pop
 #undef TYPE_KERNELS
+#undef PAIR_KERNEL
+#undef PAIR
 #undef CONSUME_WIDE
 #undef CONSUME
+
+#ifdef VS_VNNI_WIDE
+typedef void (*PairConsumer)(const Decoded *, const Decoded *, int, int, const int8_t *, int64_t, const float *, int64_t,
+                             const int32_t *, int64_t, float *, float *, int64_t);
+#define PAIR_OF(NAME) , pair_##NAME
+#else
+#define PAIR_OF(NAME)
+#endif
 
 typedef struct {
     Decoder decode;
     Consumer consume;
     FusedRows fused;
+#ifdef VS_VNNI_WIDE
+    PairConsumer pair; /* two groups as one 16-lane tile */
+#endif
 } Ops;
 
 static Ops ops_of(int type) {
     switch (type) {
-        case GGUF_Q4_0: return (Ops){decode_q4_0, consume_q4_0, fused_q4_0};
-        case GGUF_Q5_0: return (Ops){decode_q5_0, consume_q5_0, fused_q5_0};
-        case GGUF_Q8_0: return (Ops){decode_q8_0, consume_q8_0, fused_q8_0};
-        case GGUF_Q4_K: return (Ops){decode_q4_k, consume_q4_k, fused_q4_k};
-        case GGUF_Q5_K: return (Ops){decode_q5_k, consume_q5_k, fused_q5_k};
-        default: return (Ops){decode_q6_k, consume_q6_k, fused_q6_k};
+        case GGUF_Q4_0: return (Ops){decode_q4_0, consume_q4_0, fused_q4_0 PAIR_OF(q4_0)};
+        case GGUF_Q5_0: return (Ops){decode_q5_0, consume_q5_0, fused_q5_0 PAIR_OF(q5_0)};
+        case GGUF_Q8_0: return (Ops){decode_q8_0, consume_q8_0, fused_q8_0 PAIR_OF(q8_0)};
+        case GGUF_Q4_K: return (Ops){decode_q4_k, consume_q4_k, fused_q4_k PAIR_OF(q4_k)};
+        case GGUF_Q5_K: return (Ops){decode_q5_k, consume_q5_k, fused_q5_k PAIR_OF(q5_k)};
+        default: return (Ops){decode_q6_k, consume_q6_k, fused_q6_k PAIR_OF(q6_k)};
     }
 }
+#undef PAIR_OF
 
 /* y[m, lanes] = acc (- shift) for the real outputs of a group. */
 static void store_group(const float *acc, const float *shift, int offsets, int64_t M, int64_t count, float *y,
@@ -823,7 +930,14 @@ static void run_task(int type, const TypeInfo *t, const uint8_t *w, int64_t row_
         if (fused) continue;
         for (int64_t m0 = 0; m0 < M; m0 += ROW_TILE) {
             const int R = (int)(M - m0 < ROW_TILE ? M - m0 : ROW_TILE);
-            for (int64_t g = 0; g < groups; g++) {
+            int64_t g = 0;
+#ifdef VS_VNNI_WIDE
+            for (; g + 1 < groups; g += 2)
+                ops.pair(dec + g, dec + g + 1, J, R, xq + m0 * K + k0, K, xs + m0 * nb + k0 / 32, nb,
+                         xsum + m0 * ldsum + k0 / 16, ldsum, acc + (g * M + m0) * LANES, shift + (g * M + m0) * LANES,
+                         M * LANES);
+#endif
+            for (; g < groups; g++) {
                 float *a = acc + (g * M + m0) * LANES, *s = shift + (g * M + m0) * LANES;
                 ops.consume(dec + g, J, R, xq + m0 * K + k0, K, xs + m0 * nb + k0 / 32, xo + m0 * nb + k0 / 32,
                             nb, xsum + m0 * ldsum + k0 / 16, ldsum, a, s);
