@@ -250,6 +250,31 @@ static void scores_of(const float *q, int64_t heads, const float *keys, int64_t 
         for (int64_t g = 0; g < heads; g++) s[g * stride + j] = dot(q + g * d, keys + j * d, d);
 }
 
+#ifdef VS_AVX2
+/* weighted_sum's vector part for HS (1..4) heads: outputs 0 .. fused - 1 of each, sixteen at a time,
+ * one FMA chain per output over j in order. */
+static inline __attribute__((always_inline)) void weighted_columns(const float *const pg[4], const int HS,
+                                                                   const float *values, int64_t count, int64_t d,
+                                                                   int64_t fused, float *const og[4]) {
+    for (int64_t c = 0; c < fused; c += 16) {
+        __m256 a[4][2];
+        for (int h = 0; h < HS; h++) a[h][0] = a[h][1] = _mm256_setzero_ps();
+        for (int64_t j = 0; j < count; j++) {
+            const __m256 v0 = _mm256_loadu_ps(values + j * d + c), v1 = _mm256_loadu_ps(values + j * d + c + 8);
+            for (int h = 0; h < HS; h++) {
+                const __m256 pj = _mm256_set1_ps(pg[h][j]);
+                a[h][0] = _mm256_fmadd_ps(pj, v0, a[h][0]);
+                a[h][1] = _mm256_fmadd_ps(pj, v1, a[h][1]);
+            }
+        }
+        for (int h = 0; h < HS; h++) {
+            _mm256_storeu_ps(og[h] + c, a[h][0]);
+            _mm256_storeu_ps(og[h] + c + 8, a[h][1]);
+        }
+    }
+}
+#endif
+
 /* out_g[i] = sum_j p_g[j] * values[j * d + i] for i < d, j < count and each of `heads` heads
  * (p_g = p + g * p_stride, out_g = out + g * out_stride): one FMA chain per output over j in order, in
  * the first d / 64 * 64 outputs, and a plain multiply-add after them. Sixteen outputs of up to
@@ -266,22 +291,13 @@ static void weighted_sum(const float *p, int64_t p_stride, int64_t heads, const 
         for (int64_t h = 0; h < hs; h++) pg[h] = p + (g0 + h) * p_stride, og[h] = out + (g0 + h) * out_stride;
         int64_t c = 0;
 #ifdef VS_AVX2
-        for (; c < fused; c += 16) {
-            __m256 a[4][2];
-            for (int h = 0; h < 4; h++) a[h][0] = a[h][1] = _mm256_setzero_ps();
-            for (int64_t j = 0; j < count; j++) {
-                const __m256 v0 = _mm256_loadu_ps(values + j * d + c), v1 = _mm256_loadu_ps(values + j * d + c + 8);
-                for (int64_t h = 0; h < hs; h++) {
-                    const __m256 pj = _mm256_set1_ps(pg[h][j]);
-                    a[h][0] = _mm256_fmadd_ps(pj, v0, a[h][0]);
-                    a[h][1] = _mm256_fmadd_ps(pj, v1, a[h][1]);
-                }
-            }
-            for (int64_t h = 0; h < hs; h++) {
-                _mm256_storeu_ps(og[h] + c, a[h][0]);
-                _mm256_storeu_ps(og[h] + c + 8, a[h][1]);
-            }
+        switch (hs) { /* the head count a constant, so that the accumulators stay in registers */
+            case 1: weighted_columns(pg, 1, values, count, d, fused, og); break;
+            case 2: weighted_columns(pg, 2, values, count, d, fused, og); break;
+            case 3: weighted_columns(pg, 3, values, count, d, fused, og); break;
+            default: weighted_columns(pg, 4, values, count, d, fused, og); break;
         }
+        c = fused;
 #else
         for (; c < fused; c++)
             for (int64_t h = 0; h < hs; h++) {
@@ -478,6 +494,36 @@ static inline int64_t window_low(const Layer *L, const Rows *rows, int64_t r) {
     return L->window > 0 && position - L->window + 1 > 0 ? position - L->window + 1 : 0;
 }
 
+/* Rows whose tasks on the same chunk of keys run one after the other (task_order). */
+#define SHARING_ROWS 16
+
+/* order[2i], order[2i + 1]: the i-th task to run and its row. Tiles of SHARING_ROWS consecutive rows
+ * (a prefill chunk's, a verify's) see mostly the same chunks of keys: per tile and key/value head,
+ * the chunks in position order and, per chunk, the tile's rows that see it, so that a chunk's keys
+ * and values (BLOCK * head_dim floats each) are read from memory once for the tile and then from
+ * the core's cache, instead of once per row. Only the order changes: every task computes what it
+ * computed alone. */
+static void task_order(const Layer *L, const Rows *rows, int64_t n, int64_t kvh, const int64_t *task_starts,
+                       int64_t *order) {
+    int64_t i = 0;
+    for (int64_t r0 = 0; r0 < n; r0 += SHARING_ROWS) {
+        const int64_t r1 = r0 + SHARING_ROWS < n ? r0 + SHARING_ROWS : n;
+        int64_t lowest = INT64_MAX, highest = 0; /* the tile's chunks */
+        for (int64_t r = r0; r < r1; r++) {
+            const int64_t lo = window_low(L, rows, r) / BLOCK, hi = rows->positions[r] / BLOCK;
+            lowest = lo < lowest ? lo : lowest, highest = hi > highest ? hi : highest;
+        }
+        for (int64_t kv = 0; kv < kvh; kv++)
+            for (int64_t chunk = lowest; chunk <= highest; chunk++)
+                for (int64_t r = r0; r < r1; r++) {
+                    const int64_t lo = window_low(L, rows, r) / BLOCK, parts = rows->positions[r] / BLOCK - lo + 1;
+                    if (chunk < lo || chunk - lo >= parts) continue;
+                    order[2 * i] = task_starts[r] + kv * parts + (chunk - lo), order[2 * i + 1] = r;
+                    i++;
+                }
+    }
+}
+
 /* Attention of the call's n queries over their sequences' keys, into attended [n, heads * d].
  * Each query's keys are cut at fixed absolute boundaries, multiples of BLOCK positions, into
  * chunks; a task (query row, key/value head, chunk) scores its keys for the `group` query heads
@@ -501,10 +547,14 @@ static int attention(const Layer *L, const float *qkv, int64_t qkv_width, int64_
         task_starts[r + 1] = task_starts[r] + kvh * (rows->positions[r] / BLOCK - window_low(L, rows, r) / BLOCK + 1);
     const int64_t tasks = task_starts[n], per_head = 2 + d;
     float *work = malloc(sizeof(float) * tasks * group * per_head); /* per task and head: max, sum, out[d] */
-    if (!work) {
+    int64_t *order = malloc(sizeof(int64_t) * 2 * tasks); /* (task, its row), in the order they run */
+    if (!work || !order) {
+        free(work);
+        free(order);
         free(task_starts);
         return -1;
     }
+    task_order(L, rows, n, kvh, task_starts, order);
     int failed = 0;
 #pragma omp parallel num_threads(threads) if (tasks > 1)
     {
@@ -514,11 +564,9 @@ static int attention(const Layer *L, const float *qkv, int64_t qkv_width, int64_
 #pragma omp atomic write
             failed = 1;
         }
-        int64_t r = 0; /* the row of the task: tasks come in order, so it only moves forward */
 #pragma omp for schedule(static)
-        for (int64_t task = 0; task < tasks; task++) {
-            while (task_starts[r + 1] <= task) r++;
-            while (task_starts[r] > task) r--; /* (a thread's first task may lie before the last one's row) */
+        for (int64_t i = 0; i < tasks; i++) {
+            const int64_t task = order[2 * i], r = order[2 * i + 1];
             const int64_t parts = (task_starts[r + 1] - task_starts[r]) / kvh;
             const int64_t local = task - task_starts[r], kv = local / parts, part = local % parts;
             const int64_t low = window_low(L, rows, r), high = rows->positions[r];
@@ -565,6 +613,7 @@ static int attention(const Layer *L, const float *qkv, int64_t qkv_width, int64_
         }
         free(scores);
     }
+    free(order);
     if (failed) {
         free(work);
         free(task_starts);
