@@ -406,30 +406,25 @@ static void activation_product(int act, const float *g, const float *u, float *p
     }
 }
 
-/* row[j] = e^(row[j] - best) for j < size; returns their sum (accumulated in double). */
-static double exp_shifted(float *row, int64_t size, float best) {
+/* row[j] = e^(row[j] - best) for j < size. */
+static void exp_shifted(float *row, int64_t size, float best) {
     int64_t j = 0;
-    double total = 0.0;
 #ifdef VS_AVX2
     const __m256 shift = _mm256_set1_ps(best);
-    float lanes[8];
-    for (; j + 8 <= size; j += 8) {
-        const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(row + j), shift));
-        _mm256_storeu_ps(row + j, e);
-        _mm256_storeu_ps(lanes, e);
-        for (int k = 0; k < 8; k++) total += lanes[k];
-    }
+    for (; j + 8 <= size; j += 8) _mm256_storeu_ps(row + j, exp8(_mm256_sub_ps(_mm256_loadu_ps(row + j), shift)));
 #else
-    for (; j < size / 8 * 8; j++) { /* exp1: exp8's operations, where the vector path would run */
-        row[j] = exp1(row[j] - best);
-        total += row[j];
-    }
+    for (; j < size / 8 * 8; j++) row[j] = exp1(row[j] - best); /* exp8's operations, where the vector path would run */
 #endif
-    for (; j < size; j++) {
-        row[j] = expf(row[j] - best);
-        total += row[j];
-    }
-    return total;
+    for (; j < size; j++) row[j] = expf(row[j] - best);
+}
+
+/* totals[g] = the sum of rows + g * stride [0 .. size), accumulated in double in j order, for the
+ * heads g < heads with live[g]: the heads' additions interleaved (each sum one dependent chain). */
+static void row_sums(const float *rows, int64_t stride, int64_t heads, const int *live, int64_t size, double *totals) {
+    for (int64_t g = 0; g < heads; g++) totals[g] = 0.0;
+    for (int64_t j = 0; j < size; j++)
+        for (int64_t g = 0; g < heads; g++)
+            if (live[g]) totals[g] += rows[g * stride + j];
 }
 
 /* Where each row of a call sits, and where its keys are: rows of one sequence or of several
@@ -560,7 +555,9 @@ static int attention(const Layer *L, const float *qkv, int64_t qkv_width, int64_
     {
         /* head g's scores: scores + g * BLOCK; then one chunk of gathered keys and values */
         float *scores = malloc(sizeof(float) * (group + 2 * d) * BLOCK);
-        if (!scores) {
+        double *totals = malloc(sizeof(double) * group); /* head g's sum of exponentials */
+        int *live = malloc(sizeof(int) * group);           /* whether head g has a finite score */
+        if (!scores || !totals || !live) {
 #pragma omp atomic write
             failed = 1;
         }
@@ -576,7 +573,7 @@ static int attention(const Layer *L, const float *qkv, int64_t qkv_width, int64_
             const int64_t size = last - first + 1;
             float *states = work + task * group * per_head; /* head g: states + g * per_head */
             for (int64_t g = 0; g < group; g++) states[g * per_head] = -INFINITY, states[g * per_head + 1] = 0.0f;
-            if (size <= 0 || !scores) continue;
+            if (size <= 0 || !scores || !totals || !live) continue;
             const int64_t start = physical_slot(rows, r, logical_slot(rows, r, first));
             int consecutive = last < rows->bases[r]; /* one logical block: one physical block, in order */
             if (!consecutive) {
@@ -602,16 +599,22 @@ static int attention(const Layer *L, const float *qkv, int64_t qkv_width, int64_
                     row[j] *= L->scaling;
                     if (row[j] > best) best = row[j];
                 }
-                if (best == -INFINITY) { /* every score -inf: weigh nothing (its sum is never read) */
+                live[g] = best != -INFINITY;
+                if (!live[g]) { /* every score -inf: weigh nothing (its sum is never read) */
                     for (int64_t j = 0; j < size; j++) row[j] = 0.0f;
                     continue;
                 }
                 state[0] = best;
-                state[1] = (float)exp_shifted(row, size, best);
+                exp_shifted(row, size, best);
             }
+            row_sums(scores, BLOCK, group, live, size, totals);
+            for (int64_t g = 0; g < group; g++)
+                if (live[g]) states[g * per_head + 1] = (float)totals[g];
             weighted_sum(scores, BLOCK, group, values, size, d, states + 2, per_head);
         }
         free(scores);
+        free(totals);
+        free(live);
     }
     free(order);
     if (failed) {
