@@ -9,7 +9,7 @@ own blocks has none: transformers' float32 reading of the file is loaded for the
 prompts and token budget are the ones our methods get. Also llama.cpp on the same GGUF file, with
 its own quantized arithmetic: `llamacpp-ar` / `llamacpp-pld` through llama-cpp-python (optional),
 and `llama-ar` / `llama-draft` (its draft-model speculation, `--draft-model` as `-md`) /
-`llama-ngram` (its n-gram speculation) through its own server, `llama-server` (`make
+`llama-ngram` / `llama-ngram-mod` (its n-gram speculations, `ngram-simple` and `ngram-mod`) through its own server, `llama-server` (`make
 llama-native` builds it for this CPU), one request at a time; and OpenVINO GenAI on the same file,
 `ov-ar` / `ov-pld` (its prompt lookup), in a worker process of its own environment (`make
 openvino`; `openvino_worker.py`).
@@ -212,6 +212,7 @@ def _cpu_since(watch, start: float | None) -> float | None:
 
 LLAMA_DRAFT_MAX = 8  # llama-draft's --spec-draft-n-max
 LLAMA_NGRAM = "ngram-simple"  # llama-ngram's --spec-type
+LLAMA_NGRAM_MOD = "ngram-mod"  # llama-ngram-mod's: n-grams of the context by a rolling hash
 
 
 def _llama_server(target: Target, settings: PeerSettings, speculation: list[str]) -> PeerRun:
@@ -346,6 +347,8 @@ PEERS: dict[str, Peer] = {
              _llama_draft, needs_draft_model=True),
         Peer("llama-ngram", f"llama-server: n-gram speculation from the context (--spec-type {LLAMA_NGRAM})",
              lambda target, s: _llama_server(target, s, ["--spec-type", LLAMA_NGRAM])),
+        Peer("llama-ngram-mod", f"llama-server: n-gram speculation from the context (--spec-type {LLAMA_NGRAM_MOD})",
+             lambda target, s: _llama_server(target, s, ["--spec-type", LLAMA_NGRAM_MOD])),
         Peer("ov-ar", "OpenVINO GenAI (`make openvino`) on the same GGUF file: autoregressive decoding",
              lambda target, s: _openvino(target, s, prompt_lookup=False)),
         Peer("ov-pld", "OpenVINO GenAI on the same GGUF file: its prompt-lookup speculation (10 tokens, 3-grams)",
