@@ -59,12 +59,15 @@ static inline __m256 half8(const uint8_t *const p[LANES], int64_t off) {
  * first and run out of registers). */
 #define PIN(v) __asm__("" : "+x"(v))
 
-/* The 4 activations at x, in every 32-bit lane. */
-static inline __m256i bcast4(const int8_t *x) {
+/* The 4 activations at x as one 32-bit value. */
+static inline int32_t four_at(const int8_t *x) {
     int32_t four;
     memcpy(&four, x, 4);
-    return _mm256_set1_epi32(four);
+    return four;
 }
+
+/* The 4 activations at x, in every 32-bit lane. */
+static inline __m256i bcast4(const int8_t *x) { return _mm256_set1_epi32(four_at(x)); }
 
 /* Q4_K / Q5_K super-block headers at p[l] + off, one lane per output: d, dmin, and the 6-bit scales
  * and mins as bytes 0..3 of each 32-bit lane (sc_low: sc_0..3, m_low: m_0..3, sc_high: sc_4..7,
@@ -164,6 +167,16 @@ static inline __attribute__((always_inline)) void k_floats(const KScales *k, con
     if (OFFS)
         *shift = _mm256_add_ps(*shift, _mm256_mul_ps(_mm256_cvtepi32_ps(pair_sums(k, record + 8, 4)),
                                                      _mm256_mul_ps(row, _mm256_load_ps(k->dmin))));
+}
+
+/* k_floats for one row whose float accumulators are in memory: acc [8] (and shift [8] with OFFS)
+ * advanced in place. */
+static inline __attribute__((always_inline)) void k_row(const KScales *k, const int OFFS, const int BIAS_LOG, __m256i isum,
+                                                        float D, const int32_t *record, float *acc, float *shift) {
+    __m256 a = _mm256_loadu_ps(acc), sh = OFFS ? _mm256_loadu_ps(shift) : _mm256_setzero_ps();
+    k_floats(k, OFFS, BIAS_LOG, isum, D, record, &a, &sh);
+    _mm256_storeu_ps(acc, a);
+    if (OFFS) _mm256_storeu_ps(shift, sh);
 }
 
 /* Bit 4 of byte t of each lane = bit 4q + t of that lane of H (Q5_0's high bits, q = 0..7). */
@@ -517,11 +530,7 @@ static inline __attribute__((always_inline)) void float_step(const Decoded *dec,
 }
 
 /* The 4 activations of step s of row r, in every 32-bit lane. */
-static inline __m256i row_step(const int8_t *xq, int64_t ldq, int r, int64_t s) {
-    int32_t four;
-    memcpy(&four, xq + r * ldq + 4 * s, 4);
-    return _mm256_set1_epi32(four);
-}
+static inline __m256i row_step(const int8_t *xq, int64_t ldq, int r, int64_t s) { return bcast4(xq + r * ldq + 4 * s); }
 
 /* pairs[r] = the int16 sums over steps c .. c + STEPS16 - 1 of the buffered codes (unsigned) times
  * row r's activations (vpmaddubsw, vpaddw), for rows r < R. */
@@ -613,12 +622,7 @@ static inline __attribute__((always_inline)) void consume_k(const Decoded *dec, 
         }
 #endif
     }
-    for (int r = 0; r < R; r++) {
-        __m256 a = _mm256_loadu_ps(acc + 8 * r), sh = OFFS ? _mm256_loadu_ps(shift + 8 * r) : _mm256_setzero_ps();
-        k_floats(&dec->k, OFFS, BIAS_LOG, isum[r], xs[r * ldx], xsum + r * ldsum, &a, &sh);
-        _mm256_storeu_ps(acc + 8 * r, a);
-        if (OFFS) _mm256_storeu_ps(shift + 8 * r, sh);
-    }
+    for (int r = 0; r < R; r++) k_row(&dec->k, OFFS, BIAS_LOG, isum[r], xs[r * ldx], xsum + r * ldsum, acc + 8 * r, shift + 8 * r);
 }
 
 #ifdef VS_VNNI_WIDE
@@ -638,11 +642,7 @@ static inline __attribute__((always_inline)) void tile_sums(const Decoded *a, co
     for (int i = 0; i < n; i++) {
         const int64_t s = first + i;
         const wide_i w = wide_load2((const int8_t *)a->codes[s], (const int8_t *)b->codes[s]);
-        for (int r = 0; r < R; r++) {
-            int32_t four;
-            memcpy(&four, xq + r * ldq + 4 * s, 4);
-            sums[r] = wide_dpbusd(sums[r], w, wide_set1(four));
-        }
+        for (int r = 0; r < R; r++) sums[r] = wide_dpbusd(sums[r], w, wide_set1(four_at(xq + r * ldq + 4 * s)));
     }
 }
 
@@ -677,14 +677,9 @@ static inline __attribute__((always_inline)) void consume_pair_k(const Decoded *
         for (int r = 0; r < R; r++) isum[r] = j ? wide_add(isum[r], wide_mullo(sums[r], sc)) : wide_mullo(sums[r], sc);
     }
     for (int r = 0; r < R; r++) {
-        __m256 sum = _mm256_loadu_ps(acc + 8 * r), sh = OFFS ? _mm256_loadu_ps(shift + 8 * r) : _mm256_setzero_ps();
-        k_floats(&a->k, OFFS, BIAS_LOG, wide_low(isum[r]), xs[r * ldx], xsum + r * ldsum, &sum, &sh);
-        _mm256_storeu_ps(acc + 8 * r, sum);
-        if (OFFS) _mm256_storeu_ps(shift + 8 * r, sh);
-        sum = _mm256_loadu_ps(acc + next + 8 * r), sh = OFFS ? _mm256_loadu_ps(shift + next + 8 * r) : _mm256_setzero_ps();
-        k_floats(&b->k, OFFS, BIAS_LOG, wide_high(isum[r]), xs[r * ldx], xsum + r * ldsum, &sum, &sh);
-        _mm256_storeu_ps(acc + next + 8 * r, sum);
-        if (OFFS) _mm256_storeu_ps(shift + next + 8 * r, sh);
+        k_row(&a->k, OFFS, BIAS_LOG, wide_low(isum[r]), xs[r * ldx], xsum + r * ldsum, acc + 8 * r, shift + 8 * r);
+        k_row(&b->k, OFFS, BIAS_LOG, wide_high(isum[r]), xs[r * ldx], xsum + r * ldsum, acc + next + 8 * r,
+              shift + next + 8 * r);
     }
 }
 #endif
