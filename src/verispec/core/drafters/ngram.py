@@ -364,7 +364,9 @@ class AnpdDrafter:
     Beta(1 + accepted, 1 + rejected) posterior. Only tokens whose predecessors were all accepted
     are counted, so it estimates P(accepted | the draft so far was accepted), which is what the
     adaptive controller needs. The memory's kinds are separate from the request's own: text
-    seen in other requests may be far less (or more) predictive than the request's own.
+    seen in other requests may be far less (or more) predictive than the request's own. With a
+    memory, a request's own kinds start from what earlier requests learned of them
+    (`NgramMemory.pooled_prior`, taken when the request begins) instead of Beta(1, 1).
 
     Long matches (`NgramConfig.span_min` > 0): where the end of the request's token stream
     occurred before, in it or (with the memory) in an earlier request, preceded by at least
@@ -539,14 +541,15 @@ class AnpdDrafter:
         of a shorter match's (a match of 24 tokens holds one of 12: while a copy goes on, each
         token's match grows into a longer bucket, which would otherwise start again from the
         prior and hold the draft back)."""
-        accepted, rejected = self._outcomes_of(kind).get(kind, (0, 0))
+        outcomes = self._outcomes_of(kind)
+        accepted, rejected = outcomes.get(kind, (0, 0))
         if kind[0] == "span":
             own = (1 + accepted + SPAN_PRIOR_ACCEPTED) / (2 + accepted + rejected + SPAN_PRIOR_ACCEPTED)
             shorter = [bucket for bucket in SPAN_BUCKETS if bucket < kind[1]]
             return max(own, self._confidence(("span", shorter[-1], kind[2]))) if shorter else own
         if len(kind) > 3:  # a tree's alternative to the likeliest continuation
             rejected += ALTERNATIVE_PRIOR_REJECTED
-        if self._outcomes_of(kind) is self._outcomes:  # a request's own kind
+        if outcomes is self._outcomes:  # a request's own kind
             prior_accepted, prior_rejected = self._priors.get(kind, (0.0, 0.0))
             accepted, rejected = accepted + prior_accepted, rejected + prior_rejected
         return (1 + accepted) / (2 + accepted + rejected)
