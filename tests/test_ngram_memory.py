@@ -221,42 +221,6 @@ def test_switched_off_target_ignores_the_option():
     assert not target.attachments.get(MEMORY_ATTACHMENT)  # no store was made
 
 
-def test_a_request_starts_its_own_kinds_from_what_earlier_requests_learned():
-    """The request's own confidence kinds start from the rate earlier requests on the memory had
-    for them (POOLED_PRIOR_WEIGHT pseudo-tokens), not from 1/2; a request learns nothing into its
-    own priors while it runs, and without a memory they stay 1/2."""
-    memory = NgramMemory(CONFIG)
-    first = AnpdDrafter(CONFIG, memory)
-    first.begin([5, 6, 7, 5, 6, 7, 5])
-    draft = first.propose([], 4)
-    assert draft.tokens.tolist() == [6, 7, 5, 6] and draft.confidence == (0.5,) * 4
-    first.commit([6, 7, 5, 6, 7], 4)  # all accepted
-    learned = dict(first._outcomes)
-    assert learned and all(rejected == 0 for _, rejected in learned.values())
-    assert first._confidence(next(iter(learned))) > 0.5  # its own counts, while it runs
-    second, alone = AnpdDrafter(CONFIG, memory), AnpdDrafter(CONFIG)
-    second.begin([1, 2, 3])
-    alone.begin([1, 2, 3])
-    for kind, (accepted, _) in learned.items():
-        weight = min(ngram.POOLED_PRIOR_WEIGHT, accepted)
-        assert second._confidence(kind) == pytest.approx((1 + weight) / (2 + weight))
-        assert second._confidence(kind) > 0.5
-        assert alone._confidence(kind) == 0.5
-    assert memory.pooled_prior(("no such kind",)) == (0.0, 0.0)
-
-
-def test_the_pooled_counts_fade_past_their_bound():
-    memory = NgramMemory(CONFIG)
-    for _ in range(int(ngram.POOLED_MAX_WEIGHT)):
-        memory.pool((3, 1, False), False)
-    for _ in range(int(ngram.POOLED_MAX_WEIGHT)):
-        memory.pool((3, 1, False), True)
-    accepted, rejected = memory.pooled[(3, 1, False)]
-    assert accepted + rejected == pytest.approx(ngram.POOLED_MAX_WEIGHT)
-    assert accepted > rejected  # the recent outcomes weigh more
-    assert memory.pooled_prior((3, 1, False))[0] > 2.0
-
-
 def test_a_first_request_drafts_as_without_memory():
     """An empty store holds only the request's own n-grams: nothing the own tables miss."""
     target, reference = fresh(), fresh()

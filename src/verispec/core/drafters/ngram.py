@@ -87,12 +87,6 @@ SPAN_PRIOR_ACCEPTED = 2
 # answers and 11% on 16 code-edit ones, and at 0.5 a fresh request's trees spent their budget on
 # bushy, shallow branches. Priors of 2, 4 and 8 rejections replayed within 1% of each other.
 ALTERNATIVE_PRIOR_REJECTED = 4
-# A request's own kinds start from what earlier requests on the target learned of the same kinds
-# (`NgramMemory.pooled`): a prior of POOLED_PRIOR_WEIGHT pseudo-tokens at their pooled acceptance
-# rate, instead of Beta(1, 1). The pool's counts fade past POOLED_MAX_WEIGHT tokens a kind, so it
-# follows a change of workload.
-POOLED_PRIOR_WEIGHT = 4.0
-POOLED_MAX_WEIGHT = 256.0
 COPY_TAIL = MAX_TAIL + 1  # context tokens a text copy reads: its longest tail and the token before
 
 
@@ -302,25 +296,6 @@ class NgramMemory:
         self.tables = NgramTables(config.max_n, config.min_n, max_keys, config.max_candidates)
         self.spans = new_span_index(max_tokens)
         self.outcomes: dict[tuple, list[int]] = {}
-        self.pooled: dict[tuple, list[float]] = {}  # the requests' own kinds: [accepted, rejected] over them
-
-    def pool(self, kind: tuple, accepted: bool) -> None:
-        """Count one outcome of a request's own kind into the pool (fading past POOLED_MAX_WEIGHT)."""
-        counts = self.pooled.setdefault(kind, [0.0, 0.0])
-        counts[0 if accepted else 1] += 1.0
-        total = counts[0] + counts[1]
-        if total > POOLED_MAX_WEIGHT:
-            counts[0], counts[1] = counts[0] * POOLED_MAX_WEIGHT / total, counts[1] * POOLED_MAX_WEIGHT / total
-
-    def pooled_prior(self, kind: tuple) -> tuple[float, float]:
-        """(accepted, rejected) pseudo-counts a request's own `kind` starts from: POOLED_PRIOR_WEIGHT
-        (or fewer, as many as pooled) at the pooled rate; (0, 0) where nothing is pooled."""
-        accepted, rejected = self.pooled.get(kind, (0.0, 0.0))
-        weight = min(POOLED_PRIOR_WEIGHT, accepted + rejected)
-        if weight <= 0:
-            return 0.0, 0.0
-        rate = accepted / (accepted + rejected)
-        return weight * rate, weight * (1 - rate)
 
     def __len__(self) -> int:
         """Total number of keys over all levels."""
@@ -364,9 +339,7 @@ class AnpdDrafter:
     Beta(1 + accepted, 1 + rejected) posterior. Only tokens whose predecessors were all accepted
     are counted, so it estimates P(accepted | the draft so far was accepted), which is what the
     adaptive controller needs. The memory's kinds are separate from the request's own: text
-    seen in other requests may be far less (or more) predictive than the request's own. With a
-    memory, a request's own kinds start from what earlier requests learned of them
-    (`NgramMemory.pooled_prior`, taken when the request begins) instead of Beta(1, 1).
+    seen in other requests may be far less (or more) predictive than the request's own.
 
     Long matches (`NgramConfig.span_min` > 0): where the end of the request's token stream
     occurred before, in it or (with the memory) in an earlier request, preceded by at least
@@ -407,7 +380,6 @@ class AnpdDrafter:
         self._spans: SpanIndex | None = None  # the memory's, or this request's own
         self._stream = -1  # this request's stream in `_spans`
         self._outcomes: dict[tuple, list[int]] = {}  # kind -> [accepted, rejected]
-        self._priors: dict[tuple, tuple[float, float]] = {}  # own kind -> pooled prior (`begin`)
         self._pooled = outcomes  # where the request's own kinds are learned, if not per request
         self._last_kinds: list[tuple] = []  # confidence kinds of the last linear draft's tokens
         self._ahead = 0  # tokens the last draft continued that were not committed (`propose_ahead`)
@@ -437,8 +409,6 @@ class AnpdDrafter:
             self._stream = self._spans.new_stream()
             self._spans.extend(self._stream, prompt)
         self._outcomes = {} if self._pooled is None else self._pooled
-        # what earlier requests learned of the own kinds, as this request's priors (fixed while it runs)
-        self._priors = {} if self.memory is None else {kind: self.memory.pooled_prior(kind) for kind in self.memory.pooled}
         self._last_kinds, self._last_tree, self._ahead = [], None, 0
         if self.copier is not None:
             self.copier.begin(prompt)
@@ -541,24 +511,17 @@ class AnpdDrafter:
         of a shorter match's (a match of 24 tokens holds one of 12: while a copy goes on, each
         token's match grows into a longer bucket, which would otherwise start again from the
         prior and hold the draft back)."""
-        outcomes = self._outcomes_of(kind)
-        accepted, rejected = outcomes.get(kind, (0, 0))
+        accepted, rejected = self._outcomes_of(kind).get(kind, (0, 0))
         if kind[0] == "span":
             own = (1 + accepted + SPAN_PRIOR_ACCEPTED) / (2 + accepted + rejected + SPAN_PRIOR_ACCEPTED)
             shorter = [bucket for bucket in SPAN_BUCKETS if bucket < kind[1]]
             return max(own, self._confidence(("span", shorter[-1], kind[2]))) if shorter else own
         if len(kind) > 3:  # a tree's alternative to the likeliest continuation
             rejected += ALTERNATIVE_PRIOR_REJECTED
-        if outcomes is self._outcomes:  # a request's own kind
-            prior_accepted, prior_rejected = self._priors.get(kind, (0.0, 0.0))
-            accepted, rejected = accepted + prior_accepted, rejected + prior_rejected
         return (1 + accepted) / (2 + accepted + rejected)
 
     def _learn(self, kind: tuple, accepted: bool) -> None:
-        outcomes = self._outcomes_of(kind)
-        outcomes.setdefault(kind, [0, 0])[0 if accepted else 1] += 1
-        if self.memory is not None and outcomes is self._outcomes:
-            self.memory.pool(kind, accepted)
+        self._outcomes_of(kind).setdefault(kind, [0, 0])[0 if accepted else 1] += 1
 
     def _learn_tree(self, committed: Sequence[int]) -> None:
         """Outcomes of the last tree: down the committed path, every child of a node on it (the
