@@ -90,6 +90,49 @@ static inline wide_i wide_add(wide_i a, wide_i b) { return (wide_i){_mm256_add_e
 static inline wide_i wide_mullo(wide_i a, wide_i b) {
     return (wide_i){_mm256_mullo_epi32(a.lo, b.lo), _mm256_mullo_epi32(a.hi, b.hi)};
 }
+/* Byte and int16 operations of the row-wise Q6_K path (qmatmul_avx2.c's rows_q6_wide). */
+static inline wide_i wide_halves(__m256i low, __m256i high) { return (wide_i){low, high}; }
+static inline wide_i wide_loadu(const void *p) {
+    return (wide_i){_mm256_loadu_si256((const __m256i *)p), _mm256_loadu_si256((const __m256i *)p + 1)};
+}
+static inline wide_i wide_bcast256(const void *p) {
+    const __m256i v = _mm256_loadu_si256((const __m256i *)p);
+    return (wide_i){v, v};
+}
+static inline wide_i wide_and(wide_i a, wide_i b) { return (wide_i){_mm256_and_si256(a.lo, b.lo), _mm256_and_si256(a.hi, b.hi)}; }
+static inline wide_i wide_or(wide_i a, wide_i b) { return (wide_i){_mm256_or_si256(a.lo, b.lo), _mm256_or_si256(a.hi, b.hi)}; }
+/* 16-bit shifts, right by n; by LOW in the low half and HIGH in the high one (left, right) */
+static inline wide_i wide_srli16(wide_i a, const int n) { return (wide_i){_mm256_srli_epi16(a.lo, n), _mm256_srli_epi16(a.hi, n)}; }
+static inline wide_i wide_slli16_halves(wide_i a, const int LOW, const int HIGH) {
+    return (wide_i){_mm256_slli_epi16(a.lo, LOW), _mm256_slli_epi16(a.hi, HIGH)};
+}
+static inline wide_i wide_srli16_halves(wide_i a, const int LOW, const int HIGH) {
+    return (wide_i){_mm256_srli_epi16(a.lo, LOW), _mm256_srli_epi16(a.hi, HIGH)};
+}
+static inline wide_i wide_maddubs(wide_i u, wide_i s) {
+    return (wide_i){_mm256_maddubs_epi16(u.lo, s.lo), _mm256_maddubs_epi16(u.hi, s.hi)};
+}
+/* vpdpwssd: acc + the sum of each lane's two int16 products (exact: vpmaddwd, then an int32 add) */
+static inline wide_i wide_dpwssd(wide_i acc, wide_i a, wide_i b) {
+    return (wide_i){_mm256_add_epi32(acc.lo, _mm256_madd_epi16(a.lo, b.lo)), _mm256_add_epi32(acc.hi, _mm256_madd_epi16(a.hi, b.hi))};
+}
+/* lanes 4i .. 4i + 3 = table[8i + n], i < 4 (table: 4 rows of 8 int32) */
+static inline wide_i wide_pick4(const int32_t *table, int n) {
+    return (wide_i){_mm256_blend_epi32(_mm256_set1_epi32(table[n]), _mm256_set1_epi32(table[8 + n]), 0xF0),
+                    _mm256_blend_epi32(_mm256_set1_epi32(table[16 + n]), _mm256_set1_epi32(table[24 + n]), 0xF0)};
+}
+static inline wide_i wide_unpacklo32(wide_i a, wide_i b) {
+    return (wide_i){_mm256_unpacklo_epi32(a.lo, b.lo), _mm256_unpacklo_epi32(a.hi, b.hi)};
+}
+static inline wide_i wide_unpackhi32(wide_i a, wide_i b) {
+    return (wide_i){_mm256_unpackhi_epi32(a.lo, b.lo), _mm256_unpackhi_epi32(a.hi, b.hi)};
+}
+static inline wide_i wide_unpacklo64(wide_i a, wide_i b) {
+    return (wide_i){_mm256_unpacklo_epi64(a.lo, b.lo), _mm256_unpacklo_epi64(a.hi, b.hi)};
+}
+static inline wide_i wide_unpackhi64(wide_i a, wide_i b) {
+    return (wide_i){_mm256_unpackhi_epi64(a.lo, b.lo), _mm256_unpackhi_epi64(a.hi, b.hi)};
+}
 static inline __m256i wide_low(wide_i a) { return a.lo; }
 static inline __m256i wide_high(wide_i a) { return a.hi; }
 static inline wide_f wide_cvt(wide_i a) { return (wide_f){_mm256_cvtepi32_ps(a.lo), _mm256_cvtepi32_ps(a.hi)}; }
@@ -117,6 +160,28 @@ static inline wide_i wide_dpbusd(wide_i acc, wide_i u, wide_i s) { return _mm512
 static inline wide_i wide_sub(wide_i a, wide_i b) { return _mm512_sub_epi32(a, b); }
 static inline wide_i wide_add(wide_i a, wide_i b) { return _mm512_add_epi32(a, b); }
 static inline wide_i wide_mullo(wide_i a, wide_i b) { return _mm512_mullo_epi32(a, b); }
+static inline wide_i wide_halves(__m256i low, __m256i high) { return _mm512_inserti64x4(_mm512_castsi256_si512(low), high, 1); }
+static inline wide_i wide_loadu(const void *p) { return _mm512_loadu_si512(p); }
+static inline wide_i wide_and(wide_i a, wide_i b) { return _mm512_and_si512(a, b); }
+static inline wide_i wide_or(wide_i a, wide_i b) { return _mm512_or_si512(a, b); }
+static inline wide_i wide_srli16(wide_i a, const int n) { return _mm512_srli_epi16(a, n); }
+static inline wide_i wide_bcast256(const void *p) { return _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)p)); }
+static inline wide_i wide_slli16_halves(wide_i a, const int LOW, const int HIGH) {
+    return _mm512_sllv_epi16(a, wide_halves(_mm256_set1_epi16((short)LOW), _mm256_set1_epi16((short)HIGH)));
+}
+static inline wide_i wide_srli16_halves(wide_i a, const int LOW, const int HIGH) {
+    return _mm512_srlv_epi16(a, wide_halves(_mm256_set1_epi16((short)LOW), _mm256_set1_epi16((short)HIGH)));
+}
+static inline wide_i wide_maddubs(wide_i u, wide_i s) { return _mm512_maddubs_epi16(u, s); }
+static inline wide_i wide_dpwssd(wide_i acc, wide_i a, wide_i b) { return _mm512_dpwssd_epi32(acc, a, b); }
+static inline wide_i wide_pick4(const int32_t *table, int n) {
+    const __m512i index = _mm512_add_epi32(_mm512_set1_epi32(n), _mm512_setr_epi32(0, 0, 0, 0, 8, 8, 8, 8, 16, 16, 16, 16, 24, 24, 24, 24));
+    return _mm512_permutex2var_epi32(_mm512_loadu_si512(table), index, _mm512_loadu_si512(table + 16));
+}
+static inline wide_i wide_unpacklo32(wide_i a, wide_i b) { return _mm512_unpacklo_epi32(a, b); }
+static inline wide_i wide_unpackhi32(wide_i a, wide_i b) { return _mm512_unpackhi_epi32(a, b); }
+static inline wide_i wide_unpacklo64(wide_i a, wide_i b) { return _mm512_unpacklo_epi64(a, b); }
+static inline wide_i wide_unpackhi64(wide_i a, wide_i b) { return _mm512_unpackhi_epi64(a, b); }
 static inline __m256i wide_low(wide_i a) { return _mm512_castsi512_si256(a); }
 static inline __m256i wide_high(wide_i a) { return _mm512_extracti64x4_epi64(a, 1); }
 static inline wide_f wide_cvt(wide_i a) { return _mm512_cvtepi32_ps(a); }
