@@ -180,6 +180,7 @@ def profile_target(target, context_length: int = DEFAULT_CONTEXT, widths: Sequen
         "weight_bytes_per_token": weight_bytes,
         "read_gb_per_s": None if not weight_bytes else round(weight_bytes / base / 1e9, 2),
         "resident_mb": round(psutil.Process().memory_info().rss / 1e6),
+        "weight_pages": getattr(target, "weight_pages", None),
         "widths": {str(w): round(s * 1e3, 3) for w, s in seconds.items()},
         "ratios": {str(w): round(s / base, 3) for w, s in seconds.items() if w != 1},
         "rejected": {str(w): round(s * 1e3, 3) for w, s in rejected.items()},
@@ -198,6 +199,11 @@ def format_profile(profile: dict) -> str:
     if profile.get("weight_bytes_per_token"):
         lines.insert(1, f"weights read a one-token step: {profile['weight_bytes_per_token'] / 1e6:.1f} MB "
                         f"({profile['read_gb_per_s']} GB/s); resident memory {profile['resident_mb']} MB")
+    pages = profile.get("weight_pages")
+    if pages:
+        huge = pages["huge_page_bytes"]
+        lines.insert(2, f"matrices copied into huge pages: {pages['copied_bytes'] / 1e6:.0f} MB"
+                        + ("" if huge is None else f", {huge / 1e6:.0f} MB of them in 2 MiB pages"))
     for width, ms in profile["widths"].items():
         line = f"{width:>6} {ms:9.2f} {profile['ratios'].get(width, 1.0):10.2f}"
         if width in profile["rejected"]:

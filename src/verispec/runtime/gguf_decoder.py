@@ -1,9 +1,10 @@
 """A decoder that runs a GGUF file's own quantized blocks: no float32 copy of any weight.
 
-Owns `GgufDecoder` and `GgufHead`. The weights are the file's tensors, memory-mapped
-(`gguf.reader`): every layer's q, k, v, o, gate, up and down matrices stay in their GGUF types
+Owns `GgufDecoder` and `GgufHead`. The weights are the file's tensors as stored (the matrices
+a step reads in full copied once into huge pages, `resident`; the rest memory-mapped,
+`gguf.reader`): every layer's q, k, v, o, gate, up and down matrices stay in their GGUF types
 (Q4_0, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K, F16, BF16, F32) and are multiplied by `kernels/qmatmul.c`
-straight from the mapped bytes, inside the C decoder layer (`kernels/decoder_layer.c`, numerics
+straight from those bytes, inside the C decoder layer (`kernels/decoder_layer.c`, numerics
 "gguf"): one call runs every layer for the rows of one sequence or of many (`rows.Rows`, paged
 KV in a `kv_pool.BlockPool`). Norm weights and biases (a few KB a layer) are copied to float32;
 the token embedding is dequantized row by row on lookup (`qmatmul.get_rows`); the LM head is the
@@ -42,6 +43,7 @@ from .linear import FusedNorm
 from .native_layer import (ACTIVATIONS, NUMERICS_GGUF, CGgufPart, CLayer, CNorm, bind, pointer, recognise_activation,
                            run_layers, run_layers_in_calls)
 from .qmatmul import QMatrix
+from .resident import huge_page_bytes, resident_copy
 from .rows import Rows
 
 # model_type -> (transformers package, rotary class, llama.cpp's q/k rows permuted for adjacent-pair rope)
@@ -50,12 +52,13 @@ ARCHITECTURES = {"llama": ("llama", "LlamaRotaryEmbedding", True), "qwen2": ("qw
 _ACTIVATION_NAMES = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
 
 
-def _matrix(file, name: str) -> QMatrix | None:
-    """The tensor `name` of a parsed GGUF file as a weight (its mapped bytes), or None."""
+def _matrix(file, name: str, resident: dict | None = None) -> QMatrix | None:
+    """The tensor `name` of a parsed GGUF file as a weight (its resident copy where `resident`
+    has one, else its mapped bytes), or None."""
     info = file.tensors.get(name)
     if info is None:
         return None
-    data = file.tensor_bytes(name).reshape(-1)
+    data = resident[name] if resident and name in resident else file.tensor_bytes(name).reshape(-1)
     return QMatrix(data, info.ggml_type, info.rows, int(info.shape[0]))
 
 
@@ -129,8 +132,13 @@ class GgufDecoder:
         self.hidden = config.hidden_size
         gemma = config.model_type == "gemma3_text"
         self.embed_scale = torch.tensor(config.hidden_size ** 0.5, dtype=torch.float32) if gemma else None
-        self.embedding = _matrix(file, "token_embd.weight")
-        output = _matrix(file, "output.weight") or self.embedding
+        # the matrices every step reads in full, in huge pages (`resident`): the layers' and the head's
+        head_name = "output.weight" if "output.weight" in file.tensors else "token_embd.weight"
+        self._resident = resident_copy(file, [info.name for info in file.tensors.values()
+                                              if (info.name.startswith("blk.") and len(info.shape) >= 2)
+                                              or info.name == head_name])
+        self.embedding = _matrix(file, "token_embd.weight", self._resident)
+        output = _matrix(file, "output.weight", self._resident) or self.embedding
         self.head = GgufHead(output, self.qkernel)
         self.vocab_size = output.rows
         self._final_norm = _vector(file, "output_norm.weight")
@@ -167,7 +175,7 @@ class GgufDecoder:
         linears = [("attn_q", "attn_k", "attn_v"), ("attn_output",), ("ffn_gate", "ffn_up"), ("ffn_down",)]
         for slot, parts in enumerate(linears):
             for p, part in enumerate(parts):
-                matrix = _matrix(file, name(part))
+                matrix = _matrix(file, name(part), self._resident)
                 if matrix is None:
                     raise ModelLoadError(f"the GGUF file has no tensor {name(part)}")
                 keep.append(matrix)
@@ -207,7 +215,7 @@ class GgufDecoder:
                     value = _vector(self.file, tensor)
                     value = value - 1 if gemma and part.endswith("norm") else value
                 else:
-                    matrix = _matrix(self.file, tensor)
+                    matrix = _matrix(self.file, tensor, self._resident)
                     value = self.qkernel.get_rows(matrix, torch.arange(matrix.rows))  # [out, in]
                     if ARCHITECTURES[self.config.model_type][2] and part in ("attn_q", "attn_k"):
                         heads = self.heads if part == "attn_q" else self.kv_heads
@@ -355,6 +363,14 @@ class GgufDecoder:
         for matrix in [m for layer in self.layers for m in layer.keep if isinstance(m, QMatrix)] + [self.head.matrix]:
             counts[matrix.type_name] = counts.get(matrix.type_name, 0) + 1
         return ", ".join(f"{name} x{count}" for name, count in sorted(counts.items(), key=lambda kv: -kv[1]))
+
+    def weight_pages(self) -> dict | None:
+        """{"copied_bytes": the matrices copied into huge pages, "huge_page_bytes": how much of that the
+        kernel granted as 2 MiB pages (None: unknown)}, or None where the matrices stay mapped."""
+        if not self._resident:
+            return None
+        views = list(self._resident.values())
+        return {"copied_bytes": sum(view.nbytes for view in views), "huge_page_bytes": huge_page_bytes(views[0])}
 
     @property
     def bytes_per_token(self) -> int:

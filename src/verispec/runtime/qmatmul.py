@@ -70,8 +70,8 @@ def row_bytes(type_: int | str, cols: int) -> int:
 @dataclass(frozen=True)
 class QMatrix:
     """A weight [rows = N outputs, cols = K inputs] as the GGUF file stores it: `data` the raw bytes
-    (uint8 numpy array or torch tensor, contiguous, N * row_bytes of them; a view of the memory map,
-    never copied), `type` ggml's type number."""
+    (uint8 numpy array or torch tensor, contiguous, N * row_bytes of them: a view of the memory map
+    or of the resident copy, `runtime.resident`), `type` ggml's type number."""
 
     data: np.ndarray | torch.Tensor
     type: int

@@ -423,6 +423,14 @@ class Target:
         return self.decoder.on_blocks(dense, None if form is None else form.rows(rows))
 
     @property
+    def weight_pages(self) -> dict | None:
+        """Where a GGUF file's matrices live (`runtime.resident`): {"copied_bytes", "huge_page_bytes"}
+        (the latter None where it cannot be read), or None where they stay in the file's map or the
+        model is not run from a GGUF file's blocks."""
+        placement = getattr(self.decoder, "weight_pages", None) if self.model is None else None
+        return placement() if placement else None
+
+    @property
     def weight_bytes_per_token(self) -> int:
         """Bytes of weights a one-token forward reads: a GGUF file's blocks of every layer and the
         head; the int8 block forms where the block kernel runs them (their linears); else every
