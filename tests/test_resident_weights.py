@@ -9,6 +9,7 @@ import pytest
 import torch
 from gguf_models import write_tiny_gguf
 
+from verispec.errors import ModelLoadError
 from verispec.gguf.metadata import read_gguf_model
 from verispec.gguf.reader import GgufFile
 from verispec.runtime import blockmm
@@ -41,10 +42,15 @@ def test_the_copy_holds_each_tensors_bytes_aligned_and_read_only(files):
     assert not np.shares_memory(copies[names[0]], mapped)
 
 
-def test_mapped_weights_are_kept_on_request(files, monkeypatch):
+def test_mapped_weights_are_kept_on_request_and_a_bad_value_is_refused(files, monkeypatch):
     file = GgufFile(files["untied"])
     monkeypatch.setenv("VERISPEC_WEIGHTS", "mapped")
     assert resident_copy(file, ["blk.0.attn_q.weight"]) == {}
+    monkeypatch.setenv("VERISPEC_WEIGHTS", "Resident")
+    assert list(resident_copy(file, ["blk.0.attn_q.weight"])) == ["blk.0.attn_q.weight"]
+    monkeypatch.setenv("VERISPEC_WEIGHTS", "hugepages")
+    with pytest.raises(ModelLoadError, match="VERISPEC_WEIGHTS='hugepages'.*'resident'.*'mapped'"):
+        resident_copy(file, ["blk.0.attn_q.weight"])
 
 
 def test_huge_page_bytes_reads_the_regions_smaps(files):

@@ -1,7 +1,7 @@
 """Where a GGUF model's weight matrices live while it runs: copied once, at load, into one
 anonymous memory region that asks the kernel for transparent huge pages (2 MiB).
 
-Owns `resident_copy` (the copy, as uint8 views of that region, one per tensor) and
+Owns `placement` (the choice, from the environment), `resident_copy` (the copy, as uint8 views of that region, one per tensor) and
 `huge_page_bytes` (how much of a region the kernel backs with huge pages, for reports).
 
 Why not the file's memory map, which the decoder read before: a step reads every matrix once,
@@ -33,9 +33,21 @@ from collections.abc import Iterable
 
 import numpy as np
 
+from ..errors import ModelLoadError
+
 HUGE_PAGE = 2 << 20
 ALIGN = 64  # each tensor starts on a cache line
 READ_SLICE = 16 << 20
+
+
+def placement() -> str:
+    """"resident" or "mapped", from `VERISPEC_WEIGHTS` (unset or empty: "resident"); another
+    value is a ModelLoadError that names the two."""
+    value = os.environ.get("VERISPEC_WEIGHTS", "").strip().lower() or "resident"
+    if value not in ("resident", "mapped"):
+        raise ModelLoadError(f"VERISPEC_WEIGHTS={value!r}: use 'resident' (the default: the matrices in huge "
+                             f"pages) or 'mapped' (kept in the file's memory map)")
+    return value
 
 
 def resident_copy(file, names: Iterable[str]) -> dict[str, np.ndarray]:
@@ -43,7 +55,7 @@ def resident_copy(file, names: Iterable[str]) -> dict[str, np.ndarray]:
     copied into one anonymous region in huge pages; {} where the matrices stay in the file's
     map (`VERISPEC_WEIGHTS=mapped`, or the region could not be had)."""
     names = list(dict.fromkeys(names))
-    if not names or os.environ.get("VERISPEC_WEIGHTS", "").strip().lower() == "mapped":
+    if not names or placement() == "mapped":
         return {}
     offsets, total = {}, 0
     for name in names:
