@@ -101,6 +101,7 @@ static inline wide_i wide_bcast256(const void *p) {
 }
 static inline wide_i wide_and(wide_i a, wide_i b) { return (wide_i){_mm256_and_si256(a.lo, b.lo), _mm256_and_si256(a.hi, b.hi)}; }
 static inline wide_i wide_or(wide_i a, wide_i b) { return (wide_i){_mm256_or_si256(a.lo, b.lo), _mm256_or_si256(a.hi, b.hi)}; }
+static inline wide_i wide_slli32(wide_i a, const int n) { return (wide_i){_mm256_slli_epi32(a.lo, n), _mm256_slli_epi32(a.hi, n)}; }
 /* 16-bit shifts, right by n; by LOW in the low half and HIGH in the high one (left, right) */
 static inline wide_i wide_srli16(wide_i a, const int n) { return (wide_i){_mm256_srli_epi16(a.lo, n), _mm256_srli_epi16(a.hi, n)}; }
 static inline wide_i wide_slli16_halves(wide_i a, const int LOW, const int HIGH) {
@@ -116,22 +117,22 @@ static inline wide_i wide_maddubs(wide_i u, wide_i s) {
 static inline wide_i wide_dpwssd(wide_i acc, wide_i a, wide_i b) {
     return (wide_i){_mm256_add_epi32(acc.lo, _mm256_madd_epi16(a.lo, b.lo)), _mm256_add_epi32(acc.hi, _mm256_madd_epi16(a.hi, b.hi))};
 }
-/* lanes 4i .. 4i + 3 = table[8i + n], i < 4 (table: 4 rows of 8 int32) */
-static inline wide_i wide_pick4(const int32_t *table, int n) {
-    return (wide_i){_mm256_blend_epi32(_mm256_set1_epi32(table[n]), _mm256_set1_epi32(table[8 + n]), 0xF0),
-                    _mm256_blend_epi32(_mm256_set1_epi32(table[16 + n]), _mm256_set1_epi32(table[24 + n]), 0xF0)};
+/* 16 int8 at p as 16 int32 lanes; lanes of t picked by index (each 0..15); the sum of the lanes */
+static inline wide_i wide_cvt8_32(const int8_t *p) {
+    return (wide_i){_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)), _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8)))};
 }
-static inline wide_i wide_unpacklo32(wide_i a, wide_i b) {
-    return (wide_i){_mm256_unpacklo_epi32(a.lo, b.lo), _mm256_unpacklo_epi32(a.hi, b.hi)};
+static inline __m256i wide_permute_half(wide_i t, __m256i index) {
+    const __m256i low = _mm256_permutevar8x32_epi32(t.lo, index), high = _mm256_permutevar8x32_epi32(t.hi, index);
+    return _mm256_blendv_epi8(low, high, _mm256_cmpgt_epi32(index, _mm256_set1_epi32(7)));
 }
-static inline wide_i wide_unpackhi32(wide_i a, wide_i b) {
-    return (wide_i){_mm256_unpackhi_epi32(a.lo, b.lo), _mm256_unpackhi_epi32(a.hi, b.hi)};
+static inline wide_i wide_permute32(wide_i t, wide_i index) {
+    return (wide_i){wide_permute_half(t, index.lo), wide_permute_half(t, index.hi)};
 }
-static inline wide_i wide_unpacklo64(wide_i a, wide_i b) {
-    return (wide_i){_mm256_unpacklo_epi64(a.lo, b.lo), _mm256_unpacklo_epi64(a.hi, b.hi)};
-}
-static inline wide_i wide_unpackhi64(wide_i a, wide_i b) {
-    return (wide_i){_mm256_unpackhi_epi64(a.lo, b.lo), _mm256_unpackhi_epi64(a.hi, b.hi)};
+static inline int32_t wide_sum(wide_i a) {
+    const __m256i v = _mm256_add_epi32(a.lo, a.hi);
+    __m128i x = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    x = _mm_add_epi32(x, _mm_shuffle_epi32(x, 0x4E));
+    return _mm_cvtsi128_si32(_mm_add_epi32(x, _mm_shuffle_epi32(x, 0xB1)));
 }
 static inline __m256i wide_low(wide_i a) { return a.lo; }
 static inline __m256i wide_high(wide_i a) { return a.hi; }
@@ -164,6 +165,7 @@ static inline wide_i wide_halves(__m256i low, __m256i high) { return _mm512_inse
 static inline wide_i wide_loadu(const void *p) { return _mm512_loadu_si512(p); }
 static inline wide_i wide_and(wide_i a, wide_i b) { return _mm512_and_si512(a, b); }
 static inline wide_i wide_or(wide_i a, wide_i b) { return _mm512_or_si512(a, b); }
+static inline wide_i wide_slli32(wide_i a, const int n) { return _mm512_slli_epi32(a, n); }
 static inline wide_i wide_srli16(wide_i a, const int n) { return _mm512_srli_epi16(a, n); }
 static inline wide_i wide_bcast256(const void *p) { return _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)p)); }
 static inline wide_i wide_slli16_halves(wide_i a, const int LOW, const int HIGH) {
@@ -174,14 +176,9 @@ static inline wide_i wide_srli16_halves(wide_i a, const int LOW, const int HIGH)
 }
 static inline wide_i wide_maddubs(wide_i u, wide_i s) { return _mm512_maddubs_epi16(u, s); }
 static inline wide_i wide_dpwssd(wide_i acc, wide_i a, wide_i b) { return _mm512_dpwssd_epi32(acc, a, b); }
-static inline wide_i wide_pick4(const int32_t *table, int n) {
-    const __m512i index = _mm512_add_epi32(_mm512_set1_epi32(n), _mm512_setr_epi32(0, 0, 0, 0, 8, 8, 8, 8, 16, 16, 16, 16, 24, 24, 24, 24));
-    return _mm512_permutex2var_epi32(_mm512_loadu_si512(table), index, _mm512_loadu_si512(table + 16));
-}
-static inline wide_i wide_unpacklo32(wide_i a, wide_i b) { return _mm512_unpacklo_epi32(a, b); }
-static inline wide_i wide_unpackhi32(wide_i a, wide_i b) { return _mm512_unpackhi_epi32(a, b); }
-static inline wide_i wide_unpacklo64(wide_i a, wide_i b) { return _mm512_unpacklo_epi64(a, b); }
-static inline wide_i wide_unpackhi64(wide_i a, wide_i b) { return _mm512_unpackhi_epi64(a, b); }
+static inline wide_i wide_cvt8_32(const int8_t *p) { return _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)); }
+static inline wide_i wide_permute32(wide_i t, wide_i index) { return _mm512_permutexvar_epi32(index, t); }
+static inline int32_t wide_sum(wide_i a) { return _mm512_reduce_add_epi32(a); }
 static inline __m256i wide_low(wide_i a) { return _mm512_castsi512_si256(a); }
 static inline __m256i wide_high(wide_i a) { return _mm512_extracti64x4_epi64(a, 1); }
 static inline wide_f wide_cvt(wide_i a) { return _mm512_cvtepi32_ps(a); }

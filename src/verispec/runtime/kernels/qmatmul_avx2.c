@@ -492,74 +492,82 @@ static inline __attribute__((always_inline)) void rows_group(const int TYPE, con
 
 #ifdef VS_VNNI_WIDE
 /* Q6_K's row-wise path on 16-lane vectors (AVX-512 VNNI builds, and the emulated VNNI build, where a
- * wide vector is two 256-bit halves: isa.h's wide_*). Each output row's bytes are used as they lie,
- * without rows_group's horizontal adds per sub-block: per super-block, output n and half h, ql's 64
- * bytes at 64h hold inputs 128h + 0..63 in their low nibbles and 128h + 64..127 in their high ones,
- * qh's 32 bytes at 128 + 32h (in both halves) give bits 4-5 (shifted per half); vpmaddubsw with the
- * 64 consecutive activations gives int16 pairs (8 lanes per sub-block of 16), and vpdpwssd by the
- * sub-blocks' scales (int16, as k.sc2 holds them, broadcast for output n) adds them into one int32
- * vector per (row, output) holding partial sums of sum_j sc_j * (exact sum over sub-block j). After
- * the super-block a fixed tree of unpacks and adds turns the 8 outputs' vectors into one 8-lane
- * vector: the exact int32 isum of rows_group (integers summed in any order are the same number), so
- * the float steps that follow, and the bits, are the same. int16 bounds as rows_group's (a vpmaddubsw
- * lane <= 2 * 63 * 127). On a Zen 4 (2 threads, builds alternated, `scripts/kernel_ab.py`) the
- * products took 0.83-0.93x rows_group's time (the 151k-row head, the 1536 x 8960 down projection;
- * 1-3 rows) and whole one-token steps of Qwen2.5-Coder-1.5B Q4_K_M 0.96x. The same form for Q4_K
- * was slower there than rows_group (1.14x at 1 row), so Q4_K and Q5_K keep rows_group. */
+ * wide vector is two 256-bit halves: isa.h's wide_*), one output row at a time: its super-blocks in
+ * order, so that the 8 rows of a group are read as one stream (front to back) instead of 8
+ * interleaved ones. Per output n and super-block b: ql's 64 bytes at 64h hold inputs 128h + 0..63
+ * in their low nibbles and 128h + 64..127 in their high ones, qh's 32 bytes at 128 + 32h (in both
+ * halves) give bits 4-5 (shifted per half); vpmaddubsw with the 64 consecutive activations gives
+ * int16 pairs (8 lanes per sub-block of 16), and vpdpwssd by the sub-blocks' int8 scales (as int16
+ * pairs, picked per lane by vpermd) adds them into 16 int32 partial sums of sum_j sc_j * (exact sum
+ * over sub-block j of u * xq), u = q + 32 the stored 6-bit value. Their total less 32 * sum_j sc_j *
+ * (sum of xq over j) (the record's sums per 16) is rows_group's exact int32 isum (integers summed
+ * in any order are the same number), kept per (row, super-block, output); then the float steps of
+ * k_floats, super-block by super-block with the 8 outputs as lanes, give the same bits. int16
+ * bounds as rows_group's (a vpmaddubsw lane <= 2 * 63 * 127). On a Zen 4 (2 threads,
+ * `scripts/kernel_ab.py`) the products took 0.82-0.93x rows_group's time at 1-3 rows; whole
+ * forwards of Qwen2.5-Coder-1.5B Q4_K_M at 1-3 tokens 0.96-0.98x with the 8 outputs' super-block b
+ * read together and, against that, 0.96-0.98x again read row after row (weights in huge pages).
+ * The same forms for Q4_K were slower there than rows_group (1.14x at 1 row read together, 1.3x
+ * and more row after row: twice its multiply instructions, whose int16 pairs rows_group adds before
+ * widening), so Q4_K and Q5_K keep rows_group. */
+#define SEQ_BLOCKS 128 /* super-blocks per row (K <= 32768) the path holds; longer rows take rows_group */
 
-/* 8 vectors of 16 int32 partial sums (one per output) -> lanes 0..7 = their totals. */
-static inline __attribute__((always_inline)) __m256i wide_totals(const wide_i a[LANES]) {
-    wide_i s[4];
-#pragma GCC unroll 4
-    for (int i = 0; i < 4; i++) /* per 128 bits: outputs [2i, 2i + 1, 2i, 2i + 1] */
-        s[i] = wide_add(wide_unpacklo32(a[2 * i], a[2 * i + 1]), wide_unpackhi32(a[2 * i], a[2 * i + 1]));
-    /* per 128 bits: outputs 0..3 (t0), 4..7 (t1); then the four 128-bit parts of each added */
-    const wide_i t0 = wide_add(wide_unpacklo64(s[0], s[1]), wide_unpackhi64(s[0], s[1]));
-    const wide_i t1 = wide_add(wide_unpacklo64(s[2], s[3]), wide_unpackhi64(s[2], s[3]));
-    const __m256i h0 = _mm256_add_epi32(wide_low(t0), wide_high(t0)), h1 = _mm256_add_epi32(wide_low(t1), wide_high(t1));
-    return _mm256_add_epi32(_mm256_permute2x128_si256(h0, h1, 0x20), _mm256_permute2x128_si256(h0, h1, 0x31));
-}
+static const int32_t Q6_PICK[4][16] = { /* int32 lane l <- sub-block 4i + l / 4 */
+    {0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3}, {4, 4, 4, 4, 5, 5, 5, 5, 6, 6, 6, 6, 7, 7, 7, 7},
+    {8, 8, 8, 8, 9, 9, 9, 9, 10, 10, 10, 10, 11, 11, 11, 11}, {12, 12, 12, 12, 13, 13, 13, 13, 14, 14, 14, 14, 15, 15, 15, 15}};
 
 static inline __attribute__((always_inline)) void rows_q6_wide(const int R, const uint8_t *const p[LANES], int64_t K,
                                                                const int8_t *xq, int64_t ldq, const float *xs,
                                                                int64_t ldx, const int32_t *xsum, int64_t ldsum,
                                                                Ahead *ahead, __m256 *out) {
-    __m256 acc[ROWWISE_ROWS], shift[ROWWISE_ROWS];
-    KScales k;
-    const wide_i m4 = wide_set1(0x0F0F0F0F), m30 = wide_set1(0x30303030);
-    for (int r = 0; r < R; r++) acc[r] = shift[r] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < K / 256; b++) {
-        const int8_t *x = xq + 256 * b;
-        const int64_t off = b * 210;
-        wide_i sums[ROWWISE_ROWS][LANES];
-        q6_scales(p, off, &k);
-#pragma GCC unroll 8
-        for (int n = 0; n < LANES; n++) {
+    const int64_t blocks = K / 256;
+    int32_t isum[ROWWISE_ROWS][SEQ_BLOCKS][LANES] __attribute__((aligned(32)));
+    float d[SEQ_BLOCKS][LANES] __attribute__((aligned(32)));
+    const wide_i m4 = wide_set1(0x0F0F0F0F), m30 = wide_set1(0x30303030), low16 = wide_set1(0xFFFF);
+    for (int n = 0; n < LANES; n++)
+        for (int64_t b = 0; b < blocks; b++) {
             ahead_step(ahead);
-            const uint8_t *row = p[n] + off;
+            const uint8_t *blk = p[n] + b * 210;
+            const int8_t *x = xq + 256 * b;
+            d[b][n] = _cvtsh_ss(ld16(blk + 208));
+            /* the 16 scales as int16 pairs (sc, sc), then per lane of the products */
+            const wide_i sc = wide_cvt8_32((const int8_t *)(blk + 192));
+            const wide_i pairs = wide_or(wide_and(sc, low16), wide_slli32(sc, 16));
+            wide_i scales[4];
+            for (int i = 0; i < 4; i++) scales[i] = wide_permute32(pairs, wide_loadu(Q6_PICK[i]));
+            const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 192)));
+            for (int r = 0; r < R; r++) {
+                wide_i P = wide_zero();
 #pragma GCC unroll 2
-            for (int h = 0; h < 2; h++) {
-                const wide_i L = wide_loadu(row + 64 * h);
-                const wide_i Q = wide_bcast256(row + 128 + 32 * h);
-                /* inputs 128h + 0..31 take qh's bits 0-1, 32..63 bits 2-3; 64..95 bits 4-5, 96..127 bits 6-7 */
-                const wide_i low = wide_or(wide_and(L, m4), wide_and(wide_slli16_halves(Q, 4, 2), m30));
-                const wide_i high = wide_or(wide_and(wide_srli16(L, 4), m4), wide_and(wide_srli16_halves(Q, 0, 2), m30));
-                /* the scales of sub-blocks 8h .. 8h + 3 and 8h + 4 .. 8h + 7 for output n, 4 int32 lanes each */
-                const wide_i s_low = wide_pick4(k.sc2[8 * h], n), s_high = wide_pick4(k.sc2[8 * h + 4], n);
-                for (int r = 0; r < R; r++) {
+                for (int h = 0; h < 2; h++) {
+                    const wide_i L = wide_loadu(blk + 64 * h), Q = wide_bcast256(blk + 128 + 32 * h);
+                    /* inputs 128h + 0..31 take qh's bits 0-1, 32..63 bits 2-3; 64..95 bits 4-5, 96..127 bits 6-7 */
+                    const wide_i low = wide_or(wide_and(L, m4), wide_and(wide_slli16_halves(Q, 4, 2), m30));
+                    const wide_i high = wide_or(wide_and(wide_srli16(L, 4), m4), wide_and(wide_srli16_halves(Q, 0, 2), m30));
                     const int8_t *xr = x + r * ldq + 128 * h;
-                    const wide_i first = h == 0 ? wide_zero() : sums[r][n];
-                    const wide_i a = wide_dpwssd(first, wide_maddubs(low, wide_loadu(xr)), s_low);
-                    sums[r][n] = wide_dpwssd(a, wide_maddubs(high, wide_loadu(xr + 64)), s_high);
+                    P = wide_dpwssd(P, wide_maddubs(low, wide_loadu(xr)), scales[2 * h]);
+                    P = wide_dpwssd(P, wide_maddubs(high, wide_loadu(xr + 64)), scales[2 * h + 1]);
                 }
+                /* the stored values' bias: 32 * sum_j sc_j * (sum of xq over sub-block j of 16) */
+                const __m256i bias = _mm256_madd_epi16(sc16, _mm256_loadu_si256((const __m256i *)(xsum + r * ldsum + 16 * b)));
+                __m128i c = _mm_add_epi32(_mm256_castsi256_si128(bias), _mm256_extracti128_si256(bias, 1));
+                c = _mm_add_epi32(c, _mm_shuffle_epi32(c, 0x4E));
+                c = _mm_add_epi32(c, _mm_shuffle_epi32(c, 0xB1));
+                isum[r][b][n] = (int32_t)((uint32_t)wide_sum(P) - ((uint32_t)_mm_cvtsi128_si32(c) << 5));
             }
         }
-        for (int r = 0; r < R; r++)
-            k_floats(&k, 0, 5, wide_totals(sums[r]), xs[r * ldx + 8 * b], xsum + r * ldsum + 16 * b, &acc[r], &shift[r]);
+    for (int r = 0; r < R; r++) { /* k_floats' steps (Q6_K: no mins), super-block by super-block */
+        __m256 acc = _mm256_setzero_ps();
+        for (int64_t b = 0; b < blocks; b++) {
+            const __m256 row = _mm256_set1_ps(xs[r * ldx + 8 * b]);
+            acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_load_si256((const __m256i *)isum[r][b])),
+                                                   _mm256_mul_ps(row, _mm256_load_ps(d[b]))));
+        }
+        out[r] = acc;
     }
-    for (int r = 0; r < R; r++) out[r] = acc[r];
 }
-#define ROWS_GROUP(TYPE, R, ...) ((TYPE) == GGUF_Q6_K ? rows_q6_wide(R, __VA_ARGS__) : rows_group(TYPE, R, __VA_ARGS__))
+#define ROWS_GROUP(TYPE, R, p, K, ...)                                                                       \
+    ((TYPE) == GGUF_Q6_K && (K) <= 256 * SEQ_BLOCKS ? rows_q6_wide(R, p, K, __VA_ARGS__) : rows_group(TYPE, R, p, K, __VA_ARGS__))
 #else
 #define ROWS_GROUP rows_group
 #endif
