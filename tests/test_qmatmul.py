@@ -388,6 +388,21 @@ def test_every_build_gives_the_same_bits_on_many_rows():
             assert torch.equal(got.view(torch.int32), first.view(torch.int32)), (type_name, variant)
 
 
+@pytest.mark.parametrize("super_blocks", [128, 129])
+def test_q6_k_rows_at_the_row_wise_paths_length_limit_give_every_builds_bits(super_blocks):
+    """Q6_K's 16-lane row-wise path holds up to 128 super-blocks a row (K = 32,768) and hands longer
+    rows to rows_group: both sides of that limit, 1-3 rows (the row-wise path), a short last group."""
+    rng = np.random.default_rng(super_blocks)
+    cols = 256 * super_blocks
+    w = qmatmul.QMatrix(random_raw("Q6_K", 11, cols, rng).reshape(-1), "Q6_K", 11, cols)
+    x = activations(3, cols, seed=super_blocks)
+    first = kernel_of("portable").matmul(x, w, threads=2)
+    for variant in builds_here():
+        for m in (1, 2, 3):
+            got = kernel_of(variant).matmul(x[:m], w, threads=2)
+            assert torch.equal(got.view(torch.int32), first[:m].view(torch.int32)), (variant, m)
+
+
 @pytest.mark.parametrize("type_name", QUANTIZED_BY_GGUF + K_QUANTS)
 def test_extreme_codes_and_activations_do_not_overflow(type_name):
     """Every code at its largest (or smallest) value and activations at +-127: the int16 sums of

@@ -53,12 +53,41 @@ def test_mapped_weights_are_kept_on_request_and_a_bad_value_is_refused(files, mo
         resident_copy(file, ["blk.0.attn_q.weight"])
 
 
-def test_huge_page_bytes_reads_the_regions_smaps(files):
+def test_without_the_region_the_matrices_stay_mapped_and_the_model_still_runs(files, monkeypatch):
+    import mmap
+
+    real = mmap.mmap
+
+    def refused(fileno, *args, **kwargs):
+        if fileno == -1:
+            raise OSError(12, "Cannot allocate memory")
+        return real(fileno, *args, **kwargs)
+
+    monkeypatch.setattr(mmap, "mmap", refused)
+    d = decoder(files["untied"], files["cache"], monkeypatch, "")
+    assert d._resident == {} and d.weight_pages() is None
+    target = Target.of_decoder(d, d.config, read_gguf_model(files["untied"], cache_dir=files["cache"]).tokenizer,
+                               "untied", [0])
+    sequence = target.new_sequence()
+    sequence.reset()
+    assert torch.isfinite(sequence.forward([1, 2, 3]).float()).all()
+    sequence.release()
+
+
+def test_huge_page_bytes_reads_the_smaps_record_of_the_region_holding_the_view(files):
+    view = np.zeros(64, dtype=np.uint8)
+    address = view.ctypes.data
+    record = lambda start, end, huge: [f"{start:x}-{end:x} rw-p 00000000 00:00 0\n", "Size:  4 kB\n",
+                                       f"AnonHugePages:  {huge} kB\n"]  # noqa: E731
+    smaps = record(address - 8192, address - 4096, 6144) + record(address - 64, address + 4096, 2048) \
+        + record(address + 4096, address + 8192, 4096)
+    assert huge_page_bytes(view, smaps) == 2048 * 1024  # the second record's, not its neighbours'
+    assert huge_page_bytes(view, record(address + 64, address + 128, 2048)) is None  # no region holds it
+    # the real file: the copy's region is found, and holds at most the copy's size in huge pages
     file = GgufFile(files["untied"])
-    view = resident_copy(file, ["blk.0.ffn_down.weight"])["blk.0.ffn_down.weight"]
-    granted = huge_page_bytes(view)
-    assert granted is None or granted >= 0
-    assert huge_page_bytes(np.zeros(4, dtype=np.uint8)) in (None, 0)  # heap memory: no region of ours
+    copy = resident_copy(file, ["blk.0.ffn_down.weight"])["blk.0.ffn_down.weight"]
+    granted = huge_page_bytes(copy)
+    assert granted is not None and 0 <= granted <= copy.nbytes + HUGE_PAGE
 
 
 def decoder(path, cache, monkeypatch, mode: str) -> GgufDecoder:
@@ -77,9 +106,9 @@ def test_the_decoder_multiplies_the_copy_and_gives_the_mapped_logits(files, monk
     mapped = decoder(files[name], files["cache"], monkeypatch, "mapped")
     assert resident._resident and not mapped._resident
     whole = resident.file._bytes  # the file's map
-    for layer in resident.layers:
-        for matrix in (m for m in layer.keep if hasattr(m, "address")):
-            assert not inside(matrix, whole)  # every layer matrix comes from the copy
+    matrices = [m for layer in resident.layers for m in layer.keep if hasattr(m, "address")]
+    assert len(matrices) == 7 * len(resident.layers)  # q, k, v, o, gate, up, down
+    assert not any(inside(matrix, whole) for matrix in matrices)  # every layer matrix comes from the copy
     assert not inside(resident.head.matrix, whole)
     # an untied embedding is looked up a row at a time: it stays mapped (not copied)
     assert inside(resident.embedding, whole) == (name == "untied")

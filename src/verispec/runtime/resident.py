@@ -13,8 +13,10 @@ from huge pages against 27.5 GB/s from the file's map. llama.cpp gets the same e
 repacking its weights into buffers of its own.
 
 What it costs: the copied tensors are the process's own memory instead of shared page cache (so
-two processes that load one file hold two copies), and loading reads them once (0.3 s
-for 1 GB from the page cache). The memory stays about the file's size: a tensor read only by
+two processes that load one file hold two copies), and loading takes longer: the 1.5B loaded in
+2.5-3.6 s against 0.9-1.25 s mapped (fresh processes alternated, the file in the page cache), most
+of it the first touch of the huge pages on this VM (1 GB of them: 0.9-1.4 s, of 4 KiB pages
+0.4-0.5 s). The memory stays about the file's size: a tensor read only by
 rows (an untied token embedding, looked up a row at a time) is not copied and stays mapped, its
 pages read as they are used. The copy is read from the file, not through the map, so the mapped
 pages of the copied tensors never join the process's resident set.
@@ -79,7 +81,7 @@ def resident_copy(file, names: Iterable[str]) -> dict[str, np.ndarray]:
             view = whole[start + offsets[name]:start + offsets[name] + info.nbytes]
             handle.seek(info.offset)
             target, done = memoryview(view), 0
-            while done < info.nbytes:  # in slices: one read of 1 GB took 1.4-2.2 s, slices of 16 MiB 0.23 s
+            while done < info.nbytes:  # a read may return fewer bytes than asked
                 count = handle.readinto(target[done:done + READ_SLICE])
                 if not count:
                     return {}  # the file changed under us: keep the map, which reads what is there
@@ -89,19 +91,22 @@ def resident_copy(file, names: Iterable[str]) -> dict[str, np.ndarray]:
     return views
 
 
-def huge_page_bytes(view: np.ndarray) -> int | None:
-    """Bytes of the region holding `view` that the kernel backs with huge pages (its
-    AnonHugePages in /proc/self/smaps), or None where that cannot be read."""
+def huge_page_bytes(view: np.ndarray, smaps: Iterable[str] | None = None) -> int | None:
+    """Bytes of the region holding `view` that the kernel backs with huge pages: its AnonHugePages
+    in `smaps` (the lines of /proc/self/smaps, read when not given), or None where that cannot be
+    read or no region holds it."""
     address = view.ctypes.data
-    try:
-        with open("/proc/self/smaps") as smaps:
-            inside = False
-            for line in smaps:
-                match = re.match(r"([0-9a-f]+)-([0-9a-f]+) ", line)
-                if match:
-                    inside = int(match.group(1), 16) <= address < int(match.group(2), 16)
-                elif inside and line.startswith("AnonHugePages:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
+    if smaps is None:
+        try:
+            with open("/proc/self/smaps") as file:
+                return huge_page_bytes(view, file)
+        except OSError:
+            return None
+    inside = False
+    for line in smaps:
+        match = re.match(r"([0-9a-f]+)-([0-9a-f]+) ", line)
+        if match:
+            inside = int(match.group(1), 16) <= address < int(match.group(2), 16)
+        elif inside and line.startswith("AnonHugePages:"):
+            return int(line.split()[1]) * 1024
     return None

@@ -32,6 +32,15 @@
 #include <immintrin.h>
 #endif
 
+#ifdef VS_AVX2
+/* The sum of the 8 int32 lanes of v (wrapping, as integer adds do). */
+static inline int32_t sum8(__m256i v) {
+    __m128i x = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    x = _mm_add_epi32(x, _mm_shuffle_epi32(x, 0x4E));
+    return _mm_cvtsi128_si32(_mm_add_epi32(x, _mm_shuffle_epi32(x, 0xB1)));
+}
+#endif
+
 #if defined(VS_AVX2) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define VS_AVX512 1
 #endif
@@ -128,12 +137,7 @@ static inline __m256i wide_permute_half(wide_i t, __m256i index) {
 static inline wide_i wide_permute32(wide_i t, wide_i index) {
     return (wide_i){wide_permute_half(t, index.lo), wide_permute_half(t, index.hi)};
 }
-static inline int32_t wide_sum(wide_i a) {
-    const __m256i v = _mm256_add_epi32(a.lo, a.hi);
-    __m128i x = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-    x = _mm_add_epi32(x, _mm_shuffle_epi32(x, 0x4E));
-    return _mm_cvtsi128_si32(_mm_add_epi32(x, _mm_shuffle_epi32(x, 0xB1)));
-}
+static inline int32_t wide_sum(wide_i a) { return sum8(_mm256_add_epi32(a.lo, a.hi)); }
 static inline __m256i wide_low(wide_i a) { return a.lo; }
 static inline __m256i wide_high(wide_i a) { return a.hi; }
 static inline wide_f wide_cvt(wide_i a) { return (wide_f){_mm256_cvtepi32_ps(a.lo), _mm256_cvtepi32_ps(a.hi)}; }

@@ -504,9 +504,12 @@ static inline __attribute__((always_inline)) void rows_group(const int TYPE, con
  * in any order are the same number), kept per (row, super-block, output); then the float steps of
  * k_floats, super-block by super-block with the 8 outputs as lanes, give the same bits. int16
  * bounds as rows_group's (a vpmaddubsw lane <= 2 * 63 * 127). On a Zen 4 (2 threads,
- * `scripts/kernel_ab.py`) the products took 0.82-0.93x rows_group's time at 1-3 rows; whole
- * forwards of Qwen2.5-Coder-1.5B Q4_K_M at 1-3 tokens 0.96-0.98x with the 8 outputs' super-block b
- * read together and, against that, 0.96-0.98x again read row after row (weights in huge pages).
+ * `scripts/kernel_ab.py`, weights in huge pages) the products took 0.75-0.84x rows_group's time at
+ * 1-3 rows (the 1536 x 8960 down projection, the 151k-row head), and whole forwards of
+ * Qwen2.5-Coder-1.5B Q4_K_M at 1, 2 and 3 tokens 0.98x, 0.94x and 0.95x against the kernels before
+ * it (which also lacked the attention's reordering and the buffered path's spread prefetch; at 1-3
+ * tokens the attention's is the only other change). Read row after row, forwards took 0.98-0.99x
+ * the time of reading the 8 outputs' super-block b together.
  * The same forms for Q4_K were slower there than rows_group (1.14x at 1 row read together, 1.3x
  * and more row after row: twice its multiply instructions, whose int16 pairs rows_group adds before
  * widening), so Q4_K and Q5_K keep rows_group. */
@@ -550,10 +553,7 @@ static inline __attribute__((always_inline)) void rows_q6_wide(const int R, cons
                 }
                 /* the stored values' bias: 32 * sum_j sc_j * (sum of xq over sub-block j of 16) */
                 const __m256i bias = _mm256_madd_epi16(sc16, _mm256_loadu_si256((const __m256i *)(xsum + r * ldsum + 16 * b)));
-                __m128i c = _mm_add_epi32(_mm256_castsi256_si128(bias), _mm256_extracti128_si256(bias, 1));
-                c = _mm_add_epi32(c, _mm_shuffle_epi32(c, 0x4E));
-                c = _mm_add_epi32(c, _mm_shuffle_epi32(c, 0xB1));
-                isum[r][b][n] = (int32_t)((uint32_t)wide_sum(P) - ((uint32_t)_mm_cvtsi128_si32(c) << 5));
+                isum[r][b][n] = (int32_t)((uint32_t)wide_sum(P) - ((uint32_t)sum8(bias) << 5));
             }
         }
     for (int r = 0; r < R; r++) { /* k_floats' steps (Q6_K: no mins), super-block by super-block */
