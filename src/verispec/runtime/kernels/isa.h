@@ -109,6 +109,20 @@ static inline wide_i wide_bcast256(const void *p) {
     return (wide_i){v, v};
 }
 static inline wide_i wide_and(wide_i a, wide_i b) { return (wide_i){_mm256_and_si256(a.lo, b.lo), _mm256_and_si256(a.hi, b.hi)}; }
+/* The 16-output transposition of a pair of groups (qmatmul_avx2.c's transpose_pair): 128-bit lane q
+ * of wide_load4x128 = the 16 bytes at p[q]; the unpacks work within 128-bit lanes as AVX-512's do. */
+static inline wide_i wide_load4x128(const uint8_t *p0, const uint8_t *p1, const uint8_t *p2, const uint8_t *p3) {
+    return (wide_i){_mm256_loadu2_m128i((const __m128i *)p1, (const __m128i *)p0),
+                    _mm256_loadu2_m128i((const __m128i *)p3, (const __m128i *)p2)};
+}
+static inline wide_i wide_unpacklo32(wide_i a, wide_i b) { return (wide_i){_mm256_unpacklo_epi32(a.lo, b.lo), _mm256_unpacklo_epi32(a.hi, b.hi)}; }
+static inline wide_i wide_unpackhi32(wide_i a, wide_i b) { return (wide_i){_mm256_unpackhi_epi32(a.lo, b.lo), _mm256_unpackhi_epi32(a.hi, b.hi)}; }
+static inline wide_i wide_unpacklo64(wide_i a, wide_i b) { return (wide_i){_mm256_unpacklo_epi64(a.lo, b.lo), _mm256_unpacklo_epi64(a.hi, b.hi)}; }
+static inline wide_i wide_unpackhi64(wide_i a, wide_i b) { return (wide_i){_mm256_unpackhi_epi64(a.lo, b.lo), _mm256_unpackhi_epi64(a.hi, b.hi)}; }
+static inline wide_i wide_load(const void *p) { return (wide_i){_mm256_load_si256((const __m256i *)p), _mm256_load_si256((const __m256i *)p + 1)}; }
+static inline void wide_store(void *p, wide_i v) { _mm256_store_si256((__m256i *)p, v.lo), _mm256_store_si256((__m256i *)p + 1, v.hi); }
+static inline wide_i wide_set1_8(char v) { return (wide_i){_mm256_set1_epi8(v), _mm256_set1_epi8(v)}; }
+static inline wide_i wide_slli16(wide_i a, const int n) { return (wide_i){_mm256_slli_epi16(a.lo, n), _mm256_slli_epi16(a.hi, n)}; }
 static inline wide_i wide_or(wide_i a, wide_i b) { return (wide_i){_mm256_or_si256(a.lo, b.lo), _mm256_or_si256(a.hi, b.hi)}; }
 static inline wide_i wide_slli32(wide_i a, const int n) { return (wide_i){_mm256_slli_epi32(a.lo, n), _mm256_slli_epi32(a.hi, n)}; }
 /* 16-bit shifts, right by n; by LOW in the low half and HIGH in the high one (left, right) */
@@ -168,6 +182,20 @@ static inline wide_i wide_mullo(wide_i a, wide_i b) { return _mm512_mullo_epi32(
 static inline wide_i wide_halves(__m256i low, __m256i high) { return _mm512_inserti64x4(_mm512_castsi256_si512(low), high, 1); }
 static inline wide_i wide_loadu(const void *p) { return _mm512_loadu_si512(p); }
 static inline wide_i wide_and(wide_i a, wide_i b) { return _mm512_and_si512(a, b); }
+static inline wide_i wide_load4x128(const uint8_t *p0, const uint8_t *p1, const uint8_t *p2, const uint8_t *p3) {
+    const __m512i v = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)p0));
+    return _mm512_inserti32x4(_mm512_inserti32x4(_mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)p1), 1),
+                                                 _mm_loadu_si128((const __m128i *)p2), 2),
+                              _mm_loadu_si128((const __m128i *)p3), 3);
+}
+static inline wide_i wide_unpacklo32(wide_i a, wide_i b) { return _mm512_unpacklo_epi32(a, b); }
+static inline wide_i wide_unpackhi32(wide_i a, wide_i b) { return _mm512_unpackhi_epi32(a, b); }
+static inline wide_i wide_unpacklo64(wide_i a, wide_i b) { return _mm512_unpacklo_epi64(a, b); }
+static inline wide_i wide_unpackhi64(wide_i a, wide_i b) { return _mm512_unpackhi_epi64(a, b); }
+static inline wide_i wide_load(const void *p) { return _mm512_load_si512(p); }
+static inline void wide_store(void *p, wide_i v) { _mm512_store_si512(p, v); }
+static inline wide_i wide_set1_8(char v) { return _mm512_set1_epi8(v); }
+static inline wide_i wide_slli16(wide_i a, const int n) { return _mm512_slli_epi16(a, n); }
 static inline wide_i wide_or(wide_i a, wide_i b) { return _mm512_or_si512(a, b); }
 static inline wide_i wide_slli32(wide_i a, const int n) { return _mm512_slli_epi32(a, n); }
 static inline wide_i wide_srli16(wide_i a, const int n) { return _mm512_srli_epi16(a, n); }

@@ -108,6 +108,11 @@
  * (qmatmul_avx2.c's rows_q6_wide: 64 weights of one row a vector, the scales applied by vpdpwssd
  * before one reduction per row and super-block, the group's rows read one after the other): its
  * products 0.75-0.84x rows_group's time on a Zen 4, forwards of 1-3 tokens of that model 0.94-0.98x.
+ * In the same builds the buffered path decodes Q4_K and Q6_K a pair of groups at once (decode_pair_*:
+ * 16 rows transposed by 512-bit unpacks, one 64-byte store a step, one load a step in tile_sums where
+ * two groups took two stores and a load plus an insert): on a Zen 5 the products of 4-16 rows (one
+ * thread) took 0.90-0.95x the time (Q4_K) and 0.85-0.93x (Q6_K, the head's shape too), forwards of 4,
+ * 8 and 16 tokens of Qwen2.5-Coder-1.5B (2 threads) 0.97x, the same bits (`scripts/kernel_ab.py`).
  * The portable build decodes the same chunks with scalar code and computes each (m, n) lane by lane.
  *
  * Threads (OpenMP) split the outputs: tasks of 1 group (4 from M = 32 on), taken in runs of

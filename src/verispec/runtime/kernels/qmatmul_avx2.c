@@ -1,6 +1,7 @@
 /* qmatmul.c's loops for AVX2 (+ FMA + F16C), and for its VNNI forms (AVX-VNNI, AVX-512 VNNI on
  * 256-bit vectors, or emulated): included by qmatmul.c where isa.h sets VS_AVX2, never compiled on
- * its own. Owns the transposing decoders (8 outputs, one float32 lane each), the fused, buffered and
+ * its own. Owns the transposing decoders (8 outputs, one float32 lane each; 16 for a pair of groups in
+ * 16-lane builds), the fused, buffered and
  * row-wise integer products, the float sequence of qmatmul.c's header in vector form, run_task (one
  * task's output groups over all of K) and the float weights' float_tiles. VS_VNNI selects vpdpbusd
  * (isa.h's dpbusd256) for the products; the sums, so the bits, are the same either way. */
@@ -25,6 +26,11 @@ typedef struct {
     uint8_t codes[MAX_STEPS][32] __attribute__((aligned(32)));
     float ws[MAX_SUBS][LANES] __attribute__((aligned(32))); /* 32-blocks: d of block j */
     KScales k;                                               /* K-quants */
+#ifdef VS_VNNI_WIDE
+    /* a pair of groups decoded at once (decode_pair_*, in the first group's buffer): wide[s] holds
+     * inputs 4s .. 4s + 3 for the 16 lanes of both, as codes[s] of the first then of the second */
+    uint8_t wide[MAX_STEPS][64] __attribute__((aligned(64)));
+#endif
 } Decoded;
 
 static inline __m256i load_pair(const uint8_t *lo, const uint8_t *hi) {
@@ -715,15 +721,74 @@ static inline __attribute__((always_inline)) void consume_k(const Decoded *dec, 
  * from its own half, exactly as `consume` / `consume_k` run it: every integer sum is the same, so
  * are the bits. acc / shift: group a's [R][8]; group b's `next` floats further. */
 
-/* sums[r] = the exact int32 sums of steps first .. first + n - 1 of both groups, row r (r < R). */
+/* T[i], lane l = bytes 4i .. 4i + 3 of the 16 bytes at + off of row l of the pair: pa[l] for l < 8, pb[l - 8]
+ * after (transpose16 for both groups at once: 128-bit lane q of the loads holds rows 4q + j). */
+static inline __attribute__((always_inline)) void transpose_pair(const uint8_t *const pa[LANES], const uint8_t *const pb[LANES],
+                                                                 int64_t off, wide_i T[4]) {
+    wide_i v[4];
+    for (int j = 0; j < 4; j++) v[j] = wide_load4x128(pa[j] + off, pa[4 + j] + off, pb[j] + off, pb[4 + j] + off);
+    const wide_i t0 = wide_unpacklo32(v[0], v[1]), t1 = wide_unpackhi32(v[0], v[1]);
+    const wide_i t2 = wide_unpacklo32(v[2], v[3]), t3 = wide_unpackhi32(v[2], v[3]);
+    T[0] = wide_unpacklo64(t0, t2);
+    T[1] = wide_unpackhi64(t0, t2);
+    T[2] = wide_unpacklo64(t1, t3);
+    T[3] = wide_unpackhi64(t1, t3);
+}
+
+/* Q4_K: decode_chunk for the groups of rows pa and pb at once, their codes into a->wide (16 lanes a
+ * step: one transposition, one store and, in tile_sums, one load where two groups took two each). */
+static __attribute__((noinline)) void decode_pair_q4_k(const uint8_t *const pa[LANES], const uint8_t *const pb[LANES],
+                                                       int64_t k0, int64_t count, Decoded *a, Decoded *b) {
+    (void)count;
+    const int64_t off = (k0 / 256) * 144, qs = off + 16;
+    const wide_i m4 = wide_set1_8(0x0F);
+    k4_scales(pa, off, &a->k);
+    k4_scales(pb, off, &b->k);
+    for (int c = 0; c < 4; c++) {
+        wide_i T[8];
+        transpose_pair(pa, pb, qs + 32 * c, T);
+        transpose_pair(pa, pb, qs + 32 * c + 16, T + 4);
+        for (int i = 0; i < 8; i++) {
+            wide_store(a->wide[16 * c + i], wide_and(T[i], m4));
+            wide_store(a->wide[16 * c + 8 + i], wide_and(wide_srli16(T[i], 4), m4));
+        }
+    }
+}
+
+/* Q6_K: decode_chunk for the groups of rows pa and pb at once (as decode_pair_q4_k). */
+static __attribute__((noinline)) void decode_pair_q6_k(const uint8_t *const pa[LANES], const uint8_t *const pb[LANES],
+                                                       int64_t k0, int64_t count, Decoded *a, Decoded *b) {
+    (void)count;
+    const int64_t off = (k0 / 256) * 210;
+    const wide_i m4 = wide_set1_8(0x0F), m30 = wide_set1_8(0x30);
+    q6_scales(pa, off, &a->k);
+    q6_scales(pb, off, &b->k);
+    for (int h = 0; h < 2; h++)
+        for (int half = 0; half < 2; half++) { /* inputs 128h + 32s + 16 half + 0..15, s = 0..3 */
+            wide_i A[4], B[4], Q[4];
+            transpose_pair(pa, pb, off + 64 * h + 16 * half, A);
+            transpose_pair(pa, pb, off + 64 * h + 32 + 16 * half, B);
+            transpose_pair(pa, pb, off + 128 + 32 * h + 16 * half, Q);
+            uint8_t(*out)[64] = a->wide + 32 * h + 4 * half;
+            for (int i = 0; i < 4; i++) {
+                wide_store(out[i], wide_or(wide_and(A[i], m4), wide_and(wide_slli16(Q[i], 4), m30)));
+                wide_store(out[8 + i], wide_or(wide_and(B[i], m4), wide_and(wide_slli16(Q[i], 2), m30)));
+                wide_store(out[16 + i], wide_or(wide_and(wide_srli16(A[i], 4), m4), wide_and(Q[i], m30)));
+                wide_store(out[24 + i], wide_or(wide_and(wide_srli16(B[i], 4), m4), wide_and(wide_srli16(Q[i], 2), m30)));
+            }
+        }
+}
+
+/* sums[r] = the exact int32 sums of steps first .. first + n - 1 of both groups, row r (r < R); WIDE:
+ * their codes are in a->wide (decode_pair_*), else in each group's own buffer. */
 static inline __attribute__((always_inline)) void tile_sums(const Decoded *a, const Decoded *b, int64_t first,
-                                                            const int n, const int R, const int8_t *xq, int64_t ldq,
-                                                            wide_i *sums) {
+                                                            const int n, const int R, const int WIDE, const int8_t *xq,
+                                                            int64_t ldq, wide_i *sums) {
     for (int r = 0; r < R; r++) sums[r] = wide_zero();
 #pragma GCC unroll 8
     for (int i = 0; i < n; i++) {
         const int64_t s = first + i;
-        const wide_i w = wide_load2((const int8_t *)a->codes[s], (const int8_t *)b->codes[s]);
+        const wide_i w = WIDE ? wide_load(a->wide[s]) : wide_load2((const int8_t *)a->codes[s], (const int8_t *)b->codes[s]);
         for (int r = 0; r < R; r++) sums[r] = wide_dpbusd(sums[r], w, wide_set1(four_at(xq + r * ldq + 4 * s)));
     }
 }
@@ -736,7 +801,7 @@ static inline __attribute__((always_inline)) void consume_pair(const Decoded *a,
                                                                int64_t next) {
     for (int j = 0; j < J; j++) {
         wide_i sums[ROW_TILE];
-        tile_sums(a, b, (int64_t)j * (S / 4), S / 4, R, xq, ldq, sums);
+        tile_sums(a, b, (int64_t)j * (S / 4), S / 4, R, 0, xq, ldq, sums);
         __m256i half[ROW_TILE];
         for (int r = 0; r < R; r++) half[r] = wide_low(sums[r]);
         float_step(a, j, R, S, BIAS_LOG, half, xs, ldx, xsum, ldsum, acc);
@@ -747,14 +812,14 @@ static inline __attribute__((always_inline)) void consume_pair(const Decoded *a,
 
 /* `consume_k` (a K-quant super-block) for a pair of groups. */
 static inline __attribute__((always_inline)) void consume_pair_k(const Decoded *a, const Decoded *b, const int R,
-                                                                 const int S, const int OFFS, const int BIAS_LOG,
+                                                                 const int S, const int OFFS, const int BIAS_LOG, const int WIDE,
                                                                  const int8_t *xq, int64_t ldq, const float *xs,
                                                                  int64_t ldx, const int32_t *xsum, int64_t ldsum,
                                                                  float *acc, float *shift, int64_t next) {
     wide_i isum[ROW_TILE];
     for (int j = 0; j < CHUNK / S; j++) {
         wide_i sums[ROW_TILE];
-        tile_sums(a, b, (int64_t)j * (S / 4), S / 4, R, xq, ldq, sums);
+        tile_sums(a, b, (int64_t)j * (S / 4), S / 4, R, WIDE, xq, ldq, sums);
         const wide_i sc = wide_load2((const int8_t *)a->k.sc[j], (const int8_t *)b->k.sc[j]);
         for (int r = 0; r < R; r++) isum[r] = j ? wide_add(isum[r], wide_mullo(sums[r], sc)) : wide_mullo(sums[r], sc);
     }
@@ -825,28 +890,28 @@ typedef void (*FusedRows)(const uint8_t *const[LANES], int64_t, int64_t, int, De
 #error "consume_* has cases for ROW_TILE 4 or 8"
 #endif
 #ifdef VS_VNNI_WIDE /* two groups as one 16-lane tile (VNNI builds: ROW_TILE 8) */
-#define PAIR(R_, S_, KQ_, OFFS_, BIAS_LOG_)                                                                     \
-    (KQ_ ? consume_pair_k(a, b, R_, S_, OFFS_, BIAS_LOG_, xq, ldq, xs, ldx, xsum, ldsum, acc, shift, next)        \
+#define PAIR(R_, S_, KQ_, OFFS_, BIAS_LOG_, WIDE_)                                                                     \
+    (KQ_ ? consume_pair_k(a, b, R_, S_, OFFS_, BIAS_LOG_, WIDE_, xq, ldq, xs, ldx, xsum, ldsum, acc, shift, next)        \
          : consume_pair(a, b, J, R_, S_, BIAS_LOG_, xq, ldq, xs, ldx, xsum, ldsum, acc, next))
-#define PAIR_KERNEL(NAME, S_, KQ_, OFFS_, BIAS_LOG_)                                                             \
+#define PAIR_KERNEL(NAME, S_, KQ_, OFFS_, BIAS_LOG_, WIDE_)                                                      \
     static __attribute__((noinline)) void pair_##NAME(const Decoded *a, const Decoded *b, int J, int R,          \
                                                       const int8_t *xq, int64_t ldq, const float *xs,             \
                                                       int64_t ldx, const int32_t *xsum, int64_t ldsum, float *acc, \
                                                       float *shift, int64_t next) {                               \
         (void)J, (void)shift;                                                                                    \
         switch (R) {                                                                                             \
-            case 1: PAIR(1, S_, KQ_, OFFS_, BIAS_LOG_); break;                                                   \
-            case 2: PAIR(2, S_, KQ_, OFFS_, BIAS_LOG_); break;                                                   \
-            case 3: PAIR(3, S_, KQ_, OFFS_, BIAS_LOG_); break;                                                   \
-            case 4: PAIR(4, S_, KQ_, OFFS_, BIAS_LOG_); break;                                                   \
-            case 5: PAIR(5, S_, KQ_, OFFS_, BIAS_LOG_); break;                                                   \
-            case 6: PAIR(6, S_, KQ_, OFFS_, BIAS_LOG_); break;                                                   \
-            case 7: PAIR(7, S_, KQ_, OFFS_, BIAS_LOG_); break;                                                   \
-            default: PAIR(8, S_, KQ_, OFFS_, BIAS_LOG_); break;                                                  \
+            case 1: PAIR(1, S_, KQ_, OFFS_, BIAS_LOG_, WIDE_); break;                                                   \
+            case 2: PAIR(2, S_, KQ_, OFFS_, BIAS_LOG_, WIDE_); break;                                                   \
+            case 3: PAIR(3, S_, KQ_, OFFS_, BIAS_LOG_, WIDE_); break;                                                   \
+            case 4: PAIR(4, S_, KQ_, OFFS_, BIAS_LOG_, WIDE_); break;                                                   \
+            case 5: PAIR(5, S_, KQ_, OFFS_, BIAS_LOG_, WIDE_); break;                                                   \
+            case 6: PAIR(6, S_, KQ_, OFFS_, BIAS_LOG_, WIDE_); break;                                                   \
+            case 7: PAIR(7, S_, KQ_, OFFS_, BIAS_LOG_, WIDE_); break;                                                   \
+            default: PAIR(8, S_, KQ_, OFFS_, BIAS_LOG_, WIDE_); break;                                                  \
         }                                                                                                        \
     }
 #else
-#define PAIR_KERNEL(NAME, S_, KQ_, OFFS_, BIAS_LOG_)
+#define PAIR_KERNEL(NAME, S_, KQ_, OFFS_, BIAS_LOG_, WIDE_)
 #endif
 #define TYPE_KERNELS(NAME, TYPE, S_, SIGNED_, STEPS16_, KQ_, OFFS_, BIAS_LOG_)                                   \
     static __attribute__((noinline)) void decode_##NAME(const uint8_t *const p[LANES], int64_t k0, int64_t count, \
@@ -886,7 +951,7 @@ typedef void (*FusedRows)(const uint8_t *const[LANES], int64_t, int64_t, int, De
                 break;                                                                                           \
         }                                                                                                        \
     }                                                                                                            \
-    PAIR_KERNEL(NAME, S_, KQ_, OFFS_, BIAS_LOG_)
+    PAIR_KERNEL(NAME, S_, KQ_, OFFS_, BIAS_LOG_, TYPE == GGUF_Q4_K || TYPE == GGUF_Q6_K)
 /* int16 steps: codes 0..15 -> 8 (8 * 2 * 15 * 127 = 30480), 0..31 -> 4 (31496), 0..63 -> 2 (32004).
  * (GCC cannot see that decode_chunk sets f.isum[j] for every j < J that fused_floats reads.) */
 #pragma GCC diagnostic push
@@ -911,9 +976,10 @@ TYPE_KERNELS(q6_k, GGUF_Q6_K, 16, 0, 2, 1, 0, 5)
 #ifdef VS_VNNI_WIDE
 typedef void (*PairConsumer)(const Decoded *, const Decoded *, int, int, const int8_t *, int64_t, const float *, int64_t,
                              const int32_t *, int64_t, float *, float *, int64_t);
-#define PAIR_OF(NAME) , pair_##NAME
+typedef void (*PairDecoder)(const uint8_t *const[LANES], const uint8_t *const[LANES], int64_t, int64_t, Decoded *, Decoded *);
+#define PAIR_OF(NAME, DECODE) , pair_##NAME, DECODE
 #else
-#define PAIR_OF(NAME)
+#define PAIR_OF(NAME, DECODE)
 #endif
 
 typedef struct {
@@ -922,17 +988,18 @@ typedef struct {
     FusedRows fused;
 #ifdef VS_VNNI_WIDE
     PairConsumer pair; /* two groups as one 16-lane tile */
+    PairDecoder decode_pair; /* two groups decoded at once for `pair` (NULL: each by `decode`) */
 #endif
 } Ops;
 
 static Ops ops_of(int type) {
     switch (type) {
-        case GGUF_Q4_0: return (Ops){decode_q4_0, consume_q4_0, fused_q4_0 PAIR_OF(q4_0)};
-        case GGUF_Q5_0: return (Ops){decode_q5_0, consume_q5_0, fused_q5_0 PAIR_OF(q5_0)};
-        case GGUF_Q8_0: return (Ops){decode_q8_0, consume_q8_0, fused_q8_0 PAIR_OF(q8_0)};
-        case GGUF_Q4_K: return (Ops){decode_q4_k, consume_q4_k, fused_q4_k PAIR_OF(q4_k)};
-        case GGUF_Q5_K: return (Ops){decode_q5_k, consume_q5_k, fused_q5_k PAIR_OF(q5_k)};
-        default: return (Ops){decode_q6_k, consume_q6_k, fused_q6_k PAIR_OF(q6_k)};
+        case GGUF_Q4_0: return (Ops){decode_q4_0, consume_q4_0, fused_q4_0 PAIR_OF(q4_0, NULL)};
+        case GGUF_Q5_0: return (Ops){decode_q5_0, consume_q5_0, fused_q5_0 PAIR_OF(q5_0, NULL)};
+        case GGUF_Q8_0: return (Ops){decode_q8_0, consume_q8_0, fused_q8_0 PAIR_OF(q8_0, NULL)};
+        case GGUF_Q4_K: return (Ops){decode_q4_k, consume_q4_k, fused_q4_k PAIR_OF(q4_k, decode_pair_q4_k)};
+        case GGUF_Q5_K: return (Ops){decode_q5_k, consume_q5_k, fused_q5_k PAIR_OF(q5_k, NULL)};
+        default: return (Ops){decode_q6_k, consume_q6_k, fused_q6_k PAIR_OF(q6_k, decode_pair_q6_k)};
     }
 }
 #undef PAIR_OF
@@ -1008,6 +1075,16 @@ static void run_task(int type, const TypeInfo *t, const uint8_t *w, int64_t row_
                               acc + (g * M + m0) * LANES, shift + (g * M + m0) * LANES);
                 continue;
             }
+#ifdef VS_VNNI_WIDE
+            if (ops.decode_pair && g + 1 < groups) { /* the pair `ops.pair` consumes below */
+                const uint8_t *q[LANES];
+                ahead_step(&spread);
+                group_rows(w, row_bytes, N, g0 + g + 1, q);
+                ops.decode_pair(p, q, k0, count, dec + g, dec + g + 1);
+                g++;
+                continue;
+            }
+#endif
             ops.decode(p, k0, count, dec + g);
         }
         ahead_step(&spread);
