@@ -119,9 +119,7 @@ static inline wide_i wide_unpacklo32(wide_i a, wide_i b) { return (wide_i){_mm25
 static inline wide_i wide_unpackhi32(wide_i a, wide_i b) { return (wide_i){_mm256_unpackhi_epi32(a.lo, b.lo), _mm256_unpackhi_epi32(a.hi, b.hi)}; }
 static inline wide_i wide_unpacklo64(wide_i a, wide_i b) { return (wide_i){_mm256_unpacklo_epi64(a.lo, b.lo), _mm256_unpacklo_epi64(a.hi, b.hi)}; }
 static inline wide_i wide_unpackhi64(wide_i a, wide_i b) { return (wide_i){_mm256_unpackhi_epi64(a.lo, b.lo), _mm256_unpackhi_epi64(a.hi, b.hi)}; }
-static inline wide_i wide_load(const void *p) { return (wide_i){_mm256_load_si256((const __m256i *)p), _mm256_load_si256((const __m256i *)p + 1)}; }
 static inline void wide_store(void *p, wide_i v) { _mm256_store_si256((__m256i *)p, v.lo), _mm256_store_si256((__m256i *)p + 1, v.hi); }
-static inline wide_i wide_set1_8(char v) { return (wide_i){_mm256_set1_epi8(v), _mm256_set1_epi8(v)}; }
 static inline wide_i wide_slli16(wide_i a, const int n) { return (wide_i){_mm256_slli_epi16(a.lo, n), _mm256_slli_epi16(a.hi, n)}; }
 static inline wide_i wide_or(wide_i a, wide_i b) { return (wide_i){_mm256_or_si256(a.lo, b.lo), _mm256_or_si256(a.hi, b.hi)}; }
 static inline wide_i wide_slli32(wide_i a, const int n) { return (wide_i){_mm256_slli_epi32(a.lo, n), _mm256_slli_epi32(a.hi, n)}; }
@@ -192,9 +190,7 @@ static inline wide_i wide_unpacklo32(wide_i a, wide_i b) { return _mm512_unpackl
 static inline wide_i wide_unpackhi32(wide_i a, wide_i b) { return _mm512_unpackhi_epi32(a, b); }
 static inline wide_i wide_unpacklo64(wide_i a, wide_i b) { return _mm512_unpacklo_epi64(a, b); }
 static inline wide_i wide_unpackhi64(wide_i a, wide_i b) { return _mm512_unpackhi_epi64(a, b); }
-static inline wide_i wide_load(const void *p) { return _mm512_load_si512(p); }
 static inline void wide_store(void *p, wide_i v) { _mm512_store_si512(p, v); }
-static inline wide_i wide_set1_8(char v) { return _mm512_set1_epi8(v); }
 static inline wide_i wide_slli16(wide_i a, const int n) { return _mm512_slli_epi16(a, n); }
 static inline wide_i wide_or(wide_i a, wide_i b) { return _mm512_or_si512(a, b); }
 static inline wide_i wide_slli32(wide_i a, const int n) { return _mm512_slli_epi32(a, n); }

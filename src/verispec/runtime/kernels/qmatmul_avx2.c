@@ -741,7 +741,7 @@ static __attribute__((noinline)) void decode_pair_q4_k(const uint8_t *const pa[L
                                                        int64_t k0, int64_t count, Decoded *a, Decoded *b) {
     (void)count;
     const int64_t off = (k0 / 256) * 144, qs = off + 16;
-    const wide_i m4 = wide_set1_8(0x0F);
+    const wide_i m4 = wide_set1(0x0F0F0F0F);
     k4_scales(pa, off, &a->k);
     k4_scales(pb, off, &b->k);
     for (int c = 0; c < 4; c++) {
@@ -760,7 +760,7 @@ static __attribute__((noinline)) void decode_pair_q6_k(const uint8_t *const pa[L
                                                        int64_t k0, int64_t count, Decoded *a, Decoded *b) {
     (void)count;
     const int64_t off = (k0 / 256) * 210;
-    const wide_i m4 = wide_set1_8(0x0F), m30 = wide_set1_8(0x30);
+    const wide_i m4 = wide_set1(0x0F0F0F0F), m30 = wide_set1(0x30303030);
     q6_scales(pa, off, &a->k);
     q6_scales(pb, off, &b->k);
     for (int h = 0; h < 2; h++)
@@ -788,7 +788,7 @@ static inline __attribute__((always_inline)) void tile_sums(const Decoded *a, co
 #pragma GCC unroll 8
     for (int i = 0; i < n; i++) {
         const int64_t s = first + i;
-        const wide_i w = WIDE ? wide_load(a->wide[s]) : wide_load2((const int8_t *)a->codes[s], (const int8_t *)b->codes[s]);
+        const wide_i w = WIDE ? wide_loadu(a->wide[s]) : wide_load2((const int8_t *)a->codes[s], (const int8_t *)b->codes[s]);
         for (int r = 0; r < R; r++) sums[r] = wide_dpbusd(sums[r], w, wide_set1(four_at(xq + r * ldq + 4 * s)));
     }
 }
