@@ -3,11 +3,12 @@ and the build's variants for it (`runtime/build.py`, `blockmm.kernel_path`).
 
 This CPU may have no AMX, so the path runs here as the test build "amx-emulated": the same kernel
 code over tile operations computed in portable C. A quantized product of M >= `tile_rows` rows
-(16) takes the tile path there; it must give, bit for bit, what the default build (the row-wise,
+(32) takes the tile path there; it must give, bit for bit, what the default build (the row-wise,
 fused and buffered AVX2 / VNNI paths) gives, for every weight type the path supports, any M on
 either side of the threshold and any thread count, through `qmm_matmul` and through
-`qmm_matmul_parts` (several matrices fed by one input, as the decoder layers call it). The real
-AMX variant must compile here (not run), and be refused with a reason where the CPU or the kernel
+`qmm_matmul_parts` (several matrices fed by one input, as the decoder layers call it). On a CPU
+with AMX the real tiles are held to the same bits, against that CPU's AVX-512 VNNI build. The real
+AMX variant must compile everywhere (not run), and be refused with a reason where the CPU or the kernel
 does not grant the tiles, the next variant taking over.
 """
 
@@ -27,7 +28,7 @@ pytest.importorskip("gguf")
 from test_qmatmul import activations, random_raw  # noqa: E402
 
 TILE_TYPES = ("Q4_0", "Q5_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
-ROWS = (1, 15, 16, 17, 33, 64)
+ROWS = (1, 16, 31, 32, 33, 64)
 
 
 def kernel_of(variant: str) -> qmatmul.QKernel:
@@ -43,10 +44,18 @@ def emulated() -> qmatmul.QKernel:
 
 
 @pytest.fixture(scope="module")
+def tile_kernels(emulated) -> list[qmatmul.QKernel]:
+    """The builds with the tile path: the emulated one, and on an AMX CPU the real one too."""
+    found, _ = qmatmul.kernel()
+    return [emulated] + ([found] if found is not None and found.isa == "amx" else [])
+
+
+@pytest.fixture(scope="module")
 def default() -> qmatmul.QKernel:
+    """The build this CPU runs, or on an AMX CPU its AVX-512 VNNI build: the paths without tiles."""
     found, why = qmatmul.kernel()
     assert found is not None, why
-    return found
+    return kernel_of("avx512vnni") if found.isa == "amx" else found
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -54,14 +63,13 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def test_the_emulated_build_has_the_tile_path_and_the_others_do_not(emulated, default):
-    assert emulated.tile_rows == 16
-    if default.isa != "amx":
-        assert default.tile_rows == 0
+    assert emulated.tile_rows == 32
+    assert default.tile_rows == 0
     assert kernel_of("portable").tile_rows == 0 and kernel_of("vnni-emulated").tile_rows == 0
 
 
 @pytest.mark.parametrize("type_name", TILE_TYPES)
-def test_the_tile_path_gives_the_default_builds_bits(emulated, default, type_name):
+def test_the_tile_path_gives_the_default_builds_bits(tile_kernels, default, type_name):
     """37 outputs (two tiles of 16 and a short one), K = 1024 (4 super-blocks, 32 blocks of 32)."""
     rng = np.random.default_rng(TILE_TYPES.index(type_name))
     w = qmatmul.QMatrix(random_raw(type_name, 37, 1024, rng).reshape(-1), type_name, 37, 1024)
@@ -70,14 +78,15 @@ def test_the_tile_path_gives_the_default_builds_bits(emulated, default, type_nam
     expected = default.matmul(x, w, threads=1)
     for m in ROWS:
         for threads in (1, 2):
-            got = emulated.matmul(x[:m], w, threads=threads)
-            assert same_bits(got, expected[:m]), (type_name, m, threads)
+            for tiles in tile_kernels:
+                assert same_bits(tiles.matmul(x[:m], w, threads=threads), expected[:m]), (tiles.isa, type_name, m, threads)
             assert same_bits(default.matmul(x[:m], w, threads=threads), expected[:m]), (type_name, m, threads)
 
 
-def test_extreme_codes_and_activations_are_exact_on_the_tile_path(emulated, default):
-    """Every code at its largest or smallest value, activations at +-127: the unsigned codes
-    (Q8_0: code + 128 up to 255) times the signed activations, exact int32 sums."""
+def test_extreme_codes_and_activations_are_exact_on_the_tile_path(tile_kernels, default):
+    """Every code at its largest or smallest value, activations at +-127 (40 rows: the tile path):
+    the signed codes times the signed activations, Q4_K's codes times the digits of its largest
+    scales, exact int32 sums."""
     for type_name in TILE_TYPES:
         block, size = qmatmul.BLOCKS[qmatmul.TYPES[type_name]]
         raw = np.full((17, 512 // block, size), 0xFF, dtype=np.uint8)
@@ -87,10 +96,11 @@ def test_extreme_codes_and_activations_are_exact_on_the_tile_path(emulated, defa
         for low, high in fields:
             raw[:, :, low:high] = np.array([0.01], dtype=np.float16).view(np.uint8)
         w = qmatmul.QMatrix(raw.reshape(-1), type_name, 17, 512)
-        x = torch.full((20, 512), 3.0)
+        x = torch.full((40, 512), 3.0)
         x[1::2] = -3.0
         x[3, ::2] = 1.0
-        assert same_bits(emulated.matmul(x, w, threads=2), default.matmul(x, w, threads=2)), type_name
+        for tiles in tile_kernels:
+            assert same_bits(tiles.matmul(x, w, threads=2), default.matmul(x, w, threads=2)), (tiles.isa, type_name)
 
 
 class QmmPart(ctypes.Structure):
@@ -116,20 +126,20 @@ def parts_product(kernel: qmatmul.QKernel, x: torch.Tensor, weights: list[qmatmu
 
 
 @pytest.mark.parametrize("form", [("Q4_K", "Q6_K", "Q5_K"), ("Q8_0", "Q4_0", "Q5_0")])
-def test_parts_on_the_tile_path_give_the_default_builds_bits(emulated, default, form):
+def test_parts_on_the_tile_path_give_the_default_builds_bits(tile_kernels, default, form):
     """A layer's q, k, v (or gate, up) in one call: parts of different types and sub-block sizes
     (Q6_K's 16, the others' 32) in one parallel region, each part's columns qmm_matmul's."""
     rng = np.random.default_rng(3)
     weights = [qmatmul.QMatrix(random_raw(name, rows, 512, rng).reshape(-1), name, rows, 512)
                for name, rows in zip(form, (40, 8, 23))]
     x = activations(33, 512, seed=4)
-    for m in (15, 16, 33):
+    for m in (16, 32, 33):
         for threads in (1, 2):
             expected = parts_product(default, x[:m], weights, threads)
-            got = parts_product(emulated, x[:m], weights, threads)
-            assert same_bits(got, expected), (form, m, threads)
-            alone = torch.cat([emulated.matmul(x[:m], w, threads=threads) for w in weights], dim=1)
-            assert same_bits(alone, expected), (form, m, threads)
+            for tiles in tile_kernels:
+                assert same_bits(parts_product(tiles, x[:m], weights, threads), expected), (tiles.isa, form, m, threads)
+                alone = torch.cat([tiles.matmul(x[:m], w, threads=threads) for w in weights], dim=1)
+                assert same_bits(alone, expected), (tiles.isa, form, m, threads)
 
 
 def test_the_real_amx_variant_compiles_with_tile_instructions():
@@ -140,7 +150,7 @@ def test_the_real_amx_variant_compiles_with_tile_instructions():
     objdump = shutil.which("objdump")
     if objdump:
         text = subprocess.run([objdump, "-d", str(library)], capture_output=True, text=True).stdout
-        for instruction in ("ldtilecfg", "tileloadd", "tdpbusd", "tilestored", "tilerelease"):
+        for instruction in ("ldtilecfg", "tileloadd", "tdpbssd", "tilestored", "tilerelease"):
             assert instruction in text, instruction
 
 
@@ -158,8 +168,8 @@ def test_the_emulated_tile_build_can_be_forced_and_says_so(fresh_kernel_state):
     fresh_kernel_state.setenv(blockmm.ISA_ENV, "amx-emulated")
     found, why = blockmm.kernel()
     assert why is None and found.isa == "amx-emulated" == found.compiled_isa and found.tiles == 0
-    assert blockmm.kernel_path() == "amx-emulated (AMX: emulated; VNNI: no)"
-    assert qmatmul.kernel()[0].tile_rows == 16
+    assert blockmm.kernel_path() == "amx-emulated (AMX: emulated; VNNI: emulated)"
+    assert qmatmul.kernel()[0].tile_rows == 32
 
 
 def test_the_kernel_path_names_the_variant_and_its_amx_and_vnni():

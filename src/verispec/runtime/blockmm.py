@@ -188,5 +188,5 @@ def kernel_path() -> str:
         amx = f"not used: {_state['skipped']['amx']}"
     else:
         amx = "no"
-    vnni = "yes" if isa in ("amx", "avx512vnni", "avxvnni") else "emulated" if isa == "vnni-emulated" else "no"
+    vnni = "yes" if isa in ("amx", "avx512vnni", "avxvnni") else "emulated" if isa in ("vnni-emulated", "amx-emulated") else "no"
     return f"{isa} (AMX: {amx}; VNNI: {vnni})"

@@ -18,7 +18,7 @@ thread count or on the instruction set; for Q8_0 and Q5_0 it equals bit for bit 
 form (`blockmm`, numerics "int8") computes. ggml's own kernels sum in another float order and
 split sums across threads, so they could not give these bits.
 
-Wide forwards (M >= `QKernel.tile_rows`, 16) take the AMX tile path in AMX builds (the "amx"
+Wide forwards (M >= `QKernel.tile_rows`, 32) take the AMX tile path in AMX builds (the "amx"
 variant where the CPU and the kernel allow it, the "amx-emulated" test build anywhere): the same
 bits by another route (kernels/qmatmul_amx.c).
 

@@ -2,16 +2,16 @@
  * names, as isa.h selects (VS_AMX):
  *
  *   real (VS_AMX_REAL, the "amx" variant, built with -mamx-tile -mamx-int8): the intrinsics
- *     _tile_loadconfig, _tile_zero, _tile_loadd, _tile_dpbusd, _tile_stored, _tile_release; tile
+ *     _tile_loadconfig, _tile_zero, _tile_loadd, _tile_dpbssd, _tile_stored, _tile_release; tile
  *     data must first be granted to the process by the kernel (amx_request_tiles, Linux
  *     arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)), which qmm_tiles_init asks once;
  *   emulated (VS_AMX_EMULATED, the test build "amx-emulated": -DBLOCKMM_EMULATE_AMX with the AVX2
- *     flags): eight tile registers per thread in portable C, configured, loaded, multiplied and
- *     stored as the instructions define it, so the path's logic (layouts, tile shapes, strides,
- *     the unsigned-by-signed products) is tested bit for bit on any x86 CPU.
+ *     flags and the emulated VNNI's 16-lane vectors): eight tile registers per thread in portable C,
+ *     configured, loaded, multiplied and stored as the instructions define it, so the path's logic
+ *     (layouts, tile shapes, strides, the signed products) is tested bit for bit on any x86 CPU.
  *
- * tile_dpbusd(c, a, b) (TDPBUSD): for every row m < rows(c) and int32 column n < colsb(c) / 4,
- *   c[m][n] += sum over k < colsb(a) / 4 and i < 4 of (uint8) a[m][4k + i] * (int8) b[k][4n + i]
+ * tile_dpbssd(c, a, b) (TDPBSSD): for every row m < rows(c) and int32 column n < colsb(c) / 4,
+ *   c[m][n] += sum over k < colsb(a) / 4 and i < 4 of (int8) a[m][4k + i] * (int8) b[k][4n + i]
  * (exact int32 sums). A tile holds up to 16 rows of up to 64 bytes; amx_config gives each tile its
  * rows and bytes per row (palette 1). Tile numbers must be compile-time constants (the real
  * instructions encode them). */
@@ -53,7 +53,7 @@ static inline int amx_request_tiles(void) {
 #define tile_zero(t) _tile_zero(t)
 #define tile_load(t, base, stride) _tile_loadd(t, base, stride)
 #define tile_store(t, base, stride) _tile_stored(t, base, stride)
-#define tile_dpbusd(c, a, b) _tile_dpbusd(c, a, b)
+#define tile_dpbssd(c, a, b) _tile_dpbssd(c, a, b)
 #else /* VS_AMX_EMULATED */
 typedef struct {
     int rows, colsb;
@@ -87,7 +87,7 @@ static inline void emu_store(int t, void *base, int64_t stride) {
     for (int r = 0; r < tile->rows; r++) memcpy((uint8_t *)base + r * stride, tile->data[r], (size_t)tile->colsb);
 }
 
-static inline void emu_dpbusd(int c, int a, int b) {
+static inline void emu_dpbssd(int c, int a, int b) {
     EmuTile *C = &emu_tiles[c];
     const EmuTile *A = &emu_tiles[a], *B = &emu_tiles[b];
     for (int m = 0; m < C->rows; m++)
@@ -96,7 +96,7 @@ static inline void emu_dpbusd(int c, int a, int b) {
             memcpy(&sum, C->data[m] + 4 * n, 4);
             for (int k = 0; k < A->colsb / 4; k++)
                 for (int i = 0; i < 4; i++)
-                    sum += (uint32_t)((int32_t)A->data[m][4 * k + i] * (int32_t)(int8_t)B->data[k][4 * n + i]);
+                    sum += (uint32_t)((int32_t)(int8_t)A->data[m][4 * k + i] * (int32_t)(int8_t)B->data[k][4 * n + i]);
             memcpy(C->data[m] + 4 * n, &sum, 4);
         }
 }
@@ -105,7 +105,7 @@ static inline void emu_dpbusd(int c, int a, int b) {
 #define tile_zero(t) emu_zero(t)
 #define tile_load(t, base, stride) emu_load(t, base, stride)
 #define tile_store(t, base, stride) emu_store(t, base, stride)
-#define tile_dpbusd(c, a, b) emu_dpbusd(c, a, b)
+#define tile_dpbssd(c, a, b) emu_dpbssd(c, a, b)
 #endif
 #endif
 #endif

@@ -118,10 +118,9 @@
  * Threads (OpenMP) split the outputs: tasks of 1 group (4 from M = 32 on), taken in runs of
  * consecutive tasks as threads come free; a sum is never split, so the thread count changes no bit.
  *
- * AMX builds (real tiles, or the emulated test build) take the tile path for M >= 16 rows on the
+ * AMX builds (real tiles, or the emulated test build) take the tile path for M >= 32 rows on the
  * quantized types: 16 weight rows decoded once per chunk and multiplied against 16 rows of
- * activations at a time by 16 x 16 x S tile products, then the same float sequence
- * (qmatmul_amx.c's header).
+ * activations at a time by tile products, then the same float sequence (qmatmul_amx.c's header).
  *
  * Files (as ggml-cpu lays out its kernels; one translation unit, compiled per instruction-set
  * variant by runtime/build.py): this file holds the activations' quantization, the dispatch and the
