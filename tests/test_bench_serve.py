@@ -34,6 +34,7 @@ from typer.testing import CliRunner
 from verispec.bench import load_test, load_test_report, servers as srv
 from verispec.cli import app
 from verispec.errors import ConfigError
+from verispec.runtime.build import cpu_flags
 
 HANG_GUARD_S = 120
 MODEL_ID = "fake-model"
@@ -503,6 +504,12 @@ def write_gguf(path: Path, chat_template: str | None) -> Path:
     return path
 
 
+def test_llama_servers_repack_off_where_the_cpu_has_amx():
+    """llama.cpp's repacked AMX path dies in prompt processing on AMX Xeons: off there, else its default."""
+    assert srv.llama_environment(frozenset({"avx2", "amx_tile", "amx_int8"})) == {"LLAMA_ARG_REPACK": "0"}
+    assert srv.llama_environment(frozenset({"avx2", "avx512_vnni"})) == {}
+
+
 def test_server_commands(tmp_path):
     gguf = write_gguf(tmp_path / "m.gguf", None)
     binary, python = tmp_path / "llama-server", tmp_path / "python"
@@ -514,6 +521,7 @@ def test_server_commands(tmp_path):
     assert argv[argv.index("-m") + 1] == str(gguf) and argv[argv.index("--parallel") + 1] == "8"
     assert argv[argv.index("-c") + 1] == str(8 * srv.SLOT_CONTEXT) and argv[argv.index("-t") + 1] == "2"
     assert argv[argv.index("--port") + 1] == "1234"
+    assert env.get("LLAMA_ARG_REPACK") == ("0" if "amx_int8" in cpu_flags() else None)
     # no chat template in the file: llama-server gets verispec's plain chat format
     template = Path(argv[argv.index("--chat-template-file") + 1])
     assert "--jinja" in argv and template.read_text() == srv.PLAIN_CHAT_TEMPLATE

@@ -234,7 +234,7 @@ def _llama_server(target: Target, settings: PeerSettings, speculation: list[str]
     argv = [str(binary), "-m", _gguf_of(target), "-c", "8192", "--parallel", "1", "-t", str(threads), "-tb", str(threads),
             "--host", "127.0.0.1", "--port", str(port), *speculation]
     log = Path(tempfile.mkdtemp(prefix="verispec-llama-")) / "llama-server.log"
-    server = servers.ManagedServer(argv, {}, log, port)
+    server = servers.ManagedServer(argv, servers.llama_environment(), log, port)
     atexit.register(server.stop)
     try:
         servers.wait_ready(server.base_url, 600, server.alive)

@@ -298,6 +298,15 @@ def llama_binary(name: str, explicit: str | None = None) -> Path:
         return find_peer(None, LLAMA_SERVER_RELATIVE, "llama-server")
 
 
+def llama_environment(flags: frozenset[str] | None = None) -> dict:
+    """Environment additions for a llama.cpp server on this CPU: on CPUs with AMX-INT8 its weight
+    repacking off (`LLAMA_ARG_REPACK=0`), since the native build's repacked AMX path dies in prompt
+    processing there (SIGILL from llama-bench's pp on an Intel Xeon of family 6 model 207); else none."""
+    from ..runtime.build import cpu_flags
+
+    return {"LLAMA_ARG_REPACK": "0"} if "amx_int8" in (cpu_flags() if flags is None else flags) else {}
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -324,7 +333,7 @@ def server_command(spec: ServerSpec, model: ModelFiles, threads: int, port: int,
                 "--host", "127.0.0.1", "--port", str(port)]
         if not model.has_chat_template("llama-server"):
             argv += ["--jinja", "--chat-template-file", str(_plain_template(scratch))]
-        return argv + list(spec.args), env
+        return argv + list(spec.args), {**env, **llama_environment()}
     if spec.kind == "vllm":
         python = find_peer(vllm_python, VLLM_PYTHON_RELATIVE, "vllm")
         argv = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model.vllm_dir((scratch or Path.cwd()) / "vllm-model")),
