@@ -200,6 +200,44 @@ static void amx_pack_rows(const int8_t *xq, int64_t M, int64_t K, int8_t *xb) {
         }
 }
 
+/* A call's activations in the layouts the tasks read, made once per call: xb (tile B's, above),
+ * scales [K / 32][mpad] (xs transposed: row m's scale of block a at a * mpad + m; the K-quants' D of
+ * a super-block is its first block's), and for types with mins pairs [K / 256][4][mpad] (the
+ * record's sums per 32 as int16 pairs, transposed), so that a tile of 16 rows reads each as one
+ * vector; the padding rows past M are zero. */
+typedef struct {
+    int8_t *xb;
+    float *scales;
+    int32_t *pairs;
+} AmxRows;
+
+static void amx_rows_free(AmxRows *rows) {
+    free(rows->xb);
+    free(rows->scales);
+    free(rows->pairs);
+}
+
+static int amx_rows_make(const int8_t *xq, const float *xs, const int32_t *xsum, int64_t M, int64_t K, int64_t mpad,
+                         int with_pairs, AmxRows *rows) {
+    const int64_t nb = K / 32, supers = K / 256, ldsum = K / 16;
+    rows->xb = aligned_alloc(64, (size_t)(mpad * K));
+    rows->scales = aligned_alloc(64, sizeof(float) * (size_t)(nb * mpad));
+    rows->pairs = with_pairs ? aligned_alloc(64, sizeof(int32_t) * (size_t)(supers * 4 * mpad + 16)) : NULL;
+    if (!rows->xb || !rows->scales || (with_pairs && !rows->pairs)) {
+        amx_rows_free(rows);
+        return -1;
+    }
+    amx_pack_rows(xq, M, K, rows->xb);
+    for (int64_t a = 0; a < nb; a++)
+        for (int64_t m = 0; m < mpad; m++) rows->scales[a * mpad + m] = m < M ? xs[m * nb + a] : 0.0f;
+    if (with_pairs)
+        for (int64_t c = 0; c < supers; c++)
+            for (int i = 0; i < 4; i++)
+                for (int64_t m = 0; m < mpad; m++)
+                    rows->pairs[(c * 4 + i) * mpad + m] = m < M ? xsum[m * ldsum + c * 16 + 8 + i] : 0;
+    return 0;
+}
+
 /* Tiles: C 0-3 (two pairs, so that one pair's products run while the other's sums are read), A 4, 5
  * (the codes at s, row stride CHUNK), B 6, 7 (the activations at b: a sub-block's 4-input rows of 64
  * bytes). The exact sums of sub-blocks j and j + 1 of the 16 outputs x 16 activation rows into
@@ -237,9 +275,9 @@ static inline void amx_scale_pair(const AmxDecoded *dec, int j, int32_t c[2][AMX
  * one 16-lane vector (isa.h's wide_*), so every integer and float step below runs on 16 rows at
  * once, each lane the scalar sequence of qmatmul.c's header. */
 static void amx_task(int type, const TypeInfo *t, const uint8_t *w, int64_t row_bytes, int64_t N, int64_t K,
-                     int64_t n0, const int8_t *xb, const float *xs, const int32_t *xsum, int64_t M, int64_t mpad,
-                     AmxDecoded *dec, float *acc, float *shift, float *y, int64_t ldy) {
-    const int64_t nb = K / 32, ldsum = K / 16, K4 = K / 4;
+                     int64_t n0, const AmxRows *x, int64_t M, int64_t mpad, AmxDecoded *dec, float *acc, float *shift,
+                     float *y, int64_t ldy) {
+    const int64_t K4 = K / 4;
     const int kquant = t->block == 256, S = t->sub;
     int32_t c[2][2][AMX_N][AMX_M] __attribute__((aligned(64))); /* two pairs of stored tiles C */
     const uint8_t *p[AMX_N];
@@ -253,20 +291,9 @@ static void amx_task(int type, const TypeInfo *t, const uint8_t *w, int64_t row_
         ahead_step(&ahead);
         amx_decode(type, t, p, k0, count, dec);
         for (int64_t m0 = 0; m0 < M; m0 += AMX_M) {
-            const int rows = (int)(M - m0 < AMX_M ? M - m0 : AMX_M);
-            const int8_t *b = xb + (m0 / AMX_M) * K4 * 64 + k0 / 4 * 64;
-            /* Per row r of the tile (0 for the padding rows past M, whose results are not stored):
-             * rs[j][r] the row's scale of block j (32-blocks), rs[0][r] its super-block's D (K-quants);
-             * msub[i][r] its sums of xq over sub-blocks 2i and 2i + 1 of 32 as int16 pairs (the record's). */
-            float rs[MAX_SUBS][AMX_M] __attribute__((aligned(64)));
-            int32_t msub[4][AMX_M] __attribute__((aligned(64)));
-            for (int r = 0; r < AMX_M; r++) {
-                const int real = r < rows;
-                const int64_t m = m0 + r;
-                for (int j = 0; j < (kquant ? 1 : J); j++) rs[j][r] = real ? xs[m * nb + k0 / 32 + j] : 0.0f;
-                if (t->offsets)
-                    for (int i = 0; i < 4; i++) msub[i][r] = real ? xsum[m * ldsum + k0 / 16 + 8 + i] : 0;
-            }
+            const int8_t *b = x->xb + (m0 / AMX_M) * K4 * 64 + k0 / 4 * 64;
+            const float *rs = x->scales + (k0 / 32) * mpad + m0; /* block j's scales: rs + j * mpad */
+            const int32_t *msub = t->offsets ? x->pairs + (k0 / 256) * 4 * mpad + m0 : NULL; /* pair i: + i * mpad */
             if (kquant) {
                 wide_i isum[AMX_N];
                 for (int n = 0; n < AMX_N; n++) isum[n] = wide_zero();
@@ -310,14 +337,14 @@ static void amx_task(int type, const TypeInfo *t, const uint8_t *w, int64_t row_
 #undef CODES
 #undef ACTS
                 }
-                const wide_f D = wide_load2_ps(rs[0], rs[0] + 8);
+                const wide_f D = wide_load2_ps(rs, rs + 8);
                 for (int n = 0; n < AMX_N; n++) { /* the super-block's float steps */
                     float *a = acc + n * mpad + m0;
                     const wide_f scale = wide_mul_ps(D, wide_set1_ps(AMX_HEAD(dec, d, n)));
                     wide_store_ps(a, wide_add_ps(wide_load2_ps(a, a + 8), wide_mul_ps(wide_cvt(isum[n]), scale)));
                     if (!t->offsets) continue;
                     wide_i msum = wide_zero();
-                    for (int i = 0; i < 4; i++) msum = wide_dpwssd(msum, wide_set1(AMX_HEAD(dec, pair[i], n)), wide_loadu(msub[i]));
+                    for (int i = 0; i < 4; i++) msum = wide_dpwssd(msum, wide_set1(AMX_HEAD(dec, pair[i], n)), wide_loadu(msub + i * mpad));
                     float *sh = shift + n * mpad + m0;
                     const wide_f mscale = wide_mul_ps(D, wide_set1_ps(AMX_HEAD(dec, dmin, n)));
                     wide_store_ps(sh, wide_add_ps(wide_load2_ps(sh, sh + 8), wide_mul_ps(wide_cvt(msum), mscale)));
@@ -328,8 +355,8 @@ static void amx_task(int type, const TypeInfo *t, const uint8_t *w, int64_t row_
                 const int two = j + 1 < J;
                 amx_issue_pair(0, 1, dec->s[0] + j * S, b + j * S / 4 * 64, S, two);
                 amx_store_pair(0, 1, c[0], two);
-                const wide_f x0 = wide_load2_ps(rs[j], rs[j] + 8);
-                const wide_f x1 = two ? wide_load2_ps(rs[j + 1], rs[j + 1] + 8) : x0;
+                const wide_f x0 = wide_load2_ps(rs + j * mpad, rs + j * mpad + 8);
+                const wide_f x1 = two ? wide_load2_ps(rs + (j + 1) * mpad, rs + (j + 1) * mpad + 8) : x0;
                 for (int n = 0; n < AMX_N; n++) {
                     float *a = acc + n * mpad + m0;
                     wide_f v = wide_load2_ps(a, a + 8);
@@ -360,9 +387,10 @@ static int amx_matmul_parts(const int8_t *xq, const float *xs, const int32_t *xs
         row_bytes[p] = qmm_row_bytes(parts[p].type, K);
         first[p + 1] = first[p] + (parts[p].n + AMX_N - 1) / AMX_N;
     }
-    int8_t *xb = aligned_alloc(64, (size_t)(mpad * K));
-    if (!xb) return -1;
-    amx_pack_rows(xq, M, K, xb);
+    int with_pairs = 0;
+    for (int p = 0; p < count; p++) with_pairs |= t[p].offsets;
+    AmxRows x;
+    if (amx_rows_make(xq, xs, xsum, M, K, mpad, with_pairs, &x) != 0) return -1;
     const int64_t tasks = first[count];
     const int64_t run = tasks / ((int64_t)threads * 16) > 1 ? tasks / ((int64_t)threads * 16) : 1;
     int failed = 0;
@@ -393,12 +421,12 @@ static int amx_matmul_parts(const int8_t *xq, const float *xs, const int32_t *xs
                 loaded_k = tile_k;
             }
             amx_task(parts[p].type, &t[p], (const uint8_t *)parts[p].weights, row_bytes[p], parts[p].n, K,
-                     (task - first[p]) * AMX_N, xb, xs, xsum, M, mpad, dec, acc, acc + AMX_N * mpad, y + offset[p], ldy);
+                     (task - first[p]) * AMX_N, &x, M, mpad, dec, acc, acc + AMX_N * mpad, y + offset[p], ldy);
         }
         if (loaded_k) amx_release();
         free(dec);
         free(acc);
     }
-    free(xb);
+    amx_rows_free(&x);
     return failed ? -1 : 0;
 }
