@@ -27,15 +27,14 @@
  * the same ones in the same order, so a row's output has the same bits on this path as on every
  * other, for any M and thread count.
  *
- * Measured on an Intel Xeon with AMX (2 vCPUs, `scripts/kernel_ab.py product`, one thread, in
- * cache): the tile products themselves are not what a wide call waits for. A tile product and the
- * store of its 1 KB of sums took 7.7 ns in a loop, 16 vector multiply-adds of the stored sums 7.2
- * ns, and the two did not overlap (14.9 ns interleaved); decoding the 16 rows costs about as much
- * as the whole one-row product. So from 16 rows the VNNI path's decoded tile is as fast (Q4_K
- * 8960 x 1536: 0.66 against 0.69 ms, 2 threads), and with the weights read from memory rather
- * than cache the tile path at 16 rows was 1.4-1.6x slower (tile loads of freshly decoded codes
- * wait for the reads behind them); at 32 rows the two were even and from 64 rows on the tile path
- * led (128 rows of Q4_K: 0.65x the time, Q6_K 0.73x). Hence AMX_ROWS = 32: prompts' chunks and
+ * Measured on an Intel Xeon with AMX (2 vCPUs). In a C microbenchmark a tile product and the store
+ * of its 1 KB of sums took 7.7 ns in a loop, 16 vector multiply-adds of the stored sums 7.2 ns, and
+ * the two did not overlap (14.9 ns interleaved); decoding the 16 rows costs about as much as the
+ * whole one-row product. So at 16 rows the VNNI path's decoded tile is as fast (Q4_K 8960 x 1536
+ * in cache: 0.66 against 0.69 ms, 2 threads), and with the weights read from memory the tile path
+ * at 16 rows was 1.4-1.6x slower (the VNNI path hides the reads behind its decoding; this one did
+ * not); at 32 rows the two were even and from 64 rows on the tile path led (128 rows of Q4_K: 0.65x
+ * the time, Q6_K 0.73x). Hence AMX_ROWS = 32: prompts' chunks and
  * batches of 32 sequences or more. */
 
 #define AMX_ROWS 32 /* from this M on, quantized products take the tile path (see the header) */
