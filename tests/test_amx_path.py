@@ -63,7 +63,8 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def test_the_emulated_build_has_the_tile_path_and_the_others_do_not(emulated, default):
-    assert emulated.tile_rows == 32
+    # the row counts of these tests straddle the threshold: the tile path and the others both run
+    assert min(ROWS) < emulated.tile_rows <= max(ROWS) and emulated.tile_rows - 1 in ROWS and emulated.tile_rows in ROWS
     assert default.tile_rows == 0
     assert kernel_of("portable").tile_rows == 0 and kernel_of("vnni-emulated").tile_rows == 0
 
@@ -169,7 +170,7 @@ def test_the_emulated_tile_build_can_be_forced_and_says_so(fresh_kernel_state):
     found, why = blockmm.kernel()
     assert why is None and found.isa == "amx-emulated" == found.compiled_isa and found.tiles == 0
     assert blockmm.kernel_path() == "amx-emulated (AMX: emulated; VNNI: emulated)"
-    assert qmatmul.kernel()[0].tile_rows == 32
+    assert qmatmul.kernel()[0].tile_rows > 0
 
 
 def test_the_kernel_path_names_the_variant_and_its_amx_and_vnni():

@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from ..errors import ConfigError, VerispecError
+from ..runtime.build import cpu_flags
 
 KINDS = ("url", "verispec", "llama-server", "vllm")
 SLOT_CONTEXT = 4096  # positions of context per llama-server slot, and vLLM's --max-model-len
@@ -302,8 +303,6 @@ def llama_environment(flags: frozenset[str] | None = None) -> dict:
     """Environment additions for a llama.cpp server on this CPU: on CPUs with AMX-INT8 its weight
     repacking off (`LLAMA_ARG_REPACK=0`), since the native build's repacked AMX path dies in prompt
     processing there (SIGILL from llama-bench's pp on an Intel Xeon of family 6 model 207); else none."""
-    from ..runtime.build import cpu_flags
-
     return {"LLAMA_ARG_REPACK": "0"} if "amx_int8" in (cpu_flags() if flags is None else flags) else {}
 
 

@@ -221,7 +221,7 @@ static int amx_rows_make(const int8_t *xq, const float *xs, const int32_t *xsum,
     const int64_t nb = K / 32, supers = K / 256, ldsum = K / 16;
     rows->xb = aligned_alloc(64, (size_t)(mpad * K));
     rows->scales = aligned_alloc(64, sizeof(float) * (size_t)(nb * mpad));
-    rows->pairs = with_pairs ? aligned_alloc(64, sizeof(int32_t) * (size_t)(supers * 4 * mpad + 16)) : NULL;
+    rows->pairs = with_pairs ? aligned_alloc(64, sizeof(int32_t) * (size_t)(supers * 4 * mpad)) : NULL;
     if (!rows->xb || !rows->scales || (with_pairs && !rows->pairs)) {
         amx_rows_free(rows);
         return -1;
@@ -269,6 +269,51 @@ static inline void amx_scale_pair(const AmxDecoded *dec, int j, int32_t c[2][AMX
     }
 }
 
+/* Q4_K: isum[n] = C_low + 8 * C_high over the chunk's 256 inputs, 4 steps of 64 (tiles C 0, 1; the
+ * codes' digit rows A 4, 5 then 2, 3; the activations B 6 then 7, alternating). */
+static inline void amx_q4_k_sums(const AmxDecoded *dec, const int8_t *b, int32_t c[2][AMX_N][AMX_M], wide_i isum[AMX_N]) {
+    tile_zero(0);
+    tile_zero(1);
+    for (int kk = 0; kk < 4; kk += 2) {
+        tile_load(4, dec->s[0] + 64 * kk, CHUNK);
+        tile_load(5, dec->hi[0] + 64 * kk, CHUNK);
+        tile_load(6, b + 16 * kk * 64, 64);
+        tile_dpbssd(0, 4, 6);
+        tile_dpbssd(1, 5, 6);
+        tile_load(2, dec->s[0] + 64 * (kk + 1), CHUNK);
+        tile_load(3, dec->hi[0] + 64 * (kk + 1), CHUNK);
+        tile_load(7, b + 16 * (kk + 1) * 64, 64);
+        tile_dpbssd(0, 2, 7);
+        tile_dpbssd(1, 3, 7);
+    }
+    tile_store(0, c[0], 4 * AMX_M);
+    tile_store(1, c[1], 4 * AMX_M);
+    for (int n = 0; n < AMX_N; n++) isum[n] = wide_add(wide_loadu(c[0][n]), wide_slli32(wide_loadu(c[1][n]), 3));
+}
+
+/* The other K-quants: isum[n] = sum_j sc_j * (the exact sum of sub-block j), J = 8 or 16 sub-blocks of
+ * S inputs, so P = J / 2 pairs (P even). Pairs alternate between tiles 0, 1 and 2, 3 and between the
+ * buffers c[0] and c[1], and a pair's sums are read one pair after they were stored. */
+static inline void amx_sub_block_sums(const AmxDecoded *dec, const int8_t *b, int S, int J,
+                                      int32_t c[2][2][AMX_N][AMX_M], wide_i isum[AMX_N]) {
+#define CODES(q) (dec->s[0] + 2 * (q) * S)
+#define ACTS(q) (b + 2 * (q) * S / 4 * 64)
+    const int P = J / 2;
+    for (int n = 0; n < AMX_N; n++) isum[n] = wide_zero();
+    amx_issue_pair(0, 1, CODES(0), ACTS(0), S, 1);
+    for (int q = 0; q < P; q += 2) {
+        amx_issue_pair(2, 3, CODES(q + 1), ACTS(q + 1), S, 1);
+        amx_store_pair(0, 1, c[0], 1);
+        if (q > 0) amx_scale_pair(dec, 2 * (q - 1), c[1], isum);
+        if (q + 2 < P) amx_issue_pair(0, 1, CODES(q + 2), ACTS(q + 2), S, 1);
+        amx_store_pair(2, 3, c[1], 1);
+        amx_scale_pair(dec, 2 * q, c[0], isum);
+    }
+    amx_scale_pair(dec, 2 * (P - 1), c[1], isum);
+#undef CODES
+#undef ACTS
+}
+
 /* One task: outputs n0 .. n0 + 15 of a weight (rows of row_bytes at w, N of them) for all M rows;
  * acc, shift: [AMX_N][mpad] floats of scratch. A row of tile C (one output, 16 activation rows) is
  * one 16-lane vector (isa.h's wide_*), so every integer and float step below runs on 16 rows at
@@ -295,47 +340,8 @@ static void amx_task(int type, const TypeInfo *t, const uint8_t *w, int64_t row_
             const int32_t *msub = t->offsets ? x->pairs + (k0 / 256) * 4 * mpad + m0 : NULL; /* pair i: + i * mpad */
             if (kquant) {
                 wide_i isum[AMX_N];
-                for (int n = 0; n < AMX_N; n++) isum[n] = wide_zero();
-                if (type == GGUF_Q4_K) { /* 4 steps of 64 inputs: tiles 0 (low digits), 1 (high) */
-                    tile_zero(0);
-                    tile_zero(1);
-                    for (int kk = 0; kk < 4; kk += 2) { /* A: 4, 5 then 2, 3; B: 6 then 7 */
-                        tile_load(4, dec->s[0] + 64 * kk, CHUNK);
-                        tile_load(5, dec->hi[0] + 64 * kk, CHUNK);
-                        tile_load(6, b + 16 * kk * 64, 64);
-                        tile_dpbssd(0, 4, 6);
-                        tile_dpbssd(1, 5, 6);
-                        tile_load(2, dec->s[0] + 64 * (kk + 1), CHUNK);
-                        tile_load(3, dec->hi[0] + 64 * (kk + 1), CHUNK);
-                        tile_load(7, b + 16 * (kk + 1) * 64, 64);
-                        tile_dpbssd(0, 2, 7);
-                        tile_dpbssd(1, 3, 7);
-                    }
-                    tile_store(0, c[0][0], 4 * AMX_M);
-                    tile_store(1, c[0][1], 4 * AMX_M);
-                    for (int n = 0; n < AMX_N; n++)
-                        isum[n] = wide_add(wide_loadu(c[0][0][n]), wide_slli32(wide_loadu(c[0][1][n]), 3));
-                } else {
-                /* isum = sum_j sc_j * the exact sum (J = 8 or 16: P = J / 2 pairs of sub-blocks, P even).
-                 * Pairs alternate between tiles 0, 1 and 2, 3 and between the buffers c[0] and c[1],
-                 * and a pair's sums are read one pair after they were stored, so that the products
-                 * and the stores of the tiles run while the core scales the pair before. */
-#define CODES(q) (dec->s[0] + 2 * (q) * S)
-#define ACTS(q) (b + 2 * (q) * S / 4 * 64)
-                const int P = J / 2;
-                amx_issue_pair(0, 1, CODES(0), ACTS(0), S, 1);
-                for (int q = 0; q < P; q += 2) {
-                    amx_issue_pair(2, 3, CODES(q + 1), ACTS(q + 1), S, 1);
-                    amx_store_pair(0, 1, c[0], 1);
-                    if (q > 0) amx_scale_pair(dec, 2 * (q - 1), c[1], isum);
-                    if (q + 2 < P) amx_issue_pair(0, 1, CODES(q + 2), ACTS(q + 2), S, 1);
-                    amx_store_pair(2, 3, c[1], 1);
-                    amx_scale_pair(dec, 2 * q, c[0], isum);
-                }
-                amx_scale_pair(dec, 2 * (P - 1), c[1], isum);
-#undef CODES
-#undef ACTS
-                }
+                if (type == GGUF_Q4_K) amx_q4_k_sums(dec, b, c[0], isum);
+                else amx_sub_block_sums(dec, b, S, J, c, isum);
                 const wide_f D = wide_load2_ps(rs, rs + 8);
                 for (int n = 0; n < AMX_N; n++) { /* the super-block's float steps */
                     float *a = acc + n * mpad + m0;
@@ -397,6 +403,7 @@ static int amx_matmul_parts(const int8_t *xq, const float *xs, const int32_t *xs
     {
         AmxConfig config;
         memset(&config, 0, sizeof config);
+        /* tiles 0-3: 16 rows of 64 bytes (C; Q4_K's A 2, 3 are that shape too) */
         for (int tile = 0; tile < 4; tile++) amx_config_tile(&config, tile, AMX_N, 4 * AMX_M);
         AmxDecoded *dec = aligned_alloc(64, sizeof(AmxDecoded));
         float *acc = malloc(sizeof(float) * (size_t)(2 * AMX_N * mpad));
@@ -411,11 +418,11 @@ static int amx_matmul_parts(const int8_t *xq, const float *xs, const int32_t *xs
             while (first[p + 1] <= task) p++;
             while (first[p] > task) p--;
             const int tile_k = amx_tile_k(parts[p].type, &t[p]);
-            if (tile_k != loaded_k) { /* tiles A and B sized for the part's inputs per product */
-                for (int tile = 2; tile < 8; tile++) /* C 0, 1 (and 2, 3 below 64), A 4, 5, B 6, 7 */
-                    if (tile < 4) amx_config_tile(&config, tile, AMX_N, 4 * AMX_M);
-                    else if (tile < 6) amx_config_tile(&config, tile, AMX_N, tile_k);
-                    else amx_config_tile(&config, tile, tile_k / 4, 4 * AMX_M);
+            if (tile_k != loaded_k) { /* A 4, 5 and B 6, 7 sized for the part's inputs per product */
+                for (int tile = 4; tile < 6; tile++) {
+                    amx_config_tile(&config, tile, AMX_N, tile_k);
+                    amx_config_tile(&config, tile + 2, tile_k / 4, 4 * AMX_M);
+                }
                 amx_load_config(&config);
                 loaded_k = tile_k;
             }
